@@ -1,0 +1,166 @@
+"""`kw.with_cache`: the graph pass that wires per-layer KV caches into a (possibly edited) graph.
+
+The pass traces the module at "layer" depth and rewrites it:
+- new inputs `positions` (B, T), `cache_index` (), `attention_mask` (B, max_length), `cache`
+  (one (key, value) pair per cached layer call);
+- every layer that needs positions is called through `forward_cached(x, positions=...)`;
+- every layer with a `cache_spec` is called through `forward_cached(...)` with its own cache pair,
+  and its next cache is collected;
+- the output becomes `(hidden, next_cache)`.
+Everything else in the graph, including whatever a user inserted, is left as it was.
+"""
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from .trace import trace
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    """One cached layer call: its dotted name and the module that owns the cache."""
+
+    name: str
+    module: nn.Module
+
+
+def _rewire(gm):
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise ValueError(
+            f"with_cache expects a module with one input (token_ids); got inputs {[p.target for p in placeholders]}")
+    with graph.inserting_after(placeholders[0]):
+        inputs = {}
+        anchor = placeholders[0]
+        for name in ("positions", "cache_index", "attention_mask", "cache"):
+            with graph.inserting_after(anchor):
+                anchor = inputs[name] = graph.placeholder(name)
+    slots, next_cache, seen = [], [], {}
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        needs_cache = module.cache_spec(1, 1, torch.float32) is not None if hasattr(module, "cache_spec") else False
+        if not (needs_cache or getattr(module, "uses_positions", False)):
+            continue
+        if len(node.args) != 1 or node.kwargs:
+            raise ValueError(f"layer {node.target!r} is called with {len(node.args)} args and kwargs "
+                             f"{list(node.kwargs)}; the cache pass expects one input tensor")
+        with graph.inserting_before(node):
+            owner = graph.get_attr(node.target)
+            kwargs = {"positions": inputs["positions"]}
+            if needs_cache:
+                count = seen[node.target] = seen.get(node.target, 0) + 1
+                name = node.target if count == 1 else f"{node.target}#{count}"
+                pair = graph.call_function(operator.getitem, (inputs["cache"], len(slots)))
+                kwargs.update(cache_index=inputs["cache_index"], attention_mask=inputs["attention_mask"], cache=pair)
+                result = graph.call_method("forward_cached", (owner, node.args[0]), kwargs)
+                out = graph.call_function(operator.getitem, (result, 0))
+                next_cache.append(graph.call_function(operator.getitem, (result, 1)))
+                slots.append(CacheSlot(name, module))
+            else:
+                out = graph.call_method("forward_cached", (owner, node.args[0]), kwargs)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = ((output.args[0], tuple(next_cache)),)
+    graph.lint()
+    return slots
+
+
+class CachedGraph(nn.Module):
+    """The cached form of a layer graph: one static-shape function for prefill and decode.
+
+    Call: `(token_ids (B, T) int64, positions (B, T) int64, cache_index () int64,
+    attention_mask (B, max_length) bool, cache)` -> `(hidden (B, T, D), next_cache)`, where
+    `cache` is a tuple with one `(key, value)` pair per cached layer call (`self.slots`), each
+    (B, kv_heads, slots, head_dim). In eager mode the caches are updated in place and returned.
+    Calling the module checks its inputs; `self.graph_module` is the raw graph for export/compile.
+
+    Example:
+        >>> cached = kw.with_cache(backbone)
+        >>> cache = cached.init_cache(1, 64)
+        >>> mask = torch.ones(1, 64, dtype=torch.bool)
+        >>> h, cache = cached(ids, torch.arange(5)[None], torch.tensor(0), mask, cache)
+    """
+
+    def __init__(self, graph_module, slots):
+        super().__init__()
+        self.graph_module = graph_module
+        self.slots = tuple(slots)
+
+    @property
+    def names(self):
+        """Dotted names of the cached layer calls, in cache order."""
+        return [s.name for s in self.slots]
+
+    def init_cache(self, batch_size, max_length, dtype=None, device=None):
+        """Zeroed per-layer caches for `batch_size` rows and `max_length` tokens.
+
+        A sliding-window layer gets a ring of window - 1 slots, not max_length.
+        """
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size} and {max_length}")
+        cache = []
+        for slot in self.slots:
+            param = next(slot.module.parameters())
+            dt = dtype or param.dtype
+            k_shape, v_shape = slot.module.cache_spec(batch_size, max_length, dt)
+            dev = device or param.device
+            cache.append((torch.zeros(k_shape, dtype=dt, device=dev), torch.zeros(v_shape, dtype=dt, device=dev)))
+        return tuple(cache)
+
+    def forward(self, token_ids, positions, cache_index, attention_mask, cache):
+        cache_index = _check_inputs(self, token_ids, positions, cache_index, attention_mask, cache)
+        return self.graph_module(token_ids, positions, cache_index, attention_mask, cache)
+
+
+def _check_inputs(cached, token_ids, positions, cache_index, attention_mask, cache):
+    """Validate a call of the cached graph at the boundary; returns cache_index as a 0-d tensor."""
+    for name, t in (("token_ids", token_ids), ("positions", positions)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32) or t.dim() != 2:
+            got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be an int64 tensor (B, T); got {got}")
+    if positions.shape != token_ids.shape:
+        raise ValueError(f"positions shape {tuple(positions.shape)} != token_ids shape {tuple(token_ids.shape)}")
+    B, T = token_ids.shape
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool \
+            or attention_mask.dim() != 2 or attention_mask.shape[0] != B:
+        got = f"{attention_mask.dtype} {tuple(attention_mask.shape)}" if isinstance(attention_mask, torch.Tensor) \
+            else type(attention_mask).__name__
+        raise TypeError(f"attention_mask must be a bool tensor (B={B}, max_length); got {got}")
+    max_length = attention_mask.shape[1]
+    start = int(cache_index)
+    if start < 0 or start + T > max_length:
+        raise ValueError(f"chunk of {T} tokens at cache_index {start} does not fit max_length {max_length}")
+    if len(cache) != len(cached.slots):
+        raise ValueError(f"cache has {len(cache)} layer entries; this graph has {len(cached.slots)} cached layers")
+    for slot, pair in zip(cached.slots, cache):
+        k_shape, _ = slot.module.cache_spec(B, max_length, None)
+        if len(pair) != 2 or tuple(pair[0].shape) != tuple(k_shape) or pair[0].shape != pair[1].shape:
+            got = [tuple(t.shape) for t in pair]
+            raise ValueError(f"cache of {slot.name!r} must be (key, value) of shape {tuple(k_shape)}; got {got}")
+    return torch.as_tensor(start, dtype=torch.int64)
+
+
+def with_cache(module):
+    """Wire per-layer KV caches into `module`'s layer graph (the graph pass at kvwire's core).
+
+    Args:
+        module: a backbone mapping token_ids (B, T) -> hidden (B, T, D), or any clone of one.
+
+    Returns a `CachedGraph`: see its docstring for the call contract. Edits made with `clone` are
+    part of the traced graph and so are kept. Weights are shared with `module`.
+
+    Example:
+        >>> cached = kw.with_cache(kw.clone(backbone, fn))
+        >>> cached.names[:2]
+        ['layers.0.self_attn', 'layers.1.self_attn']
+    """
+    gm = trace(module, depth="layer")
+    slots = _rewire(gm)
+    gm.recompile()
+    return CachedGraph(gm, slots)

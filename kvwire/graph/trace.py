@@ -1,0 +1,77 @@
+"""`kw.trace`: a torch.fx graph of a module at layer granularity, with stable dotted names."""
+import torch
+from torch import fx
+
+from ..layers.base import Block, Layer
+
+DEPTHS = ("block", "layer")
+
+
+class LayerTracer(fx.Tracer):
+    """fx tracer whose leaves are kvwire layers at the chosen depth.
+
+    depth="block": every `Layer` (embedding, decoder block, final norm) is one call.
+    depth="layer": blocks are opened; attention, MLP and norms are the calls.
+    Modules not yet in the traced root (created by a `clone` fn) are leaves and get registered.
+    """
+
+    def __init__(self, depth="block"):
+        super().__init__()
+        if depth not in DEPTHS:
+            raise ValueError(f"depth must be one of {DEPTHS}, got {depth!r}")
+        self.depth = depth
+        self.site = None  # dotted name of the layer call a clone fn is running for
+        self.added = []  # names of modules registered during this trace
+
+    def is_leaf_module(self, m, qualname):
+        if isinstance(m, Layer):
+            return self.depth == "block" or not isinstance(m, Block)
+        if not self._registered(m):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def _registered(self, m):
+        return bool(self.submodule_paths) and m in self.submodule_paths
+
+    def path_of_module(self, mod):
+        if self._registered(mod) or not self.submodule_paths:
+            return super().path_of_module(mod)
+        name = self._fresh_name(mod)
+        self.root.add_module(name, mod)
+        self.submodule_paths[mod] = name
+        self.added.append(name)
+        return name
+
+    def _fresh_name(self, mod):
+        stem = f"{(self.site or 'root').replace('.', '_')}__{type(mod).__name__}"
+        existing = dict(self.root.named_children())
+        name, i = stem, 1
+        while name in existing:
+            name, i = f"{stem}_{i}", i + 1
+        return name
+
+
+def trace(module, depth="block"):
+    """Trace `module` into a `torch.fx.GraphModule` whose calls are layers at `depth`.
+
+    Args:
+        module: an `nn.Module` (a backbone, or the result of `clone`).
+        depth: "block" (embeddings, decoder blocks, final norm) or "layer" (attention, MLP, norms).
+
+    Returns a GraphModule sharing `module`'s weights; call nodes are named by dotted module path.
+
+    Example:
+        >>> gm = kw.trace(backbone)
+        >>> [n.target for n in gm.graph.nodes if n.op == "call_module"][:2]
+        ['embed_tokens', 'layers.0']
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"trace expects an nn.Module, got {type(module).__name__}")
+    tracer = LayerTracer(depth)
+    graph = tracer.trace(module)
+    return fx.GraphModule(module, graph, class_name=type(module).__name__)
+
+
+def layer_calls(gm):
+    """The call_module nodes of a traced graph, in execution order."""
+    return [n for n in gm.graph.nodes if n.op == "call_module"]

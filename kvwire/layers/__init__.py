@@ -1,0 +1,11 @@
+"""Primitive layers and the cache/position protocol (see `base`)."""
+from .attention import Attention
+from .base import Block, Layer
+from .embedding import PositionEmbedding, TokenEmbedding
+from .head import TiedHead
+from .mlp import MLP, GatedMLP
+from .norm import LayerNorm, RMSNorm
+from .rotary import Rotary
+
+__all__ = ["Attention", "Block", "Layer", "PositionEmbedding", "TokenEmbedding", "MLP", "GatedMLP",
+           "LayerNorm", "RMSNorm", "Rotary", "TiedHead"]

@@ -1,0 +1,118 @@
+"""Causal self-attention (MHA/GQA/MQA) that speaks the cache protocol.
+
+One attention routine serves both calls: plainly, queries attend to the chunk itself; in the cached
+graph, they attend to the layer's cache as it was *before* this chunk plus the chunk itself, and
+then the chunk is written into the cache. Attending to two blocks (rather than writing first) is
+what lets a sliding-window ring buffer of `window - 1` slots serve any chunk length, even one
+longer than the window, and it reads the cache in place instead of concatenating a copy of it.
+"""
+import torch
+from torch import nn
+
+from .base import Layer
+from .masks import chunk_mask, ring_indices, slot_mask
+
+
+class Attention(Layer):
+    """Multi-head attention with grouped key/value heads, optional rotary, QK-norm, window, soft-cap.
+
+    Args:
+        dim: model width D. num_heads / num_kv_heads: query and key/value heads (GQA when fewer).
+        head_dim: size of one head. scale: multiplier of q.k (default head_dim ** -0.5).
+        bias: biases on q/k/v/o projections. rotary: a `Rotary` or None (learned positions).
+        qk_norm: a factory `f(head_dim)` for per-head query/key norms, or None.
+        sliding_window: tokens a query may see, itself included (None = unlimited).
+        softcap: tanh soft-capping of attention logits, or None.
+
+    Shapes: x (B, T, D) -> (B, T, D). The cache is a (key, value) pair, each
+    (B, num_kv_heads, slots, head_dim), where slots = max_length, or window - 1 for a sliding layer.
+
+    Example:
+        >>> attn = Attention(16, 4, 2, 4)
+        >>> attn(torch.randn(2, 3, 16)).shape
+        torch.Size([2, 3, 16])
+    """
+
+    uses_positions = True
+
+    def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, scale=None, bias=False,
+                 rotary=None, qk_norm=None, sliding_window=None, softcap=None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window, self.softcap = sliding_window, softcap
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        self.rotary = rotary
+        self.q_norm = qk_norm(head_dim) if qk_norm else None
+        self.k_norm = qk_norm(head_dim) if qk_norm else None
+
+    def cache_slots(self, max_length):
+        """Cache length: a ring of window - 1 past tokens (the current one comes from the chunk)."""
+        if self.sliding_window is None:
+            return max_length
+        return max(1, min(self.sliding_window - 1, max_length))
+
+    def cache_spec(self, batch_size, max_length, dtype):
+        shape = (batch_size, self.num_kv_heads, self.cache_slots(max_length), self.head_dim)
+        return (shape, shape)
+
+    def forward(self, x):
+        T = x.shape[1]
+        positions = torch.arange(T, device=x.device)[None]
+        q, k, v = self._project(x, positions)
+        mask = chunk_mask(torch.zeros((), dtype=torch.long, device=x.device), T, self.sliding_window, None)
+        return self._output(self._attend(q, [(k, v, mask)]))
+
+    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
+        """x (B, T, D), positions (B, T), cache_index () int, attention_mask (B, max_length) bool,
+        cache (key, value) -> (out (B, T, D), next cache). Writes the chunk into the cache in place."""
+        k_cache, v_cache = cache
+        T, slots = x.shape[1], k_cache.shape[2]
+        q, k, v = self._project(x, positions)
+        old = slot_mask(cache_index, T, slots, self.sliding_window, attention_mask)
+        new = chunk_mask(cache_index, T, self.sliding_window, attention_mask)
+        out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)])
+        # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
+        k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
+        index = ring_indices(cache_index, T, k_tail.shape[2], slots)
+        k_cache.index_copy_(2, index, k_tail)
+        v_cache.index_copy_(2, index, v_tail)
+        return self._output(out), (k_cache, v_cache)
+
+    def _project(self, x, positions):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        return q, k, v
+
+    def _attend(self, q, blocks):
+        """q (B, H, T, hd); blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd), mask (B|1, T, S_i)
+        -> (B, H, T, hd). Query heads are grouped per key/value head so no cache is repeated."""
+        B, H, T, hd = q.shape
+        groups = H // self.num_kv_heads
+        qg = q.reshape(B, self.num_kv_heads, groups * T, hd)
+        scores = torch.cat([qg @ k.transpose(-1, -2) for k, _, _ in blocks], dim=-1) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
+        scores = scores.view(B, self.num_kv_heads, groups, T, -1)
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, self.num_kv_heads, groups * T, -1)
+        sizes = [k.shape[2] for k, _, _ in blocks]
+        parts = torch.split(probs, sizes, dim=-1)
+        out = sum(p @ v for p, (_, v, _) in zip(parts, blocks))
+        return out.view(B, H, T, hd)
+
+    def _output(self, out):
+        B, H, T, hd = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))

@@ -1,0 +1,49 @@
+"""Token embedding (optionally scaled, as Gemma does) and learned position embedding (GPT-2)."""
+import math
+
+import torch
+from torch import nn
+
+from .base import Layer
+
+
+class TokenEmbedding(Layer):
+    """Token ids (B, T) -> vectors (B, T, D), multiplied by `scale` (Gemma: sqrt(D)).
+
+    The scale is rounded to the weight dtype first, as Gemma's reference does.
+    """
+
+    def __init__(self, vocab_size, dim, scale=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim).normal_(std=0.02))
+        self.scale = scale
+
+    def forward(self, token_ids):
+        x = nn.functional.embedding(token_ids, self.weight)
+        if self.scale is None:
+            return x
+        return x * torch.tensor(self.scale, dtype=self.weight.dtype)
+
+
+class PositionEmbedding(Layer):
+    """Adds a learned position vector: x (B, T, D) -> x + weight[positions] (B, T, D).
+
+    Plainly called, positions are 0..T-1; the cached graph passes each token's position.
+    """
+
+    uses_positions = True
+
+    def __init__(self, max_positions, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(max_positions, dim).normal_(std=0.01))
+
+    def forward(self, x):
+        return x + self.weight[: x.shape[1]]
+
+    def forward_cached(self, x, *, positions):
+        return x + nn.functional.embedding(positions, self.weight)
+
+
+def gemma_embed_scale(dim):
+    """sqrt(hidden_size), Gemma's embedding multiplier."""
+    return math.sqrt(dim)

@@ -1,0 +1,26 @@
+"""The language-model head: logits from the tied token embedding."""
+from torch import nn
+
+from .base import Layer
+
+
+class TiedHead(Layer):
+    """Logits from hidden states with the (tied) token embedding: (B, T, D) -> (B, T, V),
+    optionally soft-capped as tanh(logits / c) * c. Shares the embedding's weight, never copies it.
+
+    Example:
+        >>> head = TiedHead(backbone.embed_tokens)
+        >>> head(torch.randn(1, 3, 640)).shape
+        torch.Size([1, 3, 262144])
+    """
+
+    def __init__(self, embedding, softcap=None):
+        super().__init__()
+        self.weight = embedding.weight
+        self.softcap = softcap
+
+    def forward(self, hidden):
+        logits = nn.functional.linear(hidden, self.weight)
+        if self.softcap is not None:
+            logits = (logits / self.softcap).tanh() * self.softcap
+        return logits

@@ -1,0 +1,44 @@
+"""Boolean attention masks of the cached graph, built from tensors only (no Python branches on
+values), so one graph serves prefill and decode and exports as it is.
+
+Cache slot `s` of a layer with `S` slots holds absolute index `i` with `i % S == s` (a ring; for a
+full-length cache `i == s`). Absolute index = the position in the cache's timeline, which is what
+`cache_index` counts and what `attention_mask` (B, max_length) marks valid (left padding is invalid).
+"""
+import torch
+
+
+def ring_indices(cache_index, T, n, slots):
+    """Slots that the last n tokens of a T-token chunk starting at cache_index are written to: (n,)."""
+    offsets = torch.arange(n, device=cache_index.device) + (T - n)
+    return (cache_index + offsets) % slots
+
+
+def slot_mask(cache_index, T, slots, window, attention_mask):
+    """Which cache slots (as they were before this chunk) each chunk query may see: (B, T, slots)."""
+    device = cache_index.device
+    s = torch.arange(slots, device=device)
+    held = cache_index - 1 - torch.remainder(cache_index - 1 - s, slots)  # absolute index in slot s
+    queries = cache_index + torch.arange(T, device=device)
+    ok = (held >= 0)[None, :] & torch.ones(T, 1, dtype=torch.bool, device=device)
+    if window is not None:
+        ok = ok & (queries[:, None] - held[None, :] < window)
+    valid = attention_mask.index_select(1, held.clamp(min=0))  # (B, slots)
+    return ok[None] & valid[:, None, :]
+
+
+def chunk_mask(cache_index, T, window, attention_mask):
+    """Which chunk tokens each chunk query may see: causal, windowed, valid: (B|1, T, T).
+
+    A query always sees itself, so a padding row stays finite instead of softmaxing nothing.
+    """
+    device = cache_index.device
+    i = torch.arange(T, device=device)
+    ok = i[None, :] <= i[:, None]
+    if window is not None:
+        ok = ok & (i[:, None] - i[None, :] < window)
+    ok = ok[None]
+    if attention_mask is not None:
+        valid = attention_mask.index_select(1, cache_index + i)  # (B, T)
+        ok = ok & valid[:, None, :]
+    return ok | torch.eye(T, dtype=torch.bool, device=device)[None]

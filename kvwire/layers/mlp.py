@@ -1,0 +1,45 @@
+"""Feed-forward layers: GPT-2's MLP and the gated MLP (GeGLU) of Gemma."""
+from torch import nn
+
+from .base import Layer
+
+_ACTIVATIONS = {
+    "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu": nn.functional.gelu,
+    "silu": nn.functional.silu,
+}
+
+
+def activation(name):
+    """The activation function called `name` in Hugging Face configs."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; expected one of {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+class MLP(Layer):
+    """GPT-2's feed-forward: c_proj(act(c_fc(x))). x (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, dim, hidden, act="gelu_new"):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, hidden)
+        self.c_proj = nn.Linear(hidden, dim)
+        self.act = activation(act)
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GatedMLP(Layer):
+    """Gated feed-forward: down_proj(act(gate_proj(x)) * up_proj(x)). x (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, dim, hidden, act="gelu_pytorch_tanh"):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

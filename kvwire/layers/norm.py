@@ -1,0 +1,35 @@
+"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm with a (1 + weight) scale (Gemma)."""
+import torch
+from torch import nn
+
+from .base import Layer
+
+
+class LayerNorm(Layer):
+    """`nn.LayerNorm` as a kvwire layer. x (..., D) -> (..., D)."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(Layer):
+    """Gemma's RMSNorm: computed in float32, scaled by (1 + weight). x (..., D) -> (..., D).
+
+    The checkpoint stores `weight` with the 1 removed (zeros means identity), as transformers does.
+    """
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,0 +1,74 @@
+"""Gemma 3 text config, with Hugging Face field names."""
+from dataclasses import dataclass
+
+from ..config import from_hf_dict
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    """Gemma 3 (text) hyper-parameters. `layer_types` is computed once from `sliding_window_pattern`
+    (every n-th layer full) when not given. Rope: `rope_theta` for full layers, `rope_local_base_freq`
+    for sliding ones; `rope_scaling` may be None or {"rope_type": "linear", "factor": f} (full layers).
+    """
+
+    vocab_size: int = 262_144
+    hidden_size: int = 640
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 18
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 1
+    head_dim: int = 256
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 32_768
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256
+    sliding_window: int = 512
+    sliding_window_pattern: int = 6
+    layer_types: tuple = None
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    rope_scaling: dict = None
+    final_logit_softcapping: float = None
+    attn_logit_softcapping: float = None
+    attention_bias: bool = False
+    bos_token_id: int = 2
+    eos_token_id: object = 1
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        types = self.layer_types
+        if types is None:
+            p = self.sliding_window_pattern
+            types = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(self.num_hidden_layers)]
+        types = tuple(types)
+        if len(types) != self.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}; got {types}")
+        object.__setattr__(self, "layer_types", types)
+        scaling = self.rope_scaling
+        if scaling is not None and (scaling.get("rope_type", scaling.get("type")) not in ("linear", "default")):
+            raise ValueError(f"rope_scaling {scaling!r} is not supported (only linear)")
+
+    @property
+    def full_rope_factor(self):
+        s = self.rope_scaling or {}
+        return float(s.get("factor", 1.0)) if s.get("rope_type", s.get("type")) == "linear" else 1.0
+
+    @classmethod
+    def from_hf(cls, d):
+        """From a Hugging Face config dict (config.json, or `model.config.to_dict()`)."""
+        d = dict(d)
+        d.pop("text_config", None)
+        rope = d.pop("rope_parameters", None)
+        if rope:  # transformers >= 5 groups rope settings per layer type
+            full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+            d.setdefault("rope_theta", full.get("rope_theta", cls.rope_theta))
+            d.setdefault("rope_local_base_freq", local.get("rope_theta", cls.rope_local_base_freq))
+            if full.get("rope_type", "default") != "default":
+                d.setdefault("rope_scaling", {k: v for k, v in full.items() if k != "rope_theta"})
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"rope scaling on sliding layers is not supported: {local}")
+        if "layer_types" in d and d["layer_types"] is not None:
+            d.pop("sliding_window_pattern", None)
+        return from_hf_dict(cls, d, must_be={"use_bidirectional_attention": False})
