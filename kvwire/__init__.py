@@ -1,2 +1,12 @@
-"""kvwire: editable layer graphs for causal LMs, with the KV cache as a graph pass."""
+"""kvwire: editable layer graphs for causal language models, with the KV cache as a graph pass.
+
+Example:
+    >>> import kvwire as kw
+    >>> lm = kw.load("gemma3-270m")
+    >>> lm.generate("The capital of France is", max_new_tokens=8)
+"""
+from .generate import CausalLM
 from .graph import CachedGraph, clone, trace, with_cache
+from .load import from_hf, load
+
+__all__ = ["CachedGraph", "CausalLM", "clone", "from_hf", "load", "trace", "with_cache"]

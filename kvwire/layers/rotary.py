@@ -18,10 +18,16 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim, base, scaling_factor=1.0):
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (base**exponents) / scaling_factor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.base, self.scaling_factor = base, scaling_factor
+        self.head_dim, self.base, self.scaling_factor = head_dim, base, scaling_factor
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self):
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+        return 1.0 / (self.base**exponents) / self.scaling_factor
+
+    def reset_buffers(self):
+        """Recompute the frequencies (after the module was built on the meta device)."""
+        self.inv_freq = self._inv_freq()
 
     def forward(self, x, positions):
         """x (B, H, T, hd), positions (B, T) int -> (B, H, T, hd)."""

@@ -1,0 +1,150 @@
+"""Tokenizers built with Hugging Face's `tokenizers` library: from tokenizer.json or GGUF metadata."""
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the ids generation needs (BOS, EOS).
+
+    Args:
+        backend: a `tokenizers.Tokenizer`. bos_token_id / eos_token_ids: special ids.
+        add_bos: whether `encode` starts every text with BOS (Gemma: yes, GPT-2: no).
+
+    Example:
+        >>> tok = Tokenizer.from_file("tokenizer.json", bos_token_id=2, eos_token_ids=[1], add_bos=True)
+        >>> tok.decode(tok.encode("Hello"))
+        'Hello'
+    """
+
+    def __init__(self, backend, bos_token_id=None, eos_token_ids=(), add_bos=False):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos = bool(add_bos) and bos_token_id is not None
+
+    @property
+    def vocab_size(self):
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text, add_bos=None):
+        """text -> list of token ids (BOS first when `add_bos`)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        bos = self.add_bos if add_bos is None else add_bos
+        return [self.bos_token_id] + ids if bos else ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        """token ids -> text (special tokens dropped by default)."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def save(self, folder):
+        folder = Path(folder)
+        self.backend.save(str(folder / "tokenizer.json"))
+        meta = {"bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids), "add_bos": self.add_bos}
+        (folder / "kvwire_tokenizer.json").write_text(json.dumps(meta))
+
+    @classmethod
+    def load(cls, folder):
+        """Load what `save` wrote."""
+        meta = json.loads((Path(folder) / "kvwire_tokenizer.json").read_text())
+        return cls(Backend.from_file(str(Path(folder) / "tokenizer.json")), **meta)
+
+    @classmethod
+    def from_file(cls, path, **kwargs):
+        return cls(Backend.from_file(str(path)), **kwargs)
+
+
+def eos_list(value):
+    """An eos_token_id config value (int, list or None) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def tokenizer_from_hf_folder(folder, config):
+    """The tokenizer of a Hugging Face checkpoint folder (tokenizer.json), or None if it has none."""
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    settings_path = folder / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    return Tokenizer.from_file(folder / "tokenizer.json", bos_token_id=config.bos_token_id,
+                               eos_token_ids=eos_list(config.eos_token_id),
+                               add_bos=settings.get("add_bos_token", False))
+
+
+def tokenizer_from_gguf(gguf):
+    """Build the tokenizer a GGUF file describes (`tokenizer.ggml.*` metadata)."""
+    kind = gguf.field("tokenizer.ggml.model")
+    tokens = gguf.field("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{gguf.path} has no tokenizer metadata (tokenizer.ggml.tokens)")
+    types = gguf.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "llama":
+        backend = _sentencepiece_bpe(tokens)
+    elif kind == "gpt2":
+        backend = _byte_level_bpe(tokens, gguf.field("tokenizer.ggml.merges") or [])
+    else:
+        raise ValueError(f"{gguf.path}: tokenizer model {kind!r} is not supported (expected 'llama' or 'gpt2')")
+    _add_special_tokens(backend, tokens, types)
+    bos = gguf.field("tokenizer.ggml.bos_token_id")
+    eos = gguf.field("tokenizer.ggml.eos_token_id")
+    default_bos = kind == "llama"  # llama.cpp adds BOS to sentencepiece vocabularies unless told not to
+    add_bos = gguf.field("tokenizer.ggml.add_bos_token", default_bos)
+    extra_eos = [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]  # Gemma's chat turn end
+    return Tokenizer(backend, bos, [e for e in [eos, *extra_eos] if e is not None], add_bos)
+
+
+def _sentencepiece_bpe(tokens):
+    """SentencePiece-style BPE with byte fallback and no prefix space (Gemma).
+
+    GGUF stores runs of spaces as real spaces, while the model sees them as '\u2581'; and it lists
+    no merges, so they are derived from the vocabulary: every split of a token into two tokens,
+    ranked by the merged token's position in the file (Gemma's file order is its merge order).
+    """
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    merges = []
+    for rank, token in enumerate(vocab):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((vocab[token], -len(left), -len(right), left, right))
+    merges.sort()
+    model = models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token="<unk>",
+                       fuse_unk=True, byte_fallback=True)
+    backend = Backend(model)
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def _byte_level_bpe(tokens, merges):
+    """GPT-2's byte-level BPE; GGUF tokens are already spelled in the byte alphabet."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    model = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+    backend = Backend(model)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _add_special_tokens(backend, tokens, types):
+    """Control tokens become special tokens; user-defined ones are matched whole (as llama.cpp does)."""
+    vocab = backend.get_vocab()
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+            if k == _USER_DEFINED and t in vocab]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)

