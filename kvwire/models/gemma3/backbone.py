@@ -20,8 +20,7 @@ class Gemma3Block(Block):
         self.self_attn = Attention(
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             scale=c.query_pre_attn_scalar**-0.5, bias=c.attention_bias, rotary=rotary,
-            qk_norm=partial(RMSNorm, eps=c.rms_norm_eps), sliding_window=c.sliding_window if sliding else None,
-            softcap=c.attn_logit_softcapping)
+            qk_norm=partial(RMSNorm, eps=c.rms_norm_eps), sliding_window=c.sliding_window if sliding else None)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_activation)
         norm = partial(RMSNorm, c.hidden_size, c.rms_norm_eps)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()

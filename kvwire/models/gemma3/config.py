@@ -46,6 +46,9 @@ class Gemma3Config:
         if len(types) != self.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
             raise ValueError(f"layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}; got {types}")
         object.__setattr__(self, "layer_types", types)
+        if self.attn_logit_softcapping is not None:  # transformers' Gemma 3 never applies it
+            raise ValueError(f"attn_logit_softcapping={self.attn_logit_softcapping} is not part of Gemma 3 "
+                             f"(its reference implementation ignores it); expected None")
         scaling = self.rope_scaling
         if scaling is not None and (scaling.get("rope_type", scaling.get("type")) not in ("linear", "default")):
             raise ValueError(f"rope_scaling {scaling!r} is not supported (only linear)")

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random models of every family, built through transformers (the arbiter)."""
+import pytest
+import torch
+
+import kvwire as kw
+
+torch.set_num_threads(2)
+
+
+def tiny_hf_gpt2(seed=0, **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=96, n_embd=32, n_layer=3, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1)
+    settings.update(overrides)
+    model = GPT2LMHeadModel(GPT2Config(**settings)).eval()
+    _spread(model)
+    return model
+
+
+def tiny_hf_gemma3(seed=0, **overrides):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                    sliding_window_pattern=2, query_pre_attn_scalar=8, max_position_embeddings=128,
+                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    settings.update(overrides)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**settings)).eval()
+    _spread(model)
+    return model
+
+
+def _spread(model):
+    """Random weights large enough that tokens differ and attention is far from uniform."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if p.dim() > 1 else 0.2)
+
+
+FAMILIES = {"gpt2": tiny_hf_gpt2, "gemma3": tiny_hf_gemma3}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def tiny_lm(family):
+    """A tiny kvwire CausalLM of each family (float32), converted from a random HF model."""
+    return kw.from_hf(FAMILIES[family]())
