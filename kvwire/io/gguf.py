@@ -118,7 +118,7 @@ class GGUFFile:
         else:
             array = raw.reshape(*shape[:-1], shape[-1] // block * size)
         try:
-            return np.asarray(dequantize(array, qtype), dtype=np.float32)
+            return np.require(dequantize(array, qtype), dtype=np.float32, requirements=["C", "W"])
         except NotImplementedError as e:
             raise ValueError(f"{self.path}: tensor {name!r} has type {qtype.name}, which the gguf package "
                              f"cannot dequantise") from e

@@ -54,9 +54,15 @@ def state_from_gguf(tensors):
 
 
 def config_from_gguf(meta, vocab_size):
-    """Gemma3Config from GGUF metadata; fields the file omits take transformers' defaults."""
+    """Gemma3Config from GGUF metadata; fields the file omits take the defaults llama.cpp uses."""
     a = "gemma3."
     scaling = None
+    head_dim = meta.get(a + "attention.key_length", 256)
+    # The file has no query_pre_attn_scalar; like llama.cpp, use head_dim, except for the 62-layer
+    # 27B model, whose scalar is hidden_size / heads.
+    query_scalar = head_dim
+    if meta[a + "block_count"] == 62:
+        query_scalar = meta[a + "embedding_length"] // meta[a + "attention.head_count"]
     if meta.get(a + "rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(meta[a + "rope.scaling.factor"])}
     return Gemma3Config(
@@ -66,7 +72,8 @@ def config_from_gguf(meta, vocab_size):
         num_hidden_layers=meta[a + "block_count"],
         num_attention_heads=meta[a + "attention.head_count"],
         num_key_value_heads=meta.get(a + "attention.head_count_kv", meta[a + "attention.head_count"]),
-        head_dim=meta.get(a + "attention.key_length", 256),
+        head_dim=head_dim,
+        query_pre_attn_scalar=query_scalar,
         max_position_embeddings=meta.get(a + "context_length", 32_768),
         rms_norm_eps=meta.get(a + "attention.layer_norm_rms_epsilon", 1e-6),
         sliding_window=meta.get(a + "attention.sliding_window", 512),
