@@ -15,8 +15,9 @@ class TokenEmbedding(Layer):
 
     def __init__(self, vocab_size, dim, scale=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim).normal_(std=0.02))
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
         self.scale = scale
+        _init_normal(self.weight, 0.02)
 
     def forward(self, token_ids):
         x = nn.functional.embedding(token_ids, self.weight)
@@ -35,13 +36,20 @@ class PositionEmbedding(Layer):
 
     def __init__(self, max_positions, dim):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(max_positions, dim).normal_(std=0.01))
+        self.weight = nn.Parameter(torch.empty(max_positions, dim))
+        _init_normal(self.weight, 0.01)
 
     def forward(self, x):
         return x + self.weight[: x.shape[1]]
 
     def forward_cached(self, x, *, positions):
         return x + nn.functional.embedding(positions, self.weight)
+
+
+def _init_normal(weight, std):
+    # On the meta device (loading a checkpoint) there is nothing to initialise.
+    if not weight.is_meta:
+        nn.init.normal_(weight, std=std)
 
 
 def gemma_embed_scale(dim):
