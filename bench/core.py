@@ -1,0 +1,129 @@
+"""Load time, decode speed, peak memory and cache size of the default model: kvwire vs transformers.
+
+Each measurement runs in its own subprocess (so peak RSS is per library), all in one command:
+
+    python bench/core.py [--new-tokens 64] [--threads 2]
+
+Prints a table and the ratios the core issue targets.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPT = "The history of the city of Paris begins"
+
+
+def peak_rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+def timed_generate(generate, new_tokens):
+    """Decode tokens/s from two runs: 1 new token (prefill) and N new tokens; plus prefill seconds."""
+    generate(2)  # warm up
+    start = time.perf_counter()
+    generate(1)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(new_tokens)
+    total = time.perf_counter() - start
+    return {"prefill_s": prefill, "decode_tok_s": (new_tokens - 1) / (total - prefill)}
+
+
+def worker_kvwire(args):
+    import torch
+
+    import kvwire as kw
+
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    lm = kw.load("gemma3-270m", progress=False)
+    result = {"load_s": time.perf_counter() - start}
+    if args.load_only:
+        return result
+    ids = torch.tensor(lm.tokenizer.encode(PROMPT))
+
+    def generate(n):
+        # min length: generation must not stop early at EOS, or tokens/s would be wrong
+        out = lm.generate_ids(ids, max_new_tokens=n)
+        assert len(out.tokens[0]) == n, "stopped at EOS; pick another prompt"
+
+    result.update(timed_generate(generate, args.new_tokens))
+    cache = lm.cached.init_cache(1, 8192)
+    result["cache_bytes_8192"] = sum(t.numel() * t.element_size() for pair in cache for t in pair)
+    c = lm.config
+    full = sum(t == "full_attention" for t in c.layer_types)
+    sliding = c.num_hidden_layers - full
+    per_token = 2 * c.num_key_value_heads * c.head_dim * 4
+    result["cache_min_bytes_8192"] = per_token * (full * 8192 + sliding * (c.sliding_window - 1))
+    result["peak_rss_gb"] = peak_rss_gb()
+    return result
+
+
+def worker_transformers(args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvwire.models.gemma3.presets import gemma3_270m
+
+    torch.set_num_threads(args.threads)
+    path = gemma3_270m()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    result = {"load_s": time.perf_counter() - start}
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+
+    def generate(n):
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    result.update(timed_generate(generate, args.new_tokens))
+    result["peak_rss_gb"] = peak_rss_gb()
+    return result
+
+
+def run(worker, args, env=None):
+    cmd = [sys.executable, __file__, "--worker", worker, "--new-tokens", str(args.new_tokens),
+           "--threads", str(args.threads)]
+    if worker == "kvwire-load":
+        cmd[3], cmd = "kvwire", cmd + ["--load-only"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--load-only", action="store_true")
+    args = p.parse_args()
+    if args.worker:
+        fn = {"kvwire": worker_kvwire, "transformers": worker_transformers}[args.worker]
+        print(json.dumps(fn(args)))
+        return
+    with tempfile.TemporaryDirectory() as cache:
+        first = run("kvwire-load", args, {"KVWIRE_CACHE": cache})
+        ours = run("kvwire", args, {"KVWIRE_CACHE": cache})
+    theirs = run("transformers", args)
+    print(f"{'':28}{'kvwire':>12}{'transformers':>14}{'ratio':>8}")
+    print(f"{'load, first use (s)':28}{first['load_s']:12.2f}{theirs['load_s']:14.2f}")
+    print(f"{'load, cached (s)':28}{ours['load_s']:12.2f}{theirs['load_s']:14.2f}"
+          f"{theirs['load_s'] / ours['load_s']:8.1f}")
+    print(f"{'prefill, 9 tokens (s)':28}{ours['prefill_s']:12.3f}{theirs['prefill_s']:14.3f}"
+          f"{theirs['prefill_s'] / ours['prefill_s']:8.2f}")
+    print(f"{'decode fp32 (tok/s)':28}{ours['decode_tok_s']:12.2f}{theirs['decode_tok_s']:14.2f}"
+          f"{ours['decode_tok_s'] / theirs['decode_tok_s']:8.2f}")
+    print(f"{'peak RSS (GB)':28}{ours['peak_rss_gb']:12.2f}{theirs['peak_rss_gb']:14.2f}")
+    print(f"cache bytes for 8192 tokens: {ours['cache_bytes_8192']:,} "
+          f"(ring-buffer minimum {ours['cache_min_bytes_8192']:,})")
+
+
+if __name__ == "__main__":
+    main()

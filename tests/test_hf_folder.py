@@ -1,0 +1,74 @@
+"""Hugging Face checkpoint folders (config.json, single or sharded safetensors, tokenizer.json),
+and the `kvwire generate` command on one."""
+import pytest
+import torch
+
+import kvwire as kw
+from kvwire import cli
+
+from .conftest import tiny_hf_gemma3, tiny_hf_gpt2
+
+
+def _tokenizer_json(folder, vocab_size):
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    corpus = ["the cat sat on the mat", "the theory of the thing", "a tiny tokenizer for tests"] * 20
+    tok.train_from_iterator(corpus, vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+@pytest.fixture(params=["single", "sharded"])
+def gpt2_folder(tmp_path, request):
+    hf = tiny_hf_gpt2(vocab_size=300, bos_token_id=0, eos_token_id=0)
+    shard = "20KB" if request.param == "sharded" else "1GB"
+    hf.save_pretrained(tmp_path, max_shard_size=shard)
+    _tokenizer_json(tmp_path, 300)
+    return tmp_path, hf
+
+
+def test_gpt2_folder_matches_transformers(gpt2_folder):
+    folder, hf = gpt2_folder
+    if "sharded" in str(folder):
+        assert (folder / "model.safetensors.index.json").is_file()
+    lm = kw.load(folder)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, atol=2e-5, rtol=0)
+    assert lm.tokenizer.decode(lm.tokenizer.encode("the cat sat")) == "the cat sat"
+
+
+def test_gemma3_folder_matches_transformers(tmp_path):
+    hf = tiny_hf_gemma3()
+    hf.save_pretrained(tmp_path)
+    lm = kw.load(tmp_path)
+    assert lm.tokenizer is None
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, atol=2e-5, rtol=0)
+
+
+def test_generate_command(gpt2_folder, capsys):
+    folder, hf = gpt2_folder
+    assert cli.main(["generate", "the cat", "--model", str(folder), "--max-new-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    lm = kw.load(folder)
+    assert out.strip() == "the cat" + lm.generate("the cat", max_new_tokens=5)
+    assert "prefill" in err and "tokens/s" in err
+
+
+def test_generate_command_reports_bad_input(capsys):
+    assert cli.main(["generate", "hi", "--model", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_bfloat16_load_generates_like_float32_on_a_tiny_model(gpt2_folder):
+    folder, _ = gpt2_folder
+    lm16, lm32 = kw.load(folder, dtype="bfloat16"), kw.load(folder)
+    assert lm16.head.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(lm16(ids).float(), lm32(ids), atol=0.5, rtol=0.05)
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
+        kw.load(folder, dtype="int8")
