@@ -89,10 +89,10 @@ def worker_transformers(args):
 
 
 def run(worker, args, env=None):
-    cmd = [sys.executable, __file__, "--worker", worker, "--new-tokens", str(args.new_tokens),
-           "--threads", str(args.threads)]
-    if worker == "kvwire-load":
-        cmd[3], cmd = "kvwire", cmd + ["--load-only"]
+    load_only = worker == "kvwire-load"
+    cmd = [sys.executable, __file__, "--worker", "kvwire" if load_only else worker,
+           "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+    cmd += ["--load-only"] if load_only else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 

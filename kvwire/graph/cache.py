@@ -26,24 +26,27 @@ class CacheSlot:
     module: nn.Module
 
 
+def _needs_cache(module):
+    spec = getattr(module, "cache_spec", None)
+    return spec is not None and spec(1, 1, torch.float32) is not None
+
+
 def _rewire(gm):
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise ValueError(
             f"with_cache expects a module with one input (token_ids); got inputs {[p.target for p in placeholders]}")
-    with graph.inserting_after(placeholders[0]):
-        inputs = {}
-        anchor = placeholders[0]
-        for name in ("positions", "cache_index", "attention_mask", "cache"):
-            with graph.inserting_after(anchor):
-                anchor = inputs[name] = graph.placeholder(name)
+    inputs, anchor = {}, placeholders[0]
+    for name in ("positions", "cache_index", "attention_mask", "cache"):
+        with graph.inserting_after(anchor):
+            anchor = inputs[name] = graph.placeholder(name)
     slots, next_cache, seen = [], [], {}
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
-        needs_cache = module.cache_spec(1, 1, torch.float32) is not None if hasattr(module, "cache_spec") else False
+        needs_cache = _needs_cache(module)
         if not (needs_cache or getattr(module, "uses_positions", False)):
             continue
         if len(node.args) != 1 or node.kwargs:

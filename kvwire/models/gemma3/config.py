@@ -72,6 +72,9 @@ class Gemma3Config:
                 d.setdefault("rope_scaling", {k: v for k, v in full.items() if k != "rope_theta"})
             if local.get("rope_type", "default") != "default":
                 raise ValueError(f"rope scaling on sliding layers is not supported: {local}")
-        if "layer_types" in d and d["layer_types"] is not None:
-            d.pop("sliding_window_pattern", None)
+        if d.get("layer_types") is not None and "sliding_window_pattern" in d:
+            pattern = cls(num_hidden_layers=len(d["layer_types"]),
+                          sliding_window_pattern=d.pop("sliding_window_pattern")).layer_types
+            if tuple(d["layer_types"]) != pattern:
+                raise ValueError(f"layer_types {d['layer_types']} contradict sliding_window_pattern")
         return from_hf_dict(cls, d, must_be={"use_bidirectional_attention": False})

@@ -1,0 +1,125 @@
+"""Samplers: small callables that pick the next token from logits (B, V) -> (B,).
+
+Each is seedable through the `torch.Generator` that `generate(seed=...)` passes in. Temperature is
+applied first, then the filter (top-k, top-p, min-p), as transformers does.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+class Sampler:
+    """Base class: `sampler(logits (B, V) float, generator) -> token ids (B,)`."""
+
+    def __call__(self, logits, generator=None):
+        raise NotImplementedError
+
+
+def _check_temperature(temperature):
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0 (use kw.Greedy() for 0), got {temperature!r}")
+
+
+def _draw(logits, generator):
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@dataclass(frozen=True)
+class Greedy(Sampler):
+    """The most likely token."""
+
+    def __call__(self, logits, generator=None):
+        return logits.argmax(-1)
+
+
+@dataclass(frozen=True)
+class Random(Sampler):
+    """Plain sampling from softmax(logits / temperature).
+
+    Example:
+        >>> lm.generate("Once", sampler=kw.Random(temperature=0.8), seed=0)
+    """
+
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+
+    def filter(self, logits):
+        return logits
+
+    def __call__(self, logits, generator=None):
+        return _draw(self.filter(logits.float() / self.temperature), generator)
+
+
+@dataclass(frozen=True)
+class TopK(Random):
+    """Sample among the k most likely tokens."""
+
+    k: int = 50
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"top_k must be an int >= 1, got {self.k!r}")
+
+    def filter(self, logits):
+        k = min(self.k, logits.shape[-1])
+        kth = logits.topk(k, dim=-1).values[:, -1:]
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+
+@dataclass(frozen=True)
+class TopP(Random):
+    """Nucleus sampling: the smallest set of most likely tokens whose probability reaches p."""
+
+    p: float = 0.9
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.p!r}")
+
+    def filter(self, logits):
+        probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= self.p)
+        return logits.masked_fill(drop, float("-inf"))
+
+
+@dataclass(frozen=True)
+class MinP(Random):
+    """Keep tokens whose probability is at least p times the top token's."""
+
+    p: float = 0.1
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.p, (int, float)) or not 0 <= self.p <= 1:
+            raise ValueError(f"min_p must lie in [0, 1], got {self.p!r}")
+
+    def filter(self, logits):
+        probs = torch.softmax(logits, dim=-1)
+        return logits.masked_fill(probs < self.p * probs.max(-1, keepdim=True).values, float("-inf"))
+
+
+@dataclass(frozen=True)
+class BeamSearch:
+    """Beam search: keep the `num_beams` best partial sequences by summed log-probability.
+
+    A finished hypothesis scores sum_logprobs / generated_length ** length_penalty. With
+    early_stopping, a row stops once it has num_beams finished hypotheses; otherwise it stops when
+    no running beam can beat its worst finished one.
+    """
+
+    num_beams: int = 3
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.num_beams, int) or self.num_beams < 1:
+            raise ValueError(f"num_beams must be an int >= 1, got {self.num_beams!r}")
