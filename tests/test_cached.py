@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kvwire as kw
-from kvwire.generate.loop import left_pad
+from kvwire.generate.session import left_pad
 
 ATOL = 3e-5
 

@@ -27,6 +27,14 @@ def test_unknown_config_field_is_not_ignored():
         GPT2Config.from_hf({"scale_attn_by_inverse_layer_idx": True})
 
 
+def test_gemma3_contradicting_layer_pattern_is_refused():
+    from kvwire.models.gemma3 import Gemma3Config
+
+    with pytest.raises(ValueError, match="contradict sliding_window_pattern"):
+        Gemma3Config.from_hf({"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2,
+                              "sliding_window_pattern": 2})
+
+
 def test_gemma3_attention_softcap_is_refused():
     from kvwire.models.gemma3 import Gemma3Config
 

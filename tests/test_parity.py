@@ -15,7 +15,8 @@ CASES = {
     "gemma3-mqa": lambda: tiny_hf_gemma3(num_key_value_heads=1),
     "gemma3-mha-final-softcap": lambda: tiny_hf_gemma3(num_key_value_heads=4, final_logit_softcapping=3.0),
     "gemma3-linear-rope": lambda: tiny_hf_gemma3(rope_scaling={"rope_type": "linear", "factor": 4.0}),
-    "gemma3-layer-types": lambda: tiny_hf_gemma3(layer_types=["full_attention", "sliding_attention"] * 2),
+    "gemma3-layer-types": lambda: tiny_hf_gemma3(layer_types=["full_attention", "sliding_attention"] * 2,
+                                                 sliding_window_pattern=None),
 }
 
 

@@ -3,7 +3,9 @@ import torch
 from torch import nn
 
 from ..graph import clone, with_cache
-from .loop import greedy
+from .loop import Stopper, beam_search, sample
+from .samplers import BeamSearch, Greedy, Sampler
+from .session import Session
 
 DEFAULT_NEW_TOKENS = 32
 
@@ -21,7 +23,6 @@ class CausalLM(nn.Module):
         >>> lm(torch.tensor([[2, 651, 6037]])).shape      # uncached logits
         torch.Size([1, 3, 262144])
         >>> lm.generate("The capital of France is", max_new_tokens=8)
-        ' Paris...'
     """
 
     def __init__(self, backbone, head, tokenizer=None, config=None):
@@ -30,6 +31,7 @@ class CausalLM(nn.Module):
         self.tokenizer = tokenizer
         self.config = config if config is not None else getattr(backbone, "config", None)
         self._cached = None
+        self._caches = {}  # batch size -> (max_length, cache), reused across calls
 
     @property
     def vocab_size(self):
@@ -38,6 +40,13 @@ class CausalLM(nn.Module):
     @property
     def max_context(self):
         return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def eos_token_ids(self):
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.eos_token_ids)
+        value = getattr(self.config, "eos_token_id", None)
+        return () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
     @property
     def cached(self):
@@ -70,40 +79,137 @@ class CausalLM(nn.Module):
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}); got values in [{low}, {high}]")
 
-    def generate(self, prompt, max_new_tokens=None, max_length=None):
-        """Greedy continuation of `prompt` through the cached graph.
+    def generate(self, prompt, max_new_tokens=None, max_length=None, *, sampler=None, seed=None, stop=(),
+                 stop_token_ids=(), repetition_penalty=None, ignore_eos=False, return_logprobs=False):
+        """Continue `prompt` through the cached graph.
 
         Args:
             prompt: a str, a list of str (a batch, left-padded), or token ids: a 1-D tensor, or a 2-D
                 (B, T) tensor.
             max_new_tokens: tokens to generate at most (default 32 when max_length is not given).
-            max_length: prompt + new tokens at most, for the longest prompt of the batch.
+            max_length: prompt + new tokens at most (the longest prompt of a batch counts).
+                With both, the smaller limit wins.
+            sampler: kw.Greedy() (default), kw.Random, kw.TopK, kw.TopP, kw.MinP or kw.BeamSearch.
+            seed: seeds the sampler's random generator (same seed, same output).
+            stop: stop strings; a row ends once its text contains one, which is not returned.
+            stop_token_ids: extra ids that end a row (besides the model's end-of-sequence ids).
+            repetition_penalty: > 0; transformers' penalty on tokens already in the row.
+            ignore_eos: do not stop at end-of-sequence ids (benchmarks).
+            return_logprobs: return the `Generation` record (ids, texts, chosen tokens'
+                log-probabilities, timings) instead of the continuation alone.
         Returns the continuation only: str for a str, list of str for a list, a 1-D id tensor for
-        a 1-D tensor, a list of 1-D id tensors for a 2-D tensor. Generation stops at EOS.
+        a 1-D tensor, a list of 1-D id tensors for a 2-D tensor.
         """
-        return self._finish(prompt, self.generate_ids(prompt, max_new_tokens, max_length).tokens)
+        run = self._start(prompt, max_new_tokens, max_length, sampler, seed, stop, stop_token_ids,
+                          repetition_penalty, ignore_eos)
+        gen = run if not hasattr(run, "__next__") else _last(run)
+        if return_logprobs:
+            return gen
+        if isinstance(prompt, torch.Tensor):
+            out = [torch.tensor(t, dtype=torch.long) for t in gen.tokens]
+            return out[0] if prompt.dim() == 1 else out
+        return gen.texts[0] if isinstance(prompt, str) else gen.texts
 
-    def generate_ids(self, prompt, max_new_tokens=None, max_length=None):
-        """Like `generate`, but returns the `Generation` record (ids per row and timings)."""
+    def generate_ids(self, prompt, max_new_tokens=None, max_length=None, **options):
+        """Like `generate(..., return_logprobs=True)`: the `Generation` record."""
+        return self.generate(prompt, max_new_tokens, max_length, return_logprobs=True, **options)
+
+    def stream(self, prompt, max_new_tokens=None, max_length=None, **options):
+        """Yield the continuation of a str prompt as text pieces while tokens are produced.
+
+        A character whose bytes span several tokens is yielded whole; text that may be the start
+        of a stop string is held back until it is not. The pieces concatenate to `generate`'s text.
+        """
+        if not isinstance(prompt, str):
+            raise TypeError(f"stream expects a str prompt, got {type(prompt).__name__}")
+        if isinstance(options.get("sampler"), BeamSearch):
+            raise ValueError("stream does not support beam search (the best beam is known only at the end)")
+        run = self._start(prompt, max_new_tokens, max_length, **options)
+        sent = ""
+        for gen in run:
+            if gen.finished:
+                text = gen.texts[0]
+            else:
+                text = self.tokenizer.decode(gen.tokens[0])
+                text = text[:len(text) - _held_back(text, options.get("stop", ()))]
+            if text.startswith(sent) and len(text) > len(sent):
+                yield text[len(sent):]
+                sent = text
+
+    def score(self, text_or_ids):
+        """Log-probability of every token given the ones before it, in one uncached pass.
+
+        Args: a str (encoded with BOS when the tokenizer adds one) or a 1-D token-id tensor.
+        Returns a float tensor (T - 1,): entry t is log p(token[t+1] | token[:t+1]).
+        """
+        ids = self._ids_for_scoring(text_or_ids)
+        with torch.inference_mode():
+            logp = torch.log_softmax(self(ids[None])[0, :-1].float(), -1)
+        return logp.gather(1, ids[1:, None])[:, 0]
+
+    def perplexity(self, text_or_ids):
+        """exp of the mean negative log-likelihood of `score`."""
+        return float(torch.exp(-self.score(text_or_ids).mean()))
+
+    def _ids_for_scoring(self, text_or_ids):
+        if isinstance(text_or_ids, str):
+            ids = torch.tensor(self._encode(text_or_ids))
+        else:
+            ids = text_or_ids
+            self.check_ids(ids)
+            if ids.dim() != 1:
+                raise ValueError(f"score expects a 1-D token-id tensor, got shape {tuple(ids.shape)}")
+        if len(ids) < 2:
+            raise ValueError(f"score needs at least 2 tokens, got {len(ids)}")
+        return ids
+
+    def _start(self, prompt, max_new_tokens, max_length, sampler=None, seed=None, stop=(), stop_token_ids=(),
+               repetition_penalty=None, ignore_eos=False):
+        """Validate options and start a generation: a `sample` iterator, or a finished beam search."""
         rows = self._rows(prompt)
         longest = max(len(r) for r in rows)
         new = self._new_tokens(longest, max_new_tokens, max_length)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else _eos(self.config)
-        return greedy(self.cached, self.head, rows, new, eos)
+        sampler = Greedy() if sampler is None else sampler
+        if not isinstance(sampler, (Sampler, BeamSearch)):
+            raise TypeError(f"sampler must be a kvwire sampler (kw.Greedy(), kw.TopP(0.9), ...), got {sampler!r}")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        if repetition_penalty is not None and not repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
+        stop_ids = tuple(stop_token_ids) + (() if ignore_eos else self.eos_token_ids)
+        stopper = Stopper(stop_ids, stop, self.tokenizer if not isinstance(prompt, torch.Tensor) or stop else None)
+        if isinstance(sampler, BeamSearch):
+            if stop:
+                raise ValueError("stop strings are not supported with beam search")
+            session = Session(self.cached, self.head, rows, longest + new)
+            return beam_search(session, sampler, new, stopper)
+        generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+        return sample(self._session(rows, longest + new), sampler, new, stopper, generator, repetition_penalty)
+
+    def _session(self, rows, max_length):
+        """A session reusing this model's caches for the batch size when they are long enough
+        (and not more than twice as long: decode attends over every full-length slot)."""
+        kept = self._caches.get(len(rows))
+        if kept is not None and max_length <= kept[0] <= 2 * max_length:
+            return Session(self.cached, self.head, rows, kept[0], kept[1])
+        session = Session(self.cached, self.head, rows, max_length)
+        self._caches = {len(rows): (max_length, session.cache)}
+        return session
 
     def _rows(self, prompt):
         if isinstance(prompt, str):
-            rows = [self._encode(prompt)]
-        elif isinstance(prompt, torch.Tensor):
+            return [self._encode(prompt)]
+        if isinstance(prompt, torch.Tensor):
             if prompt.dim() not in (1, 2):
                 raise ValueError(f"a token-id prompt must be 1-D or 2-D, got shape {tuple(prompt.shape)}")
             self.check_ids(prompt)
-            rows = [r.tolist() for r in prompt.reshape(-1, prompt.shape[-1])]
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
-            rows = [self._encode(p) for p in prompt]
-        else:
-            raise TypeError(f"prompt must be a str, a non-empty list of str or a token-id tensor; got {prompt!r:.80}")
-        return rows
+            return [r.tolist() for r in prompt.reshape(-1, prompt.shape[-1])]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+            return [self._encode(p) for p in prompt]
+        raise TypeError(f"prompt must be a str, a non-empty list of str or a token-id tensor; got {prompt!r:.80}")
 
     def _encode(self, text):
         if self.tokenizer is None:
@@ -129,16 +235,18 @@ class CausalLM(nn.Module):
                              f"context of {limit} tokens")
         return new
 
-    def _finish(self, prompt, tokens):
-        if isinstance(prompt, torch.Tensor):
-            out = [torch.tensor(t, dtype=torch.long) for t in tokens]
-            return out[0] if prompt.dim() == 1 else out
-        texts = [self.tokenizer.decode(t) for t in tokens]
-        return texts[0] if isinstance(prompt, str) else texts
+
+def _last(iterator):
+    item = None
+    for item in iterator:
+        pass
+    return item
 
 
-def _eos(config):
-    value = getattr(config, "eos_token_id", None)
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+def _held_back(text, stops):
+    """Length of the longest suffix of text that is a proper prefix of a stop string, or of a
+    character still being assembled from byte tokens (U+FFFD)."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    stops = (stops,) if isinstance(stops, str) else stops
+    return max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)

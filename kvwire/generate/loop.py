@@ -1,63 +1,178 @@
-"""The generation loop: one prefill call and T=1 decode calls of the same cached graph."""
+"""Generation loops over a `Session`: sampling (greedy included) and beam search."""
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .session import Session
 
 
 @dataclass
 class Generation:
-    """Generated ids per row (prompt excluded, stop token excluded) and timings."""
+    """What a generation produced, per row: token ids (stop tokens and stop strings excluded),
+    each token's log-probability under the model (raw logits, before temperature or filters),
+    text when prompts were text, and timings."""
 
     tokens: list
-    prefill_seconds: float
-    decode_seconds: float
-    decode_steps: int
+    logprobs: list
+    texts: list = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    finished: bool = field(default=False, repr=False)
 
     @property
     def decode_tokens_per_second(self):
         return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
-def left_pad(rows, pad_id=0):
-    """Token id rows of different lengths -> ids (B, L), positions (B, L), pad counts (B,)."""
-    L = max(len(r) for r in rows)
-    pads = torch.tensor([L - len(r) for r in rows])
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, L - len(r):] = torch.as_tensor(r, dtype=torch.long)
-    positions = (torch.arange(L)[None] - pads[:, None]).clamp(min=0)
-    return ids, positions, pads
+class Stopper:
+    """When a row ends: on a stop token id (EOS; not returned) or once its text contains a stop
+    string (the stop string and what follows are not returned)."""
+
+    def __init__(self, stop_ids=(), stop_strings=(), tokenizer=None):
+        self.stop_ids = set(stop_ids)
+        self.stop_strings = tuple(stop_strings)
+        self.tokenizer = tokenizer
+
+    def token_stops(self, token):
+        return token in self.stop_ids
+
+    def text_stops(self, tokens):
+        return bool(self.stop_strings) and self.cut(self.tokenizer.decode(tokens)) is not None
+
+    def cut(self, text):
+        """Index where the first stop string starts in text, or None."""
+        found = [text.find(s) for s in self.stop_strings if s in text]
+        return min(found) if found else None
+
+    def trim(self, tokens, logprobs):
+        """Drop the tokens that reach into a stop string; returns (tokens, logprobs, text or None)."""
+        if self.tokenizer is None:
+            return tokens, logprobs, None
+        text = self.tokenizer.decode(tokens)
+        at = self.cut(text) if self.stop_strings else None
+        if at is None:
+            return tokens, logprobs, text
+        keep = len(tokens)
+        while keep and len(self.tokenizer.decode(tokens[:keep])) > at:
+            keep -= 1
+        return tokens[:keep], logprobs[:keep], text[:at]
+
+
+def _penalize(logits, seen, penalty):
+    """transformers' repetition penalty: seen tokens' logits divided (if > 0) or multiplied by it."""
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, scaled, logits)
 
 
 @torch.inference_mode()
-def greedy(cached, head, rows, max_new_tokens, eos_ids=(), pad_id=0):
-    """Greedy decoding of a batch of prompts through a `CachedGraph` and a head.
-
-    rows: list of token-id lists (left-padded here). Each row stops at its first EOS (not returned)
-    or after `max_new_tokens`. The cache is sized prompt + max_new_tokens.
-    """
-    ids, positions, pads = left_pad(rows, pad_id)
-    B, L = ids.shape
-    max_length = L + max_new_tokens
-    mask = torch.arange(max_length)[None] >= pads[:, None]  # (B, max_length): left pads invalid
-    cache = cached.init_cache(B, max_length)
-    eos = torch.tensor(list(eos_ids) or [-1])
+def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition_penalty=None):
+    """Sampling loop; yields the growing `Generation` after every step, then once more finished."""
+    B = session.ids.shape[0]
+    gen = Generation([[] for _ in range(B)], [[] for _ in range(B)])
     start = time.perf_counter()
-    hidden, cache = cached(ids, positions, 0, mask, cache)
-    token = head(hidden[:, -1]).argmax(-1)
+    logits = session.prefill()
+    gen.prefill_seconds = time.perf_counter() - start
+    seen = None
+    if repetition_penalty is not None:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        valid = torch.arange(session.prompt_length)[None] >= session.pads[:, None]
+        seen.scatter_(1, session.ids * valid, valid)
+    done = [False] * B
+    start = time.perf_counter()
+    for step in range(max_new_tokens):
+        scores = logits if seen is None else _penalize(logits, seen, repetition_penalty)
+        tokens = sampler(scores, generator)
+        logprobs = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0]
+        for i in range(B):
+            if done[i]:
+                continue
+            t = int(tokens[i])
+            if stopper.token_stops(t):
+                done[i] = True
+                continue
+            gen.tokens[i].append(t)
+            gen.logprobs[i].append(float(logprobs[i]))
+            done[i] = stopper.text_stops(gen.tokens[i])
+        yield gen
+        if all(done) or step == max_new_tokens - 1:
+            break
+        if seen is not None:
+            seen.scatter_(1, tokens[:, None], True)
+        logits = session.step(tokens)
+        gen.decode_steps += 1
+    gen.decode_seconds = time.perf_counter() - start
+    _finish(gen, stopper)
+    yield gen
+
+
+def _finish(gen, stopper):
+    trimmed = [stopper.trim(t, lp) for t, lp in zip(gen.tokens, gen.logprobs)]
+    gen.tokens, gen.logprobs = [t for t, _, _ in trimmed], [lp for _, lp, _ in trimmed]
+    gen.texts = None if stopper.tokenizer is None else [text for _, _, text in trimmed]
+    gen.finished = True
+
+
+@torch.inference_mode()
+def beam_search(session, beam, max_new_tokens, stopper):
+    """Beam search (see `BeamSearch`); returns the best hypothesis per row as a `Generation`."""
+    B, n = session.ids.shape[0], beam.num_beams
+    start = time.perf_counter()
+    logp = torch.log_softmax(session.prefill().float(), -1)
     prefill = time.perf_counter() - start
-    out, done = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool)
+    V = logp.shape[-1]
+    if n > V:
+        raise ValueError(f"num_beams={n} exceeds the vocabulary of {V} tokens")
+    session.expand(n)
+    logp = logp.repeat_interleave(n, 0)
+    scores = torch.full((B, n), float("-inf"))
+    scores[:, 0] = 0.0  # the n copies are identical: start from one
+    seqs = [[[] for _ in range(n)] for _ in range(B)]
+    lps = [[[] for _ in range(n)] for _ in range(B)]
+    finished = [[] for _ in range(B)]  # (score, tokens, logprobs)
+    done = [False] * B
+    norm = lambda total, length: total / max(length, 1) ** beam.length_penalty  # noqa: E731
     start, steps = time.perf_counter(), 0
     for step in range(max_new_tokens):
-        done |= torch.isin(token, eos)
-        for i in range(B):
-            if not done[i]:
-                out[i].append(int(token[i]))
-        if bool(done.all()) or step == max_new_tokens - 1:
+        top, idx = (scores.view(-1, 1) + logp).view(B, n * V).topk(min(2 * n, n * V), dim=-1)
+        rows, tokens, new_scores = [], [], torch.full((B, n), float("-inf"))
+        new_seqs, new_lps = [], []
+        for b in range(B):
+            picked = []
+            for rank in range(top.shape[1]):
+                if done[b] or len(picked) == n or top[b, rank] == float("-inf"):
+                    break
+                parent, token = divmod(int(idx[b, rank]), V)
+                token_lp = float(logp[b * n + parent, token])
+                if stopper.token_stops(token):
+                    if rank < n:
+                        finished[b].append((norm(float(top[b, rank]), step + 1), seqs[b][parent], lps[b][parent]))
+                    continue
+                picked.append((parent, token, float(top[b, rank]), token_lp))
+            picked += [(0, 0, float("-inf"), 0.0)] * (n - len(picked))  # finished rows keep dummies
+            for j, (parent, token, score, token_lp) in enumerate(picked):
+                rows.append(b * n + parent)
+                tokens.append(token)
+                new_scores[b, j] = score
+            new_seqs.append([seqs[b][p] + [t] for p, t, _, _ in picked])
+            new_lps.append([lps[b][p] + [lp] for p, _, _, lp in picked])
+            if not done[b] and len(finished[b]) >= n:
+                worst = min(f[0] for f in finished[b])
+                best_running = norm(float(new_scores[b].max()), step + 1)
+                done[b] = beam.early_stopping or best_running <= worst
+        scores, seqs, lps = new_scores, new_seqs, new_lps
+        if all(done) or step == max_new_tokens - 1:
             break
-        index = L + step
-        hidden, cache = cached(token[:, None], (index - pads)[:, None], index, mask, cache)
-        token = head(hidden[:, -1]).argmax(-1)
+        session.reorder(torch.tensor(rows))
+        logp = torch.log_softmax(session.step(torch.tensor(tokens)).float(), -1)
         steps += 1
-    return Generation(out, prefill, time.perf_counter() - start, steps)
+    for b in range(B):
+        if not done[b]:
+            finished[b] += [(norm(float(scores[b, j]), len(seqs[b][j])), seqs[b][j], lps[b][j])
+                            for j in range(n) if scores[b, j] > float("-inf")]
+    best = [max(f, key=lambda h: h[0]) for f in finished]
+    gen = Generation([list(h[1]) for h in best], [list(h[2]) for h in best], prefill_seconds=prefill,
+                     decode_seconds=time.perf_counter() - start, decode_steps=steps)
+    _finish(gen, stopper)
+    return gen

@@ -72,6 +72,8 @@ class Gemma3Config:
                 d.setdefault("rope_scaling", {k: v for k, v in full.items() if k != "rope_theta"})
             if local.get("rope_type", "default") != "default":
                 raise ValueError(f"rope scaling on sliding layers is not supported: {local}")
+        if d.get("sliding_window_pattern", 0) is None:
+            d.pop("sliding_window_pattern")
         if d.get("layer_types") is not None and "sliding_window_pattern" in d:
             pattern = cls(num_hidden_layers=len(d["layer_types"]),
                           sliding_window_pattern=d.pop("sliding_window_pattern")).layer_types

@@ -1,0 +1,61 @@
+"""A batch being generated: left-padded prompts, their caches and the cached-graph calls."""
+import torch
+
+
+def left_pad(rows, pad_id=0):
+    """Token id rows of different lengths -> ids (B, L), positions (B, L), pad counts (B,)."""
+    L = max(len(r) for r in rows)
+    pads = torch.tensor([L - len(r) for r in rows])
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, L - len(r):] = torch.as_tensor(r, dtype=torch.long)
+    positions = (torch.arange(L)[None] - pads[:, None]).clamp(min=0)
+    return ids, positions, pads
+
+
+class Session:
+    """Runs one batch through a `CachedGraph` and a head: `prefill()` then `step(tokens)`.
+
+    Args:
+        cached: the CachedGraph. head: hidden (B, D) -> logits (B, V).
+        rows: prompt token-id lists. max_length: cache timeline length (>= prompt + new tokens).
+        cache: caches to reuse, allocated by `init_cache(len(rows), max_length)`, or None.
+    """
+
+    def __init__(self, cached, head, rows, max_length, cache=None):
+        self.cached, self.head = cached, head
+        self.ids, self.positions, self.pads = left_pad(rows)
+        self.cache = cache if cache is not None else cached.init_cache(len(rows), max_length)
+        self.max_length = max_length
+        self.mask = torch.arange(max_length)[None] >= self.pads[:, None]  # left pads invalid
+        self.index = 0
+
+    @property
+    def prompt_length(self):
+        return self.ids.shape[1]
+
+    def prefill(self):
+        """Logits of every row's next token after its prompt: (B, V)."""
+        return self._run(self.ids, self.positions)
+
+    def step(self, tokens):
+        """Feed one token per row (B,); logits of the next: (B, V)."""
+        positions = (self.index - self.pads)[:, None]
+        return self._run(tokens[:, None], positions)
+
+    def expand(self, n):
+        """Repeat every row n times (rows i*n .. i*n+n-1 copy row i), caches included."""
+        self.cache = tuple(tuple(t.repeat_interleave(n, 0) for t in pair) for pair in self.cache)
+        self.mask, self.pads = self.mask.repeat_interleave(n, 0), self.pads.repeat_interleave(n, 0)
+
+    def reorder(self, index):
+        """Reorder rows (beam search) in place: row i takes the state of row index[i]."""
+        for pair in self.cache:
+            for t in pair:
+                t.copy_(t.index_select(0, index))
+        self.mask, self.pads = self.mask[index], self.pads[index]
+
+    def _run(self, ids, positions):
+        hidden, self.cache = self.cached(ids, positions, self.index, self.mask, self.cache)
+        self.index += ids.shape[1]
+        return self.head(hidden[:, -1])
