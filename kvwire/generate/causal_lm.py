@@ -130,8 +130,7 @@ class CausalLM(nn.Module):
             if gen.finished:
                 text = gen.texts[0]
             else:
-                text = self.tokenizer.decode(gen.tokens[0])
-                text = text[:len(text) - _held_back(text, options.get("stop", ()))]
+                text = _visible(self.tokenizer.decode(gen.tokens[0]), options.get("stop", ()))
             if text.startswith(sent) and len(text) > len(sent):
                 yield text[len(sent):]
                 sent = text
@@ -243,10 +242,13 @@ def _last(iterator):
     return item
 
 
-def _held_back(text, stops):
-    """Length of the longest suffix of text that is a proper prefix of a stop string, or of a
-    character still being assembled from byte tokens (U+FFFD)."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
-    stops = (stops,) if isinstance(stops, str) else stops
-    return max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+def _visible(text, stops):
+    """The part of partial output text that is safe to show: cut at a stop string; without a
+    character still being assembled from byte tokens (U+FFFD) or a possible stop-string start."""
+    stops = (stops,) if isinstance(stops, str) else tuple(stops)
+    found = [text.find(s) for s in stops if s in text]
+    if found:
+        return text[:min(found)]
+    text = text.rstrip("\ufffd")
+    held = max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+    return text[:len(text) - held]

@@ -33,15 +33,8 @@ class Greedy(Sampler):
         return logits.argmax(-1)
 
 
-@dataclass(frozen=True)
-class Random(Sampler):
-    """Plain sampling from softmax(logits / temperature).
-
-    Example:
-        >>> lm.generate("Once", sampler=kw.Random(temperature=0.8), seed=0)
-    """
-
-    temperature: float = 1.0
+class _Filtered(Sampler):
+    """Sampling from softmax(filter(logits / temperature)); subclasses define `filter`."""
 
     def __post_init__(self):
         _check_temperature(self.temperature)
@@ -54,7 +47,18 @@ class Random(Sampler):
 
 
 @dataclass(frozen=True)
-class TopK(Random):
+class Random(_Filtered):
+    """Plain sampling from softmax(logits / temperature).
+
+    Example:
+        >>> lm.generate("Once", sampler=kw.Random(temperature=0.8), seed=0)
+    """
+
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class TopK(_Filtered):
     """Sample among the k most likely tokens."""
 
     k: int = 50
@@ -72,7 +76,7 @@ class TopK(Random):
 
 
 @dataclass(frozen=True)
-class TopP(Random):
+class TopP(_Filtered):
     """Nucleus sampling: the smallest set of most likely tokens whose probability reaches p."""
 
     p: float = 0.9
@@ -91,7 +95,7 @@ class TopP(Random):
 
 
 @dataclass(frozen=True)
-class MinP(Random):
+class MinP(_Filtered):
     """Keep tokens whose probability is at least p times the top token's."""
 
     p: float = 0.1
