@@ -72,3 +72,28 @@ def test_bfloat16_load_generates_like_float32_on_a_tiny_model(gpt2_folder):
         torch.testing.assert_close(lm16(ids).float(), lm32(ids), atol=0.5, rtol=0.05)
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         kw.load(folder, dtype="int8")
+
+
+def test_generate_command_options_and_score(gpt2_folder, tmp_path, capsys):
+    folder, _ = gpt2_folder
+    args = ["generate", "the cat", "--model", str(folder), "--max-new-tokens", "8", "--top-k", "5", "--seed", "3"]
+    assert cli.main(args) == 0 and cli.main(args) == 0
+    first, second = capsys.readouterr().out.strip().split("\n")
+    assert first == second  # seeded
+    assert cli.main(["generate", "the cat", "--model", str(folder), "--beams", "2", "--max-new-tokens", "4"]) == 0
+    assert "prefill" in capsys.readouterr().err
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat")
+    assert cli.main(["score", str(text), "--model", str(folder)]) == 0
+    lm = kw.load(folder)
+    assert f"perplexity {lm.perplexity('the cat sat on the mat'):.3f}" in capsys.readouterr().out
+    assert cli.main(["generate", "x", "--model", str(folder), "--top-p", "2"]) == 2
+    assert "top_p must lie in (0, 1], got 2.0" in capsys.readouterr().err
+
+
+def test_cli_sampler_choice():
+    parse = cli.parser().parse_args
+    assert cli.make_sampler(parse(["generate", "p"])) == kw.Greedy()
+    assert cli.make_sampler(parse(["generate", "p", "--top-p", "0.8", "--temperature", "0.7"])) == kw.TopP(0.8, 0.7)
+    assert cli.make_sampler(parse(["generate", "p", "--beams", "4"])) == kw.BeamSearch(num_beams=4)
+    assert cli.make_sampler(parse(["generate", "p", "--sampler", "min-p"])) == kw.MinP(0.1)

@@ -119,20 +119,29 @@ class CausalLM(nn.Module):
 
         A character whose bytes span several tokens is yielded whole; text that may be the start
         of a stop string is held back until it is not. The pieces concatenate to `generate`'s text.
+        Options are those of `generate` (beam search excluded).
+
+        Example:
+            >>> for piece in lm.stream("Once upon a time", max_new_tokens=20):
+            ...     print(piece, end="", flush=True)
         """
+        for piece, _ in self.stream_with_record(prompt, max_new_tokens, max_length, **options):
+            yield piece
+
+    def stream_with_record(self, prompt, max_new_tokens=None, max_length=None, **options):
+        """Like `stream`, yielding (piece, the `Generation` record so far) for timings and ids."""
         if not isinstance(prompt, str):
             raise TypeError(f"stream expects a str prompt, got {type(prompt).__name__}")
         if isinstance(options.get("sampler"), BeamSearch):
             raise ValueError("stream does not support beam search (the best beam is known only at the end)")
-        run = self._start(prompt, max_new_tokens, max_length, **options)
         sent = ""
-        for gen in run:
+        for gen in self._start(prompt, max_new_tokens, max_length, **options):
             if gen.finished:
                 text = gen.texts[0]
             else:
                 text = _visible(self.tokenizer.decode(gen.tokens[0]), options.get("stop", ()))
             if text.startswith(sent) and len(text) > len(sent):
-                yield text[len(sent):]
+                yield text[len(sent):], gen
                 sent = text
 
     def score(self, text_or_ids):
