@@ -5,7 +5,9 @@ array element and takes ~24 s on Gemma's 262k-token vocabulary (measured on this
 reader takes well under a second. Quantisation formats, type tables and dequantisation all come
 from the `gguf` package.
 """
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -19,6 +21,7 @@ _SCALARS = {
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
 _NUMPY = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+_HEADER_GUESS = 64 << 20
 
 
 class _Cursor:
@@ -32,7 +35,9 @@ class _Cursor:
 
     def string(self):
         n = self.unpack("<Q")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        if self.pos + n > len(self.buf):
+            raise struct.error("string runs past the end of the header")
+        s = self.buf[self.pos:self.pos + n].decode("utf-8", errors="replace")
         self.pos += n
         return s
 
@@ -44,9 +49,13 @@ class _Cursor:
             item, n = GGUFValueType(self.unpack("<I")), self.unpack("<Q")
             if item in _SCALARS:  # numeric arrays are read in one go
                 dtype = np.dtype(_SCALARS[item])
+                if self.pos + dtype.itemsize * n > len(self.buf):
+                    raise struct.error("array runs past the end of the header")
                 arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
                 self.pos += dtype.itemsize * n
                 return arr.tolist()
+            if item == GGUFValueType.STRING:
+                return [self.string() for _ in range(n)]
             return [self.value(item) for _ in range(n)]
         return self.unpack(_SCALARS[kind])
 
@@ -63,14 +72,21 @@ class GGUFFile:
     def __init__(self, path):
         self.path = str(path)
         self.data = np.memmap(self.path, mode="r")
+        # Parse from plain bytes (slicing a memmap makes an array per string): the first 64 MiB
+        # hold the header of any model we know; a longer header is retried on the whole file.
         try:
-            self.metadata, self.infos = self._parse()
+            try:
+                self.metadata, self.infos = self._parse(bytes(self.data[:_HEADER_GUESS]))
+            except (struct.error, IndexError):
+                if len(self.data) <= _HEADER_GUESS:
+                    raise
+                self.metadata, self.infos = self._parse(bytes(self.data))
         except (struct.error, ValueError, UnicodeDecodeError, IndexError) as e:
             raise ValueError(f"{self.path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
 
-    def _parse(self):
-        c = _Cursor(self.data)
-        if len(self.data) < 4 or bytes(self.data[:4]) != b"GGUF":
+    def _parse(self, header):
+        c = _Cursor(header)
+        if len(header) < 4 or header[:4] != b"GGUF":
             raise ValueError("bad magic; expected b'GGUF'")
         c.pos = 4
         version, n_tensors, n_kv = c.unpack("<I"), c.unpack("<Q"), c.unpack("<Q")
@@ -96,11 +112,16 @@ class GGUFFile:
     def field(self, name, default=None):
         return self.metadata.get(name, default)
 
-    def tensors(self, progress=True):
-        """Yield (name, float32 numpy array in row-major (out, in) layout) for every tensor."""
-        for name, dims, kind, offset in tqdm(self.infos, desc=f"dequantising {len(self.infos)} tensors",
-                                             disable=not progress, leave=False):
-            yield name, self._tensor(name, dims, kind, offset)
+    def tensors(self, progress=True, workers=None):
+        """Yield (name, float32 numpy array in row-major (out, in) layout) for every tensor, in file
+        order. Dequantisation runs on `workers` threads (default: one per core; numpy releases the
+        GIL in its kernels)."""
+        workers = workers or os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            arrays = pool.map(lambda info: self._tensor(*info), self.infos)
+            for info, array in tqdm(zip(self.infos, arrays), total=len(self.infos), disable=not progress,
+                                    desc=f"dequantising {len(self.infos)} tensors", leave=False):
+                yield info[0], array
 
     def _tensor(self, name, dims, kind, offset):
         try:
