@@ -36,12 +36,12 @@ def measure(generate, encode, new_tokens):
     for batch in (1, 4):
         ids = prompt_ids(encode, 16, batch)
         generate(ids, 2)
-        one = seconds(lambda: generate(ids, 1), repeat=2)
-        full = seconds(lambda: generate(ids, new_tokens))
+        one = seconds(lambda: generate(ids, 1), repeat=3)  # best of n: this machine is noisy
+        full = seconds(lambda: generate(ids, new_tokens), repeat=2)
         result[f"decode_b{batch}"] = batch * (new_tokens - 1) / (full - one)
     for length in (32, 512):
         ids = prompt_ids(encode, length, 1)
-        result[f"prefill_{length}"] = length / seconds(lambda: generate(ids, 1), repeat=2)
+        result[f"prefill_{length}"] = length / seconds(lambda: generate(ids, 1), repeat=3)
     result["peak_rss_gb"] = peak_rss_gb()
     return result
 

@@ -101,16 +101,16 @@ class CachedGraph(nn.Module):
         return [s.name for s in self.slots]
 
     def init_cache(self, batch_size, max_length, dtype=None, device=None):
-        """Zeroed per-layer caches for `batch_size` rows and `max_length` tokens.
-
-        A sliding-window layer gets a ring of window - 1 slots, not max_length.
+        """Zeroed per-layer caches for `batch_size` rows and `max_length` tokens (float32 unless
+        `dtype` says otherwise; attention computes in float32). A sliding-window layer gets a ring
+        of window - 1 slots, not max_length.
         """
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size} and {max_length}")
         cache = []
         for slot in self.slots:
             param = next(slot.module.parameters())
-            dt = dtype or param.dtype
+            dt = dtype or torch.float32
             k_shape, v_shape = slot.module.cache_spec(batch_size, max_length, dt)
             dev = device or param.device
             cache.append((torch.zeros(k_shape, dtype=dt, device=dev), torch.zeros(v_shape, dtype=dt, device=dev)))

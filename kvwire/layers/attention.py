@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .base import Layer
+from .linear import Linear
 from .masks import chunk_mask, ring_indices, slot_mask
 
 
@@ -26,6 +27,7 @@ class Attention(Layer):
 
     Shapes: x (B, T, D) -> (B, T, D). The cache is a (key, value) pair, each
     (B, num_kv_heads, slots, head_dim), where slots = max_length, or window - 1 for a sliding layer.
+    Scores, softmax and the cache are float32 whatever the weights' dtype.
 
     Example:
         >>> attn = Attention(16, 4, 2, 4)
@@ -43,10 +45,10 @@ class Attention(Layer):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window, self.softcap = sliding_window, softcap
-        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        self.q_proj = Linear(dim, num_heads * head_dim, bias=bias)
+        self.k_proj = Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, dim, bias=bias)
         self.rotary = rotary
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
@@ -66,7 +68,7 @@ class Attention(Layer):
         positions = torch.arange(T, device=x.device)[None]
         q, k, v = self._project(x, positions)
         mask = chunk_mask(torch.zeros((), dtype=torch.long, device=x.device), T, self.sliding_window, None)
-        return self._output(self._attend(q, [(k, v, mask)]))
+        return self._output(self._attend(q, [(k, v, mask)]), x.dtype)
 
     def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
         """x (B, T, D), positions (B, T), cache_index () int, attention_mask (B, max_length) bool,
@@ -82,7 +84,7 @@ class Attention(Layer):
         index = ring_indices(cache_index, T, k_tail.shape[2], slots)
         k_cache.index_copy_(2, index, k_tail)
         v_cache.index_copy_(2, index, v_tail)
-        return self._output(out), (k_cache, v_cache)
+        return self._output(out, x.dtype), (k_cache, v_cache)
 
     def _project(self, x, positions):
         B, T, _ = x.shape
@@ -91,8 +93,12 @@ class Attention(Layer):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        # Attention runs in float32 whatever the weights: reduced-precision batched matmuls are slow
+        # on CPUs without native bf16, and the cache keeps full precision (no-ops for float32).
+        q, k, v = q.float(), k.float(), v.float()
         if self.rotary is not None:
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
+            cos, sin = self.rotary.tables(positions)
+            q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         return q, k, v
 
     def _attend(self, q, blocks):
@@ -101,18 +107,18 @@ class Attention(Layer):
         B, H, T, hd = q.shape
         groups = H // self.num_kv_heads
         qg = q.reshape(B, self.num_kv_heads, groups * T, hd)
-        scores = torch.cat([qg @ k.transpose(-1, -2) for k, _, _ in blocks], dim=-1) * self.scale
+        scores = torch.cat([qg @ k.to(q.dtype).transpose(-1, -2) for k, _, _ in blocks], dim=-1) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
         scores = scores.view(B, self.num_kv_heads, groups, T, -1)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, self.num_kv_heads, groups * T, -1)
+        probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, -1)
         sizes = [k.shape[2] for k, _, _ in blocks]
         parts = torch.split(probs, sizes, dim=-1)
-        out = sum(p @ v for p, (_, v, _) in zip(parts, blocks))
+        out = sum(p @ v.to(q.dtype) for p, (_, v, _) in zip(parts, blocks))
         return out.view(B, H, T, hd)
 
-    def _output(self, out):
+    def _output(self, out, dtype):
         B, H, T, hd = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd).to(dtype))

@@ -1,7 +1,6 @@
 """The language-model head: logits from the tied token embedding."""
-from torch import nn
-
 from .base import Layer
+from .linear import linear
 
 
 class TiedHead(Layer):
@@ -20,7 +19,7 @@ class TiedHead(Layer):
         self.softcap = softcap
 
     def forward(self, hidden):
-        logits = nn.functional.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.softcap is not None:
             logits = (logits / self.softcap).tanh() * self.softcap
         return logits

@@ -2,6 +2,7 @@
 from torch import nn
 
 from .base import Layer
+from .linear import Linear
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
@@ -23,8 +24,8 @@ class MLP(Layer):
 
     def __init__(self, dim, hidden, act="gelu_new"):
         super().__init__()
-        self.c_fc = nn.Linear(dim, hidden)
-        self.c_proj = nn.Linear(hidden, dim)
+        self.c_fc = Linear(dim, hidden)
+        self.c_proj = Linear(hidden, dim)
         self.act = activation(act)
 
     def forward(self, x):
@@ -36,9 +37,9 @@ class GatedMLP(Layer):
 
     def __init__(self, dim, hidden, act="gelu_pytorch_tanh"):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
         self.act = activation(act)
 
     def forward(self, x):

@@ -29,11 +29,19 @@ class Rotary(nn.Module):
         """Recompute the frequencies (after the module was built on the meta device)."""
         self.inv_freq = self._inv_freq()
 
-    def forward(self, x, positions):
-        """x (B, H, T, hd), positions (B, T) int -> (B, H, T, hd)."""
+    def tables(self, positions, dtype=torch.float32):
+        """cos and sin for positions (B, T): each (B, 1, T, head_dim)."""
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def rotate(x, cos, sin):
+        """x (B, H, T, hd) rotated by the tables of `tables`."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def forward(self, x, positions):
+        """x (B, H, T, hd), positions (B, T) int -> (B, H, T, hd)."""
+        return self.rotate(x, *self.tables(positions, x.dtype))
