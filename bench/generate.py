@@ -30,79 +30,103 @@ def prompt_ids(tokenizer_encode, length, batch):
     return rows
 
 
-def measure(generate, encode, new_tokens):
-    """generate(ids (B, T), n) runs n new tokens with no early stop."""
-    result = {}
+def measure(runners, encode, new_tokens, repeat=3):
+    """runners: {library: generate(ids (B, T), n)} running n new tokens with no early stop.
+
+    Libraries are timed in turn inside each repetition and the best time is kept, so the drift of a
+    noisy machine hits them alike."""
+    plans = {}
     for batch in (1, 4):
         ids = prompt_ids(encode, 16, batch)
-        generate(ids, 2)
-        one = seconds(lambda: generate(ids, 1), repeat=3)  # best of n: this machine is noisy
-        full = seconds(lambda: generate(ids, new_tokens), repeat=2)
-        result[f"decode_b{batch}"] = batch * (new_tokens - 1) / (full - one)
+        plans[f"decode_b{batch}"] = (ids, lambda t1, tn, b=batch: b * (new_tokens - 1) / (tn - t1))
     for length in (32, 512):
         ids = prompt_ids(encode, length, 1)
-        result[f"prefill_{length}"] = length / seconds(lambda: generate(ids, 1), repeat=3)
-    result["peak_rss_gb"] = peak_rss_gb()
-    return result
+        plans[f"prefill_{length}"] = (ids, lambda t1, tn, n=length: n / t1)
+    best = {lib: {k: [float("inf"), float("inf")] for k in plans} for lib in runners}
+    for generate in runners.values():
+        generate(prompt_ids(encode, 16, 1), 2)  # warm up
+    for _ in range(repeat):
+        for key, (ids, _) in plans.items():
+            for lib, generate in runners.items():
+                times = best[lib][key]
+                times[0] = min(times[0], seconds(lambda: generate(ids, 1)))
+                if key.startswith("decode"):
+                    times[1] = min(times[1], seconds(lambda: generate(ids, new_tokens)))
+    return {lib: {k: plans[k][1](*best[lib][k]) for k in plans} for lib in runners}
 
 
-def worker(library, dtype, new_tokens, threads):
+def kvwire_runner(lm):
+    def generate(ids, n):
+        out = lm.generate(ids, max_new_tokens=n, ignore_eos=True)
+        assert all(len(o) == n for o in out)
+    return generate
+
+
+def transformers_runner(lm):
+    """transformers' Gemma 3 holding kvwire's own weight tensors (same names but `model.`)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    c = lm.config
+    hf_config = Gemma3TextConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, sliding_window=c.sliding_window,
+        query_pre_attn_scalar=c.query_pre_attn_scalar, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps, layer_types=list(c.layer_types))
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(hf_config)
+    state = {"model." + k: v for k, v in lm.backbone.state_dict().items()}
+    state["lm_head.weight"] = lm.head.weight
+    model.load_state_dict(state, assign=True, strict=False)
+    model.model.rotary_emb.__init__(hf_config)  # non-persistent buffers were built on meta
+    model.model.embed_tokens.embed_scale = torch.tensor(c.hidden_size**0.5)
+    model.eval()
+
+    def generate(ids, n):
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 attention_mask=torch.ones_like(ids), pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + n
+    return generate
+
+
+def llama_cpp_runner(threads):
+    from llama_cpp import Llama
+
+    from kvwire.models.gemma3.presets import gemma3_270m
+
+    llm = Llama(gemma3_270m(), n_threads=threads, n_ctx=1024, verbose=False)
+
+    def generate(ids, n):
+        for row in ids.tolist():  # llama-cpp-python generates one sequence at a time
+            llm.reset()
+            for count, _ in enumerate(llm.generate(row, temp=0.0), start=1):
+                if count == n:
+                    break
+    return generate
+
+
+def worker(mode, dtype, new_tokens, threads, peers):
     import torch
 
     import kvwire as kw
 
     torch.set_num_threads(threads)
     lm = kw.load("gemma3-270m", dtype=dtype, progress=False)
+    runners = {"kvwire": kvwire_runner(lm)}
+    if mode == "speed":
+        for peer in peers:
+            runners[peer] = transformers_runner(lm) if peer == "transformers" else llama_cpp_runner(threads)
+        return measure(runners, lm.tokenizer.encode, new_tokens)
+    # mode is a library name: its peak memory, alone in this process, over a 512-token prefill
+    # and a few decode steps at batch 4
     encode = lm.tokenizer.encode
-    if library == "kvwire":
-        def generate(ids, n):
-            out = lm.generate(ids, max_new_tokens=n, ignore_eos=True)
-            assert all(len(o) == n for o in out)
-        return measure(generate, encode, new_tokens)
-    if library == "transformers":
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-        c = lm.config
-        hf_config = Gemma3TextConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, sliding_window=c.sliding_window,
-            query_pre_attn_scalar=c.query_pre_attn_scalar, max_position_embeddings=c.max_position_embeddings,
-            rms_norm_eps=c.rms_norm_eps, layer_types=list(c.layer_types))
-        with torch.device("meta"):
-            model = Gemma3ForCausalLM(hf_config)
-        state = {"model." + k: v for k, v in lm.backbone.state_dict().items()}
-        state["lm_head.weight"] = lm.head.weight
-        model.load_state_dict(state, assign=True, strict=False)
-        model = model.to_empty(device="cpu") if any(p.is_meta for p in model.parameters()) else model
-        model.model.rotary_emb.__init__(hf_config)  # buffers built on meta
-        model.model.embed_tokens.embed_scale = torch.tensor(c.hidden_size**0.5)
-        model.eval()
-        del lm
-
-        def generate(ids, n):
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                     attention_mask=torch.ones_like(ids), pad_token_id=0)
-            assert out.shape[1] == ids.shape[1] + n
-        return measure(generate, encode, new_tokens)
-    if library == "llama.cpp":
-        from llama_cpp import Llama
-
-        from kvwire.models.gemma3.presets import gemma3_270m
-
-        llm = Llama(gemma3_270m(), n_threads=threads, n_ctx=1024, verbose=False)
-
-        def generate(ids, n):
-            for row in ids.tolist():  # llama-cpp-python generates one sequence at a time
-                llm.reset()
-                count = 0
-                for _ in llm.generate(row, temp=0.0):
-                    count += 1
-                    if count == n:
-                        break
-        return measure(generate, encode, new_tokens)
-    raise ValueError(library)
+    generate = kvwire_runner(lm) if mode == "kvwire" else transformers_runner(lm)
+    del lm
+    generate(prompt_ids(encode, 512, 1), 2)
+    generate(prompt_ids(encode, 16, 4), 8)
+    return {"peak_rss_gb": peak_rss_gb()}
 
 
 def main():
@@ -110,35 +134,32 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--worker", nargs=2, metavar=("LIBRARY", "DTYPE"))
+    p.add_argument("--worker", nargs=2, metavar=("MODE", "DTYPE"))
+    p.add_argument("--peers", nargs="*", default=[])
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.new_tokens, args.threads)))
+        print(json.dumps(worker(*args.worker, args.new_tokens, args.threads, args.peers)))
         return
+    peers = ["transformers"]
     try:
         import llama_cpp  # noqa: F401
-        peers = ["transformers", "llama.cpp"]
+        peers.append("llama.cpp")
     except ImportError:
-        peers = ["transformers"]
         print("llama-cpp-python is not installed: llama.cpp is not measured")
     common = ["--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-    rows = []
+    keys = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
+    print(f"{'library':14}{'dtype':10}" + "".join(f"{k:>13}" for k in keys) + f"{'peak RSS GB':>13}")
     for dtype in args.dtypes:
-        ours = run_worker(__file__, ["--worker", "kvwire", dtype, *common])
-        rows.append(("kvwire", dtype, ours, None))
-        for peer in peers:
-            if peer == "llama.cpp" and dtype != args.dtypes[0]:
-                continue  # llama.cpp runs the GGUF's own quantised weights, whatever our dtype
-            theirs = run_worker(__file__, ["--worker", peer, dtype, *common])
-            rows.append((peer, dtype, theirs, ours))
-    keys = ["decode_b1", "decode_b4", "prefill_32", "prefill_512", "peak_rss_gb"]
-    print(f"{'library':14}{'dtype':10}" + "".join(f"{k:>14}" for k in keys))
-    for name, dtype, r, ours in rows:
-        print(f"{name:14}{dtype:10}" + "".join(f"{r[k]:14.2f}" for k in keys))
-        if ours is not None:
-            ratios = "".join(f"{ours[k] / r[k]:14.2f}" for k in keys[:-1])
-            print(f"{'  kvwire/' + name[:5]:24}{ratios}")
-    print("units: tokens/s (decode counts all rows of the batch), GB")
+        # llama.cpp runs the GGUF's own quantised weights whatever our dtype: measure it once
+        these = [p for p in peers if p != "llama.cpp" or dtype == args.dtypes[0]]
+        speed = run_worker(__file__, ["--worker", "speed", dtype, *common, "--peers", *these])
+        for lib in ["kvwire", *these]:
+            rss = run_worker(__file__, ["--worker", lib, dtype, *common])["peak_rss_gb"] \
+                if lib != "llama.cpp" else float("nan")
+            print(f"{lib:14}{dtype:10}" + "".join(f"{speed[lib][k]:13.2f}" for k in keys) + f"{rss:13.2f}")
+        for lib in these:
+            print(f"{'  kvwire/' + lib:24}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in keys))
+    print("tokens/s; decode counts every row of the batch; best of 3 interleaved runs")
 
 
 if __name__ == "__main__":
