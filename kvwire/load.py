@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -96,7 +97,10 @@ def load_gguf(path, dtype=torch.float32, progress=True):
     config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")))
     state = family.state_from_gguf(gguf.tensors(progress))
     lm = build(family, config, state, tokenizer, dtype)
-    _save_entry(entry, family, config, state, tokenizer)
+    try:
+        _save_entry(entry, family, config, state, tokenizer)
+    except OSError as e:  # a read-only or full disk costs speed next time, not this load
+        warnings.warn(f"kvwire: could not cache the converted weights in {entry}: {e}")
     if progress:
         print(f"kvwire: converted {Path(path).name} in {time.perf_counter() - start:.1f} s (cached in {entry})")
     return lm
