@@ -88,8 +88,7 @@ def load_gguf(path, dtype=torch.float32, progress=True):
         meta = json.loads((entry / "config.json").read_text())
         family = FAMILIES[meta["family"]]
         config = family.config_cls(**meta["config"])
-        state = load_file(str(entry / "weights.safetensors"))
-        return build(family, config, state, Tokenizer.load(entry), dtype)
+        return build(family, config, _cached_weights(entry, dtype), Tokenizer.load(entry), dtype)
     start = time.perf_counter()
     gguf = GGUFFile(path)
     family = by_gguf_architecture(gguf.architecture, path)
@@ -104,6 +103,19 @@ def load_gguf(path, dtype=torch.float32, progress=True):
     if progress:
         print(f"kvwire: converted {Path(path).name} in {time.perf_counter() - start:.1f} s (cached in {entry})")
     return lm
+
+
+def _cached_weights(entry, dtype):
+    """The cached state dict in `dtype`, memory-mapped. Other dtypes than float32 get a file of
+    their own on first use, so a bfloat16 load maps half the bytes instead of converting."""
+    path = entry / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
+    if dtype != torch.float32 and not path.is_file():
+        state = {k: v.to(dtype) for k, v in load_file(str(entry / "weights.safetensors")).items()}
+        try:
+            save_file(state, str(path))
+        except OSError:
+            return state
+    return load_file(str(path if dtype != torch.float32 else entry / "weights.safetensors"))
 
 
 def _save_entry(entry, family, config, state, tokenizer):

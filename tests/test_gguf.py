@@ -98,3 +98,17 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300), extra_tensor=extra)
     with pytest.raises(ValueError, match="'blk.0.extra.weight' has type Q8_1"):
         kw.load(tmp_path / "g.gguf", progress=False)
+
+
+def test_cached_weights_per_dtype(tmp_path):
+    hf = tiny_hf_gpt2(vocab_size=300)
+    write_gpt2(tmp_path / "g.gguf", hf)
+    full = kw.load(tmp_path / "g.gguf", progress=False)
+    half = kw.load(tmp_path / "g.gguf", dtype="bfloat16", progress=False)
+    assert list((tmp_path / "cache").glob("*/weights-bfloat16.safetensors"))
+    again = kw.load(tmp_path / "g.gguf", dtype="bfloat16", progress=False)
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert half.head.weight.dtype == torch.bfloat16
+        torch.testing.assert_close(again(ids), half(ids), atol=0, rtol=0)
+        torch.testing.assert_close(half(ids).float(), full(ids), atol=0.5, rtol=0.05)
