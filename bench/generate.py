@@ -96,7 +96,7 @@ def llama_cpp_runner(threads):
 
     from kvwire.models.gemma3.presets import gemma3_270m
 
-    llm = Llama(gemma3_270m(), n_threads=threads, n_ctx=1024, verbose=False)
+    llm = Llama(str(gemma3_270m()), n_threads=threads, n_ctx=1024, verbose=False)
 
     def generate(ids, n):
         for row in ids.tolist():  # llama-cpp-python generates one sequence at a time
