@@ -43,8 +43,9 @@ def test_logits_match_transformers_gguf_loader(ours, theirs):
         with torch.no_grad():
             expected = model(ids).logits
             got = ours(ids)
-        # float32 noise through 18 layers and a 262k-way head: observed max |diff| ~1e-4 on logits of ~30.
-        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+        # float32 noise through 18 layers and a 262k-way head: measured max |diff| 4.1e-5 on logits
+        # up to 34 (2026-11-30); the bound leaves 5x room.
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
