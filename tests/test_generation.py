@@ -200,3 +200,15 @@ def test_invalid_generation_options(chat):
         chat.generate("Hi", sampler="greedy")
     with pytest.raises(ValueError, match="repetition_penalty must be > 0, got 0"):
         chat.generate("Hi", repetition_penalty=0)
+
+
+def test_interleaved_streams_do_not_share_caches(chat):
+    alone = [chat.generate(p, max_new_tokens=10, ignore_eos=True) for p in ("Hello", "World")]
+    chat.generate("warm the cache pool", max_new_tokens=20, ignore_eos=True)
+    a = chat.stream("Hello", max_new_tokens=10, ignore_eos=True)
+    b = chat.stream("World", max_new_tokens=10, ignore_eos=True)
+    texts = ["", ""]
+    for pa, pb in itertools.zip_longest(a, b, fillvalue=""):
+        texts[0] += pa
+        texts[1] += pb
+    assert texts == alone

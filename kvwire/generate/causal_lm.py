@@ -195,17 +195,21 @@ class CausalLM(nn.Module):
             session = Session(self.cached, self.head, rows, longest + new)
             return beam_search(session, sampler, new, stopper)
         generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-        return sample(self._session(rows, longest + new), sampler, new, stopper, generator, repetition_penalty)
+        session = self._session(rows, longest + new)
+        return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty))
 
     def _session(self, rows, max_length):
-        """A session reusing this model's caches for the batch size when they are long enough
-        (and not more than twice as long: decode attends over every full-length slot)."""
-        kept = self._caches.get(len(rows))
+        """A session that takes this model's idle caches for the batch size when they are long
+        enough (and not more than twice as long: decode attends over every full-length slot)."""
+        kept = self._caches.pop(len(rows), None)  # taken: a second, interleaved run gets its own
         if kept is not None and max_length <= kept[0] <= 2 * max_length:
             return Session(self.cached, self.head, rows, kept[0], kept[1])
-        session = Session(self.cached, self.head, rows, max_length)
-        self._caches = {len(rows): (max_length, session.cache)}
-        return session
+        return Session(self.cached, self.head, rows, max_length)
+
+    def _returning(self, session, run):
+        """Yield from run, then give the session's caches back for the next call."""
+        yield from run
+        self._caches[session.ids.shape[0]] = (session.max_length, session.cache)
 
     def _rows(self, prompt):
         if isinstance(prompt, str):
