@@ -52,6 +52,15 @@ def test_chunked_prefill_equals_uncached(tiny_lm, chunk):
     torch.testing.assert_close(run_chunks(tiny_lm, ids, chunks), expected, atol=ATOL, rtol=0)
 
 
+def test_long_chunks_after_decode_equal_uncached(tiny_lm):
+    """Chunks of 70 (fused attention kernel) on top of a non-empty cache, then decode steps."""
+    ids = random_ids(tiny_lm, 2, 120, 7)
+    with torch.no_grad():
+        expected = tiny_lm(ids)
+    got = run_chunks(tiny_lm, ids, [5, 70, 1, 40, 1, 1, 1, 1])
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 def test_left_padded_batch_equals_single_rows(tiny_lm):
     rows = [random_ids(tiny_lm, 1, n, n)[0].tolist() for n in (3, 11, 7)]
     ids, positions, pads = left_pad(rows, pad_id=5)

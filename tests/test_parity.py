@@ -20,11 +20,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("length", [23, 70], ids=["dense-attention", "flash-attention"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_match_transformers(case):
+def test_logits_match_transformers(case, length):
+    """23 tokens take the dense attention path, 70 the fused kernel (>= FLASH_ROWS query rows)."""
     hf = CASES[case]()
     lm = kw.from_hf(hf)
-    ids = torch.randint(0, hf.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, hf.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(ids).logits
         got = lm(ids)

