@@ -9,17 +9,14 @@ Prints a table and the ratios the core issue targets.
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(__file__))
+from common import peak_rss_gb, run_worker  # noqa: E402
+
 PROMPT = "The history of the city of Paris begins"
-
-
-def peak_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
 def timed_generate(generate, new_tokens):
@@ -90,11 +87,9 @@ def worker_transformers(args):
 
 def run(worker, args, env=None):
     load_only = worker == "kvwire-load"
-    cmd = [sys.executable, __file__, "--worker", "kvwire" if load_only else worker,
-           "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-    cmd += ["--load-only"] if load_only else []
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    argv = ["--worker", "kvwire" if load_only else worker, "--new-tokens", str(args.new_tokens),
+            "--threads", str(args.threads)] + (["--load-only"] if load_only else [])
+    return run_worker(__file__, argv, env)
 
 
 def main():

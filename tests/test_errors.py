@@ -111,3 +111,12 @@ def test_clone_fn_must_be_callable():
         kw.clone(backbone, 3)
     with pytest.raises(ValueError, match="depth must be one of"):
         kw.trace(backbone, depth="neuron")
+
+
+def test_untied_head_is_refused():
+    from kvwire.models.gemma3 import Gemma3Config
+    from kvwire.models.gpt2 import GPT2Config
+
+    for cls in (GPT2Config, Gemma3Config):
+        with pytest.raises(ValueError, match="tie_word_embeddings=False is not supported"):
+            cls.from_hf({"tie_word_embeddings": False})

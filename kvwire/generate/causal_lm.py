@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from ..graph import clone, with_cache
+from ..io.tokenizer import eos_list
 from .loop import Stopper, beam_search, sample
 from .samplers import BeamSearch, Greedy, Sampler
 from .session import Session
@@ -45,8 +46,7 @@ class CausalLM(nn.Module):
     def eos_token_ids(self):
         if self.tokenizer is not None:
             return tuple(self.tokenizer.eos_token_ids)
-        value = getattr(self.config, "eos_token_id", None)
-        return () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        return eos_list(getattr(self.config, "eos_token_id", None))
 
     @property
     def cached(self):
@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
         """
         run = self._start(prompt, max_new_tokens, max_length, sampler, seed, stop, stop_token_ids,
                           repetition_penalty, ignore_eos)
-        gen = run if not hasattr(run, "__next__") else _last(run)
+        gen = _last(run)
         if return_logprobs:
             return gen
         if isinstance(prompt, torch.Tensor):
@@ -173,7 +173,8 @@ class CausalLM(nn.Module):
 
     def _start(self, prompt, max_new_tokens, max_length, sampler=None, seed=None, stop=(), stop_token_ids=(),
                repetition_penalty=None, ignore_eos=False):
-        """Validate options and start a generation: a `sample` iterator, or a finished beam search."""
+        """Validate options and start a generation: an iterator of growing `Generation` records,
+        the last one finished (beam search yields only the finished one)."""
         rows = self._rows(prompt)
         longest = max(len(r) for r in rows)
         new = self._new_tokens(longest, max_new_tokens, max_length)
@@ -193,7 +194,7 @@ class CausalLM(nn.Module):
             if stop:
                 raise ValueError("stop strings are not supported with beam search")
             session = Session(self.cached, self.head, rows, longest + new)
-            return beam_search(session, sampler, new, stopper)
+            return iter([beam_search(session, sampler, new, stopper)])
         generator = None if seed is None else torch.Generator().manual_seed(int(seed))
         session = self._session(rows, longest + new)
         return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty))

@@ -5,9 +5,7 @@ array element and takes ~24 s on Gemma's 262k-token vocabulary (measured on this
 reader takes well under a second. Quantisation formats, type tables and dequantisation all come
 from the `gguf` package.
 """
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -112,16 +110,11 @@ class GGUFFile:
     def field(self, name, default=None):
         return self.metadata.get(name, default)
 
-    def tensors(self, progress=True, workers=None):
-        """Yield (name, float32 numpy array in row-major (out, in) layout) for every tensor, in file
-        order. Dequantisation runs on `workers` threads (default: one per core; numpy releases the
-        GIL in its kernels)."""
-        workers = workers or os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            arrays = pool.map(lambda info: self._tensor(*info), self.infos)
-            for info, array in tqdm(zip(self.infos, arrays), total=len(self.infos), disable=not progress,
-                                    desc=f"dequantising {len(self.infos)} tensors", leave=False):
-                yield info[0], array
+    def tensors(self, progress=True):
+        """Yield (name, float32 numpy array in row-major (out, in) layout) for every tensor."""
+        for name, dims, kind, offset in tqdm(self.infos, desc=f"dequantising {len(self.infos)} tensors",
+                                             disable=not progress, leave=False):
+            yield name, self._tensor(name, dims, kind, offset)
 
     def _tensor(self, name, dims, kind, offset):
         try:

@@ -13,7 +13,7 @@ summary_activation summary_proj_to_labels summary_first_dropout n_ctx use_return
 return_dict_in_generate max_length min_length do_sample early_stopping num_beams num_beam_groups
 diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty
 no_repeat_ngram_size encoder_no_repeat_ngram_size num_return_sequences remove_invalid_values
-exponential_decay_length_penalty tf_legacy_loss use_bfloat16 tie_word_embeddings cache_implementation
+exponential_decay_length_penalty tf_legacy_loss use_bfloat16 cache_implementation
 _attn_implementation_autoset _sliding_window_pattern base_model_tp_plan base_model_pp_plan
 """.split())
 
@@ -25,7 +25,8 @@ def from_hf_dict(cls, d, *, renames=None, must_be=None):
     keys whose only supported value is fixed. Any other unknown key raises, so nothing a checkpoint
     asks for is silently ignored.
     """
-    renames, must_be = renames or {}, must_be or {}
+    # Every family here ties its head to the embedding: an untied checkpoint must not load as tied.
+    renames, must_be = renames or {}, {"tie_word_embeddings": True, **(must_be or {})}
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs, unknown = {}, []
     for key, value in d.items():
