@@ -69,6 +69,36 @@ class CausalLM(nn.Module):
         """
         return CausalLM(clone(self.backbone, fn, depth=depth), self.head, self.tokenizer, self.config)
 
+    def steer(self, vector, strength=1.0, *, generated_only=False, name="steer"):
+        """The same model with `vector` (a `kw.ControlVector`) added after its blocks.
+
+        Args:
+            strength: a number, or a (B,) tensor: one strength per prompt of a batch (0 = unsteered).
+                In cached generation it is a graph input (`<name>_strength`), also of exported models.
+            generated_only: steer only generated tokens, not the prompt (see `kvwire.steer.Steer`).
+            name: runtime-input prefix; give two vectors different names to set them separately.
+
+        Example:
+            >>> happy = lm.steer(vec, 4.0)
+            >>> mixed = lm.steer(vec, torch.tensor([4.0, 0.0]))   # row 0 steered, row 1 not
+            >>> mixed.generate(["I feel", "I feel"])
+        """
+        from ..graph import block_calls, insert_after
+        from ..steer import ControlVector, Steer
+
+        if not isinstance(vector, ControlVector):
+            raise TypeError(f"steer expects a kw.ControlVector, got {type(vector).__name__}")
+        blocks = block_calls(self.backbone)
+        width = self.head.weight.shape[1]
+        if vector.width != width:
+            raise ValueError(f"control vector width {vector.width} does not fit this model's hidden size {width}")
+        bad = [i for i in vector.layers if i >= len(blocks)]
+        if bad:
+            raise ValueError(f"control vector steers blocks {bad}, but this model has blocks 0-{len(blocks) - 1}")
+        index = {blocks[i]: i for i in vector.layers}
+        return self.edit(insert_after(list(index), lambda call, layer: Steer(
+            vector.directions[index[call]], strength, generated_only, name)))
+
     def check_ids(self, token_ids):
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
             got = token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__

@@ -20,11 +20,15 @@ class Session:
         cached: the CachedGraph. head: hidden (B, D) -> logits (B, V).
         rows: prompt token-id lists. max_length: cache timeline length (>= prompt + new tokens).
         cache: caches to reuse, allocated by `init_cache(len(rows), max_length)`, or None.
+        inputs: values for the graph's runtime inputs ({name: (B,) tensor}); the rest take the
+            layers' defaults for these prompts.
     """
 
-    def __init__(self, cached, head, rows, max_length, cache=None):
+    def __init__(self, cached, head, rows, max_length, cache=None, inputs=None):
         self.cached, self.head = cached, head
         self.ids, self.positions, self.pads = left_pad(rows)
+        lengths = torch.tensor([len(r) for r in rows])
+        self.inputs = {**cached.default_inputs(len(rows), lengths), **(inputs or {})}
         self.cache = cache if cache is not None else cached.init_cache(len(rows), max_length)
         self.max_length = max_length
         self.mask = torch.arange(max_length)[None] >= self.pads[:, None]  # left pads invalid
@@ -47,6 +51,7 @@ class Session:
         """Repeat every row n times (rows i*n .. i*n+n-1 copy row i), caches included."""
         self.cache = tuple(tuple(t.repeat_interleave(n, 0) for t in pair) for pair in self.cache)
         self.mask, self.pads = self.mask.repeat_interleave(n, 0), self.pads.repeat_interleave(n, 0)
+        self.inputs = {k: v.repeat_interleave(n, 0) for k, v in self.inputs.items()}
 
     def reorder(self, index):
         """Reorder rows (beam search) in place: row i takes the state of row index[i]."""
@@ -54,8 +59,9 @@ class Session:
             for t in pair:
                 t.copy_(t.index_select(0, index))
         self.mask, self.pads = self.mask[index], self.pads[index]
+        self.inputs = {k: v[index] for k, v in self.inputs.items()}
 
     def _run(self, ids, positions):
-        hidden, self.cache = self.cached(ids, positions, self.index, self.mask, self.cache)
+        hidden, self.cache = self.cached(ids, positions, self.index, self.mask, self.cache, **self.inputs)
         self.index += ids.shape[1]
         return self.head(hidden[:, -1])

@@ -1,6 +1,9 @@
-"""Graph passes over torch.fx: trace, clone, with_cache."""
+"""Graph passes over torch.fx: trace, clone (and ready-made edits), tap, with_cache, plot."""
 from .cache import CachedGraph, with_cache
-from .clone import clone
+from .clone import clone, current_call
+from .edit import block_calls, insert_after, insert_before, replace, select, skip
+from .tap import tap
 from .trace import trace
 
-__all__ = ["CachedGraph", "clone", "trace", "with_cache"]
+__all__ = ["CachedGraph", "block_calls", "clone", "current_call", "insert_after", "insert_before", "replace",
+           "select", "skip", "tap", "trace", "with_cache"]

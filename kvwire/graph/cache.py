@@ -6,6 +6,8 @@ The pass traces the module at "layer" depth and rewrites it:
 - every layer that needs positions is called through `forward_cached(x, positions=...)`;
 - every layer with a `cache_spec` is called through `forward_cached(...)` with its own cache pair,
   and its next cache is collected;
+- every layer with `runtime_inputs` (an inserted steering layer, say) gets them as graph inputs
+  placed after `cache`, one per name, shared by the layers that read it;
 - the output becomes `(hidden, next_cache)`.
 Everything else in the graph, including whatever a user inserted, is left as it was.
 """
@@ -41,13 +43,14 @@ def _rewire(gm):
     for name in ("positions", "cache_index", "attention_mask", "cache"):
         with graph.inserting_after(anchor):
             anchor = inputs[name] = graph.placeholder(name)
-    slots, next_cache, seen = [], [], {}
+    slots, next_cache, seen, runtime, readers = [], [], {}, {}, []
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
         needs_cache = _needs_cache(module)
-        if not (needs_cache or getattr(module, "uses_positions", False)):
+        wanted = dict(getattr(module, "runtime_inputs", {}) or {})
+        if not (needs_cache or wanted or getattr(module, "uses_positions", False)):
             continue
         if len(node.args) != 1 or node.kwargs:
             raise ValueError(f"layer {node.target!r} is called with {len(node.args)} args and kwargs "
@@ -55,6 +58,15 @@ def _rewire(gm):
         with graph.inserting_before(node):
             owner = graph.get_attr(node.target)
             kwargs = {"positions": inputs["positions"]}
+            for name, dtype in wanted.items():
+                if name not in runtime:
+                    runtime[name] = _RuntimeInput(dtype, node.target, _add_input(graph, name))
+                elif runtime[name].dtype != dtype:
+                    raise ValueError(f"layer {node.target!r} reads runtime input {name!r} as {dtype}; "
+                                     f"layer {runtime[name].first!r} reads it as {runtime[name].dtype}")
+                kwargs[name] = runtime[name].node
+            if wanted and module not in readers:
+                readers.append(module)
             if needs_cache:
                 count = seen[node.target] = seen.get(node.target, 0) + 1
                 name = node.target if count == 1 else f"{node.target}#{count}"
@@ -71,7 +83,21 @@ def _rewire(gm):
     output = next(n for n in graph.nodes if n.op == "output")
     output.args = ((output.args[0], tuple(next_cache)),)
     graph.lint()
-    return slots
+    return slots, {name: r.dtype for name, r in runtime.items()}, readers
+
+
+@dataclass
+class _RuntimeInput:
+    dtype: torch.dtype
+    first: str  # the first layer call that reads it
+    node: fx.Node
+
+
+def _add_input(graph, name):
+    """A new placeholder after the last one (inputs keep the order in which layers ask for them)."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        return graph.placeholder(name)
 
 
 class CachedGraph(nn.Module):
@@ -81,7 +107,10 @@ class CachedGraph(nn.Module):
     attention_mask (B, max_length) bool, cache)` -> `(hidden (B, T, D), next_cache)`, where
     `cache` is a tuple with one `(key, value)` pair per cached layer call (`self.slots`), each
     (B, kv_heads, slots, head_dim). In eager mode the caches are updated in place and returned.
-    Calling the module checks its inputs; `self.graph_module` is the raw graph for export/compile.
+    Layers that read runtime inputs (`self.runtime_inputs`, {name: dtype}) add one (B,) input each
+    after `cache`, given by keyword; left out, they take the layers' defaults (`default_inputs`).
+    Calling the module checks its inputs; `self.graph_module` is the raw graph for export/compile
+    (runtime inputs positional after `cache`).
 
     Example:
         >>> cached = kw.with_cache(backbone)
@@ -90,10 +119,23 @@ class CachedGraph(nn.Module):
         >>> h, cache = cached(ids, torch.arange(5)[None], torch.tensor(0), mask, cache)
     """
 
-    def __init__(self, graph_module, slots):
+    def __init__(self, graph_module, slots, runtime_inputs=None, readers=()):
         super().__init__()
         self.graph_module = graph_module
         self.slots = tuple(slots)
+        self.runtime_inputs = dict(runtime_inputs or {})
+        self._readers = list(readers)
+
+    def default_inputs(self, batch_size, prompt_lengths=None):
+        """The runtime inputs' default values for a batch: {name: (batch_size,) tensor}.
+
+        prompt_lengths: (B,) prompt lengths when generating (a layer may act on generated tokens only).
+        """
+        values = {}
+        for layer in self._readers:
+            for name, value in layer.runtime_defaults(batch_size, prompt_lengths).items():
+                values.setdefault(name, value)
+        return {name: values[name] for name in self.runtime_inputs}
 
     @property
     def names(self):
@@ -116,9 +158,26 @@ class CachedGraph(nn.Module):
             cache.append((torch.zeros(k_shape, dtype=dt, device=dev), torch.zeros(v_shape, dtype=dt, device=dev)))
         return tuple(cache)
 
-    def forward(self, token_ids, positions, cache_index, attention_mask, cache):
+    def forward(self, token_ids, positions, cache_index, attention_mask, cache, **inputs):
         cache_index = _check_inputs(self, token_ids, positions, cache_index, attention_mask, cache)
-        return self.graph_module(token_ids, positions, cache_index, attention_mask, cache)
+        extra = self._runtime_values(token_ids.shape[0], inputs)
+        return self.graph_module(token_ids, positions, cache_index, attention_mask, cache, *extra)
+
+    def _runtime_values(self, batch_size, inputs):
+        unknown = set(inputs) - set(self.runtime_inputs)
+        if unknown:
+            raise TypeError(f"unknown runtime inputs {sorted(unknown)}; this graph takes "
+                            f"{sorted(self.runtime_inputs) or 'none'}")
+        defaults = self.default_inputs(batch_size) if len(inputs) < len(self.runtime_inputs) else {}
+        values = []
+        for name, dtype in self.runtime_inputs.items():
+            value = inputs.get(name, defaults.get(name))
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or tuple(value.shape) != (batch_size,):
+                got = f"{value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+                    else type(value).__name__
+                raise TypeError(f"runtime input {name!r} must be a {dtype} tensor of shape ({batch_size},); got {got}")
+            values.append(value)
+        return values
 
 
 def _check_inputs(cached, token_ids, positions, cache_index, attention_mask, cache):
@@ -164,6 +223,6 @@ def with_cache(module):
         ['layers.0.self_attn', 'layers.1.self_attn']
     """
     gm = trace(module, depth="layer")
-    slots = _rewire(gm)
+    slots, runtime_inputs, readers = _rewire(gm)
     gm.recompile()
-    return CachedGraph(gm, slots)
+    return CachedGraph(gm, slots, runtime_inputs, readers)

@@ -1,8 +1,21 @@
 """`kw.clone`: rebuild a layer graph, letting a function decide what every layer call produces."""
+import contextvars
+
 import torch
 from torch import fx
 
-from .trace import LayerTracer, trace
+from .trace import LayerTracer, layer_calls, trace
+
+_CALL = contextvars.ContextVar("kvwire_call", default=None)
+
+
+def current_call():
+    """Dotted name of the layer call a `clone` fn is running for (None outside clone).
+
+    Example:
+        >>> kw.clone(backbone, lambda layer, x: print(current_call()) or layer(x))
+    """
+    return _CALL.get()
 
 
 def _identity(layer, *args, **kwargs):
@@ -18,9 +31,11 @@ class _Replayer(fx.Interpreter):
 
     def call_module(self, target, args, kwargs):
         self.tracer.site = target
+        token = _CALL.set(target)
         try:
             return self.fn(self.fetch_attr(target), *args, **kwargs)
         finally:
+            _CALL.reset(token)
             self.tracer.site = None
 
 
@@ -51,7 +66,9 @@ def clone(module, fn=None, *, depth="block"):
 
     `fn` receives the layer object and the call's (symbolic) inputs and returns what the call should
     produce: call the layer (identity), wrap it, skip it, or call new layers. It runs once per call
-    site while the graph is rebuilt, so it may branch on *which* layer it sees, not on tensor values.
+    site while the graph is rebuilt, so it may branch on *which* layer it sees, not on tensor values;
+    `kvwire.graph.current_call()` gives the call's dotted name. Ready-made fns: `kw.insert_after`,
+    `kw.insert_before`, `kw.replace`, `kw.skip` (see `kvwire.graph.edit`).
     New modules it calls are registered in the result (named `<site>__<Class>`); original weights
     are shared, never copied; graph inputs are kept as they are.
 
@@ -74,6 +91,9 @@ def clone(module, fn=None, *, depth="block"):
     if not callable(fn):
         raise TypeError(f"clone's fn must be callable, got {type(fn).__name__}")
     gm = trace(module, depth=depth)
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:  # edits check their selectors against the calls that exist
+        prepare(gm, [n.target for n in layer_calls(gm)])
     tracer = LayerTracer(depth)
     root = _replay_root(gm, lambda *args: _Replayer(root, gm.graph, fn, tracer).run(*args))
     graph = tracer.trace(root)

@@ -11,6 +11,12 @@ Protocol, used by `kw.with_cache`:
 - A layer that needs past keys/values defines `cache_spec(batch_size, max_length, dtype)` returning
   the `(key_shape, value_shape)` it needs, and
   `forward_cached(x, *, positions, cache_index, attention_mask, cache) -> (out, next_cache)`.
+- A layer that reads per-row values chosen at call time (a steering strength, say) names them in
+  `runtime_inputs` ({name: dtype}; each value is a (B,) tensor), accepts them as keywords of
+  `forward_cached(x, *, positions, **inputs)`, and says what they are when the caller gives none
+  in `runtime_defaults(batch_size, prompt_lengths)` (prompt_lengths: (B,) or None). The cached
+  graph turns each name into one graph input, shared by every layer that reads it; exported
+  models keep them as inputs. Plainly called, such a layer uses its own defaults.
 """
 from torch import nn
 
@@ -19,10 +25,15 @@ class Layer(nn.Module):
     """A node of the layer graph: one call site seen by `clone`'s `fn`."""
 
     uses_positions = False
+    runtime_inputs = {}
 
     def cache_spec(self, batch_size, max_length, dtype):
         """Shapes of the cache this layer needs, or None when it needs none."""
         return None
+
+    def runtime_defaults(self, batch_size, prompt_lengths=None):
+        """Values of `runtime_inputs` when a caller gives none: {name: (batch_size,) tensor}."""
+        return {}
 
 
 class Block(Layer):
