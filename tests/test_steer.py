@@ -192,6 +192,6 @@ def test_a_model_gguf_is_not_a_control_vector(tmp_path):
     from .gguf_files import write_gpt2
 
     path = tmp_path / "model.gguf"
-    write_gpt2(path, tiny_hf_gpt2())
+    write_gpt2(path, tiny_hf_gpt2(vocab_size=300))
     with pytest.raises(ValueError, match="is not a control vector: its GGUF architecture is 'gpt2'"):
         kw.ControlVector.load(path)
