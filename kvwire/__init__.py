@@ -6,11 +6,11 @@ Example:
     >>> lm.generate("The capital of France is", max_new_tokens=8)
 """
 from .generate import BeamSearch, CausalLM, Generation, Greedy, MinP, Random, TopK, TopP
-from .graph import (CachedGraph, block_calls, clone, insert_after, insert_before, replace, select, skip, tap,
+from .graph import (CachedGraph, block_calls, clone, insert_after, insert_before, plot, replace, select, skip, tap,
                     trace, with_cache)
 from .load import from_hf, load
 from .steer import ControlVector, Steer
 
 __all__ = ["BeamSearch", "CachedGraph", "CausalLM", "ControlVector", "Generation", "Greedy", "MinP", "Random",
-           "Steer", "TopK", "TopP", "block_calls", "clone", "from_hf", "insert_after", "insert_before", "load",
+           "Steer", "TopK", "TopP", "block_calls", "clone", "from_hf", "insert_after", "insert_before", "load", "plot",
            "replace", "select", "skip", "tap", "trace", "with_cache"]

@@ -1,4 +1,4 @@
-"""The `kvwire` command: generate text, score text."""
+"""The `kvwire` command: generate, score, train control vectors (`steer train`), plot layer graphs."""
 import argparse
 import sys
 
@@ -26,10 +26,20 @@ def make_sampler(args):
     }[name]()
 
 
-def _generate(args):
+def _load_model(args):
+    """The model the options name, steered by --control-vector when given."""
     from .load import load
+    from .steer import ControlVector
 
     lm = load(args.model, dtype=args.dtype)
+    if getattr(args, "control_vector", None):
+        lm = lm.steer(ControlVector.load(args.control_vector), args.strength,
+                      generated_only=getattr(args, "generated_only", False))
+    return lm
+
+
+def _generate(args):
+    lm = _load_model(args)
     options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=make_sampler(args),
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.no_stream or args.sampler == "beam" or args.beams:
@@ -52,14 +62,37 @@ def _report(prefill, new, steps, seconds):
 
 
 def _score(args):
-    from .load import load
-
-    lm = load(args.model, dtype=args.dtype)
+    lm = _load_model(args)
     with open(args.file, encoding="utf-8") as f:
         text = f.read()
     logprobs = lm.score(text)
     print(f"{len(logprobs)} tokens, mean log-prob {float(logprobs.mean()):.4f}, "
           f"perplexity {float(torch.exp(-logprobs.mean())):.3f}")
+
+
+def _read_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def _steer_train(args):
+    from .load import load
+    from .steer import ControlVector
+
+    lm = load(args.model, dtype=args.dtype)
+    vec = ControlVector.train(lm, _read_lines(args.positive), _read_lines(args.negative), layers=args.layers,
+                              method=args.method, batch_size=args.batch_size)
+    vec.save(args.output)
+    print(f"wrote {args.output}: {len(vec.layers)} directions (blocks {vec.layers[0]}-{vec.layers[-1]}), "
+          f"width {vec.width}, method {vec.method}", file=sys.stderr)
+
+
+def _plot(args):
+    from .graph import plot
+
+    lm = _load_model(args)
+    plot(lm.cached if args.cached else lm.backbone, args.output, depth=args.depth)
+    print(f"wrote {args.output}", file=sys.stderr)
 
 
 def parser():
@@ -85,13 +118,47 @@ def parser():
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable; not printed)")
     g.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="penalty > 0 on seen tokens")
     g.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
+    _steer_options(g)
     g.set_defaults(run=_generate)
     s = commands.add_parser("score", help="perplexity of a text file", description="Print the perplexity of a "
                             "UTF-8 text file under the model (one uncached pass).")
     s.add_argument("file", help="text file")
     _model_options(s)
+    _steer_options(s)
     s.set_defaults(run=_score)
+    _steer_parser(commands)
+    pl = commands.add_parser("plot", help="draw the layer graph (svg/png/pdf/dot)",
+                             description="Draw the model's layer graph with Graphviz. Inserted layers are "
+                             "orange; with --cached, the cache inputs and outputs of every layer are drawn.")
+    pl.add_argument("output", help="output file: .svg, .png, .pdf or .dot")
+    _model_options(pl)
+    _steer_options(pl)
+    pl.add_argument("--cached", action="store_true", help="draw the cached graph (layer depth, cache wiring)")
+    pl.add_argument("--depth", choices=["block", "layer"], default="block", help="granularity (default: block)")
+    pl.set_defaults(run=_plot)
     return p
+
+
+def _steer_parser(commands):
+    st = commands.add_parser("steer", help="control vectors: `steer train`")
+    actions = st.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = actions.add_parser("train", help="train a control vector from contrastive prompts",
+                           description="Train a control vector from paired prompts (one per line; line i of "
+                           "--positive pairs with line i of --negative) and write llama.cpp's GGUF format.")
+    t.add_argument("--positive", required=True, metavar="FILE", help="prompts showing the concept")
+    t.add_argument("--negative", required=True, metavar="FILE", help="paired prompts showing its opposite")
+    t.add_argument("--layers", default=None, metavar="A-B", help="blocks to steer (default: 1 to the last)")
+    t.add_argument("--method", default="pca_center", choices=["pca_center", "pca_diff", "mean_diff"])
+    t.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward (default 8)")
+    t.add_argument("-o", "--output", required=True, metavar="VEC.gguf", help="where to write the vector")
+    _model_options(t)
+    t.set_defaults(run=_steer_train)
+
+
+def _steer_options(p):
+    p.add_argument("--control-vector", default=None, metavar="VEC.gguf", help="steer with this control vector")
+    p.add_argument("--strength", type=float, default=1.0, help="control-vector strength (default 1.0)")
+    p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
 
 
 def _model_options(p):
@@ -104,7 +171,7 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     try:
         args.run(args)
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"kvwire: error: {e}", file=sys.stderr)
         return 2
     return 0
