@@ -5,6 +5,7 @@ Example:
     >>> lm = kw.load("gemma3-270m")
     >>> lm.generate("The capital of France is", max_new_tokens=8)
 """
+from .export import export, load_exported
 from .generate import BeamSearch, CausalLM, Generation, Greedy, MinP, Random, TopK, TopP
 from .graph import (CachedGraph, block_calls, clone, insert_after, insert_before, plot, replace, select, skip, tap,
                     trace, with_cache)
@@ -12,5 +13,5 @@ from .load import from_hf, load
 from .steer import ControlVector, Steer
 
 __all__ = ["BeamSearch", "CachedGraph", "CausalLM", "ControlVector", "Generation", "Greedy", "MinP", "Random",
-           "Steer", "TopK", "TopP", "block_calls", "clone", "from_hf", "insert_after", "insert_before", "load", "plot",
+           "Steer", "TopK", "TopP", "block_calls", "clone", "export", "from_hf", "insert_after", "insert_before", "load", "load_exported", "plot",
            "replace", "select", "skip", "tap", "trace", "with_cache"]

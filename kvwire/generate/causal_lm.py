@@ -110,7 +110,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}); got values in [{low}, {high}]")
 
     def generate(self, prompt, max_new_tokens=None, max_length=None, *, sampler=None, seed=None, stop=(),
-                 stop_token_ids=(), repetition_penalty=None, ignore_eos=False, return_logprobs=False):
+                 stop_token_ids=(), repetition_penalty=None, ignore_eos=False, return_logprobs=False, inputs=None):
         """Continue `prompt` through the cached graph.
 
         Args:
@@ -127,11 +127,13 @@ class CausalLM(nn.Module):
             ignore_eos: do not stop at end-of-sequence ids (benchmarks).
             return_logprobs: return the `Generation` record (ids, texts, chosen tokens'
                 log-probabilities, timings) instead of the continuation alone.
+            inputs: values for the cached graph's runtime inputs, {name: (B,) tensor}, e.g.
+                {"steer_strength": torch.tensor([4.0, 0.0])}; others take their defaults.
         Returns the continuation only: str for a str, list of str for a list, a 1-D id tensor for
         a 1-D tensor, a list of 1-D id tensors for a 2-D tensor.
         """
         run = self._start(prompt, max_new_tokens, max_length, sampler, seed, stop, stop_token_ids,
-                          repetition_penalty, ignore_eos)
+                          repetition_penalty, ignore_eos, inputs)
         gen = _last(run)
         if return_logprobs:
             return gen
@@ -202,7 +204,7 @@ class CausalLM(nn.Module):
         return ids
 
     def _start(self, prompt, max_new_tokens, max_length, sampler=None, seed=None, stop=(), stop_token_ids=(),
-               repetition_penalty=None, ignore_eos=False):
+               repetition_penalty=None, ignore_eos=False, inputs=None):
         """Validate options and start a generation: an iterator of growing `Generation` records,
         the last one finished (beam search yields only the finished one)."""
         rows = self._rows(prompt)
@@ -223,19 +225,19 @@ class CausalLM(nn.Module):
         if isinstance(sampler, BeamSearch):
             if stop:
                 raise ValueError("stop strings are not supported with beam search")
-            session = Session(self.cached, self.head, rows, longest + new)
+            session = self._session(rows, longest + new, inputs, reuse=False)
             return iter([beam_search(session, sampler, new, stopper)])
         generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-        session = self._session(rows, longest + new)
+        session = self._session(rows, longest + new, inputs)
         return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty))
 
-    def _session(self, rows, max_length):
+    def _session(self, rows, max_length, inputs=None, reuse=True):
         """A session that takes this model's idle caches for the batch size when they are long
         enough (and not more than twice as long: decode attends over every full-length slot)."""
-        kept = self._caches.pop(len(rows), None)  # taken: a second, interleaved run gets its own
+        kept = self._caches.pop(len(rows), None) if reuse else None  # taken: an interleaved run gets its own
         if kept is not None and max_length <= kept[0] <= 2 * max_length:
-            return Session(self.cached, self.head, rows, kept[0], kept[1])
-        return Session(self.cached, self.head, rows, max_length)
+            return Session(self.cached, self.head, rows, kept[0], kept[1], inputs)
+        return Session(self.cached, self.head, rows, max_length, inputs=inputs)
 
     def _returning(self, session, run):
         """Yield from run, then give the session's caches back for the next call."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from .base import Layer
 from .linear import Linear
-from .masks import chunk_mask, ring_indices, slot_mask
+from .masks import chunk_mask, ring_indices, ring_sources, slot_mask
 
 FLASH_ROWS = 64  # query rows per key/value head from which the fused kernel pays off
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -75,18 +75,25 @@ class Attention(Layer):
 
     def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
         """x (B, T, D), positions (B, T), cache_index () int, attention_mask (B, max_length) bool,
-        cache (key, value) -> (out (B, T, D), next cache). Writes the chunk into the cache in place."""
+        cache (key, value) -> (out (B, T, D), next cache). Writes the chunk into the cache in place
+        (functionally, returning new tensors, while being compiled or exported)."""
         k_cache, v_cache = cache
         T, slots = x.shape[1], k_cache.shape[2]
         q, k, v = self._project(x, positions)
         old = slot_mask(cache_index, T, slots, self.sliding_window, attention_mask)
         new = chunk_mask(cache_index, T, self.sliding_window, attention_mask)
         out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)])
-        # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
-        k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
-        index = ring_indices(cache_index, T, k_tail.shape[2], slots)
-        k_cache.index_copy_(2, index, k_tail)
-        v_cache.index_copy_(2, index, v_tail)
+        if torch.compiler.is_compiling():  # exporters and compilers: functional, shape-free update
+            source, take = ring_sources(cache_index, T, slots)
+            keep = (source < 0)[None, None, :, None]
+            k_cache = torch.where(keep, k_cache, k.index_select(2, take))
+            v_cache = torch.where(keep, v_cache, v.index_select(2, take))
+        else:
+            # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
+            k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
+            index = ring_indices(cache_index, T, k_tail.shape[2], slots)
+            k_cache.index_copy_(2, index, k_tail)
+            v_cache.index_copy_(2, index, v_tail)
         return self._output(out, x.dtype), (k_cache, v_cache)
 
     def _project(self, x, positions):
@@ -112,8 +119,8 @@ class Attention(Layer):
         blocks by their log-sum-exp (a 512-token prefill chunk: 22 ms against 58 ms per layer);
         compilers and exporters, soft-capping and decode steps take the dense path."""
         rows = q.shape[1] * q.shape[2] // self.num_kv_heads
-        if self.softcap is None and rows >= FLASH_ROWS and q.device.type == "cpu" \
-                and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self.softcap is None and rows >= FLASH_ROWS \
+                and q.device.type == "cpu":
             return self._attend_flash(q, blocks)
         B, H, T, hd = q.shape
         groups = H // self.num_kv_heads
@@ -122,10 +129,10 @@ class Attention(Layer):
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
-        scores = scores.view(B, self.num_kv_heads, groups, T, -1)
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, -1)
         sizes = [k.shape[2] for k, _, _ in blocks]
+        scores = scores.view(B, self.num_kv_heads, groups, T, sum(sizes))
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, sum(sizes))
         parts = torch.split(probs, sizes, dim=-1)
         out = sum(p @ v.to(q.dtype) for p, (_, v, _) in zip(parts, blocks))
         return out.view(B, H, T, hd)

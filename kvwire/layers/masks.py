@@ -14,11 +14,24 @@ def ring_indices(cache_index, T, n, slots):
     return (cache_index + offsets) % slots
 
 
+def ring_sources(cache_index, T, slots):
+    """For every cache slot, the chunk token that lands in it last: (source (slots,), index (slots,)).
+
+    source[s] is that token's index in the chunk, or negative when no token of the chunk lands in
+    slot s (the slot keeps its value); index is source clamped to >= 0 for gathering. Shapes do not
+    depend on T, which keeps exported graphs free of shape guards.
+    """
+    s = torch.arange(slots, device=cache_index.device)
+    source = T - 1 - torch.remainder(cache_index + T - 1 - s + slots, slots)  # operands kept >= 0
+    return source, source.clamp(min=0)
+
+
 def slot_mask(cache_index, T, slots, window, attention_mask):
     """Which cache slots (as they were before this chunk) each chunk query may see: (B, T, slots)."""
     device = cache_index.device
     s = torch.arange(slots, device=device)
-    held = cache_index - 1 - torch.remainder(cache_index - 1 - s, slots)  # absolute index in slot s
+    # absolute index held in slot s (remainder's operand kept >= 0: some runtimes truncate negatives)
+    held = cache_index - 1 - torch.remainder(cache_index - 1 - s + slots, slots)
     queries = cache_index + torch.arange(T, device=device)
     ok = (held >= 0)[None, :] & torch.ones(T, 1, dtype=torch.bool, device=device)
     if window is not None:

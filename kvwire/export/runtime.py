@@ -1,0 +1,156 @@
+"""Exported models driven by kvwire's generation loop: `ExportedLM` is a CausalLM whose cached
+graph is a runtime session (onnxruntime), so generate / stream / samplers / beam
+search behave as in eager mode."""
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..generate.causal_lm import CausalLM
+
+_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "float32": torch.float32}
+
+
+def _kind(dtype):
+    return "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "int"
+
+
+def dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+class RuntimeGraph:
+    """Looks like a `CachedGraph` to `Session`, runs an exported program.
+
+    Caches are torch tensors of the exported shapes (max_length fixed at export); the mask a
+    caller gives may be shorter and is padded with invalid slots. Inputs are checked against the
+    exported signature before they reach the runtime.
+    """
+
+    def __init__(self, meta, run):
+        self.meta, self.run = meta, run
+        self.inputs = [(n, tuple(s), _DTYPES[d]) for n, s, d in meta["inputs"]]
+        self.max_length = meta["max_length"]
+        self.runtime_inputs = {n: d for n, _, d in self.inputs if n in meta["runtime_inputs"]}
+
+    def init_cache(self, batch_size, max_length, dtype=None, device=None):
+        if max_length > self.max_length:
+            raise ValueError(f"this model was exported for max_length {self.max_length}; {max_length} requested")
+        shapes = [(n, s) for n, s, _ in self.inputs if n.startswith("past.")]
+        flat = [torch.zeros((batch_size, *s[1:]), dtype=torch.float32) for _, s in shapes]
+        return tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
+
+    def default_inputs(self, batch_size, prompt_lengths=None):
+        out = {}
+        for name, dtype in self.runtime_inputs.items():
+            value = self.meta["runtime_defaults"][name]
+            if value == "prompt_length":
+                rows = prompt_lengths if prompt_lengths is not None else torch.zeros(batch_size)
+                out[name] = torch.as_tensor(rows, dtype=torch.int64)
+            else:
+                out[name] = torch.full((batch_size,), value, dtype=torch.float32 if dtype.is_floating_point
+                                       else torch.int64)
+        return out
+
+    def __call__(self, token_ids, positions, cache_index, attention_mask, cache, **inputs):
+        B = token_ids.shape[0]
+        if attention_mask.shape[-1] < self.max_length:
+            pad = torch.zeros(B, self.max_length - attention_mask.shape[-1], dtype=attention_mask.dtype)
+            attention_mask = torch.cat([attention_mask, pad], dim=1)
+        values = {**self.default_inputs(B), **inputs}
+        unknown = set(values) - set(self.runtime_inputs)
+        if unknown:
+            raise TypeError(f"unknown runtime inputs {sorted(unknown)}; this model takes "
+                            f"{sorted(self.runtime_inputs) or 'none'}")
+        flat = [t for pair in cache for t in pair]
+        given = [token_ids, positions, torch.as_tensor(cache_index), attention_mask, *flat,
+                 *[values[n] for n in self.runtime_inputs]]
+        feeds = self.check(given)
+        outputs = self.run(feeds)
+        logits = torch.as_tensor(outputs[0])
+        rest = [torch.as_tensor(t) for t in outputs[1:]]
+        return logits, tuple((rest[i], rest[i + 1]) for i in range(0, len(rest), 2))
+
+    def check(self, given):
+        """Cast integer/bool inputs to the exported dtypes and check every shape: {name: tensor}."""
+        if len(given) != len(self.inputs):
+            raise ValueError(f"expected {len(self.inputs)} inputs ({[n for n, _, _ in self.inputs]}), got {len(given)}")
+        B, T = given[0].shape if given[0].dim() == 2 else (None, None)
+        feeds = {}
+        for (name, shape, dtype), value in zip(self.inputs, given):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"input {name!r} must be a tensor, got {type(value).__name__}")
+            want = tuple(B if s == "batch" else T if s == "chunk" else s for s in shape)
+            # integer inputs may come as int32 or int64; floats and the bool mask must match exactly
+            ok_dtype = value.dtype == dtype or (_kind(value.dtype) == _kind(dtype) == "int")
+            if tuple(value.shape) != want or not ok_dtype:
+                raise ValueError(f"input {name!r} must be {dtype_name(dtype)} of shape {want}; "
+                                 f"got {dtype_name(value.dtype)} of shape {tuple(value.shape)}")
+            feeds[name] = value.to(dtype)
+        return feeds
+
+
+class ExportedLM(CausalLM):
+    """A CausalLM over an exported file: `generate`, `stream` and samplers as in eager mode.
+
+    Uncached calls (`lm(ids)`, `score`) are not available: the exported program returns the
+    last position's logits only.
+    """
+
+    def __init__(self, graph, tokenizer, meta):
+        super().__init__(nn.Identity(), nn.Identity(), tokenizer, None)
+        self._runtime, self.meta = graph, meta
+
+    @property
+    def cached(self):
+        return self._runtime
+
+    @property
+    def vocab_size(self):
+        return self.meta["vocab_size"]
+
+    @property
+    def max_context(self):
+        return min(self.meta["max_length"], self.meta.get("max_context") or self.meta["max_length"])
+
+    @property
+    def eos_token_ids(self):
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.eos_token_ids)
+        return tuple(self.meta.get("eos_token_ids", ()))
+
+    def forward(self, token_ids):
+        raise NotImplementedError("an exported model returns the last position's logits only; call "
+                                  "generate or stream (export with all_logits=True for every position)")
+
+    def _session(self, rows, max_length, inputs=None, reuse=True):  # caches at the exported length
+        from ..generate.session import Session
+        return Session(self.cached, self.head, rows, self.meta["max_length"], inputs=inputs)
+
+    def edit(self, fn, depth="block"):
+        raise TypeError("an exported model cannot be edited; edit the eager model and export it again")
+
+    steer = edit
+
+
+def read_meta(path):
+    side = sidecar(path)
+    if not side.is_file():
+        raise FileNotFoundError(f"{path} has no kvwire metadata ({side.name}); export it with kw.export")
+    return json.loads(side.read_text())
+
+
+def sidecar(path):
+    return Path(str(path) + ".kvwire.json")
+
+
+def onnx_runner(path, threads=None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(None, {k: v.numpy() for k, v in feeds.items()})

@@ -1,0 +1,24 @@
+"""torch.export of an `ExportProgram` with a dynamic batch and chunk length."""
+import torch
+import torch.fx.experimental._config as fx_config
+from torch.export import Dim
+
+
+def export_program(prog, max_batch=64):
+    """torch.export `prog` with dynamic batch (1..max_batch) and chunk length (1..max_length).
+
+    The traced example has two rows and two tokens; shapes are treated size-obliviously so that
+    the graph carries no 0/1 specialisation. (torch.export still refuses a declared minimum of 1,
+    so the declared ranges start at 2; the graphs are shape-generic and the tests run them with
+    one row and one token on every runtime.)
+    """
+    sig = prog.signature()
+    batch = Dim("batch", min=2, max=max_batch)
+    chunk = Dim("chunk", min=2, max=max(prog.max_length, 3))
+    dims = []
+    for _, shape, _ in sig.inputs:
+        d = {i: batch if s == "batch" else chunk for i, s in enumerate(shape) if s in ("batch", "chunk")}
+        dims.append(d or None)
+    example = prog.example_inputs(2, 2)
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(prog, example, dynamic_shapes=(*dims[:4], tuple(dims[4:])), strict=False)

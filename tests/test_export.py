@@ -1,0 +1,133 @@
+"""Export to ONNX and run in onnxruntime: generation equals eager, edits and runtime strengths
+included; bad input is refused clearly. One export per family (each takes ~40 s here)."""
+import json
+
+import pytest
+import torch
+
+import kvwire as kw
+
+from .conftest import FAMILIES
+from .tokenizers_for_tests import char_level
+
+pytest.importorskip("onnxruntime")
+
+PROMPTS = ["Hello there", "A", "Some longer prompt, with punctuation!"]
+
+
+def _chat(family):
+    lm = kw.from_hf(FAMILIES[family](vocab_size=100))
+    lm.tokenizer = char_level()
+    return lm
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def exported(request, tmp_path_factory):
+    """(eager model, control vector, loaded ONNX model of the model steered by it, file path)."""
+    lm = _chat(request.param)
+    width = lm.head.weight.shape[1]
+    vec = kw.ControlVector({i: torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in (1, 2)})
+    path = tmp_path_factory.mktemp("onnx") / f"{request.param}.onnx"
+    report = kw.export(lm.steer(vec, 0.0), path, max_length=64)
+    assert report["format"] == "onnx" and report["bytes"] > 0
+    return lm, vec, kw.load_exported(path), path
+
+
+def test_graph_has_no_control_flow_and_named_inputs(exported):
+    import onnx
+
+    lm, _, _, path = exported
+    model = onnx.load(str(path))
+    ops = {n.op_type for n in model.graph.node}
+    assert not ops & {"If", "Loop", "Scan"}
+    names = [i.name for i in model.graph.input]
+    n = len(lm.cached.slots)
+    assert names[:4] == ["token_ids", "positions", "cache_index", "attention_mask"]
+    assert names[4:4 + 2 * n] == [f"past.{i}.{p}" for i in range(n) for p in ("key", "value")]
+    assert names[4 + 2 * n:] == ["steer_strength", "steer_start"]
+    assert [o.name for o in model.graph.output][:3] == ["logits", "present.0.key", "present.0.value"]
+
+
+def test_unsteered_greedy_equals_eager_with_padding_and_past_the_window(exported):
+    lm, _, onnx_lm, _ = exported
+    long = "A prompt well past the window"
+    assert onnx_lm.generate(PROMPTS + [long], max_new_tokens=8) == lm.generate(PROMPTS + [long], max_new_tokens=8)
+
+
+def test_steered_rows_equal_eager_steered_model(exported):
+    lm, vec, onnx_lm, _ = exported
+    strengths = torch.tensor([2.0, 0.0, -1.5])
+    got = onnx_lm.generate(PROMPTS, max_new_tokens=8, inputs={"steer_strength": strengths})
+    assert got == lm.steer(vec, strengths).generate(PROMPTS, max_new_tokens=8)
+    assert got[0] != lm.generate(PROMPTS[0], max_new_tokens=8) or got[2] != lm.generate(PROMPTS[2], max_new_tokens=8)
+
+
+def test_samplers_beam_search_and_stream_match_eager(exported):
+    lm, _, onnx_lm, _ = exported
+    beam = kw.BeamSearch(num_beams=3)
+    assert onnx_lm.generate(PROMPTS[:2], max_new_tokens=5, sampler=beam) == \
+        lm.generate(PROMPTS[:2], max_new_tokens=5, sampler=beam)
+    top_p = dict(sampler=kw.TopP(0.9), seed=7, max_new_tokens=8)
+    assert onnx_lm.generate(PROMPTS[0], **top_p) == lm.generate(PROMPTS[0], **top_p)
+    assert "".join(onnx_lm.stream(PROMPTS[2], max_new_tokens=8)) == lm.generate(PROMPTS[2], max_new_tokens=8)
+
+
+def test_sidecar_records_signature_and_tokenizer(exported):
+    _, _, _, path = exported
+    meta = json.loads((path.parent / (path.name + ".kvwire.json")).read_text())
+    assert meta["max_length"] == 64 and meta["runtime_defaults"] == {"steer_strength": 0.0, "steer_start": 0}
+    assert meta["tokenizer"]["add_bos"] is True
+
+
+def test_bad_inputs_to_an_exported_model(exported):
+    lm, _, onnx_lm, _ = exported
+    graph = onnx_lm.cached
+    cache = graph.init_cache(1, 64)
+    ids = torch.tensor([[5, 6]])
+    pos = torch.arange(2)[None]
+    mask = torch.ones(1, 64, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"input 'token_ids' must be int64 of shape \(1, 2\); got float32"):
+        graph(ids.float(), pos, 0, mask, cache)
+    bad = ((cache[0][0][:, :, :-1], cache[0][1]),) + cache[1:]
+    with pytest.raises(ValueError, match=r"input 'past.0.key' must be float32 of shape"):
+        graph(ids, pos, 0, mask, bad)
+    with pytest.raises(TypeError, match=r"unknown runtime inputs \['strength'\]"):
+        graph(ids, pos, 0, mask, cache, strength=torch.zeros(1))
+    with pytest.raises(ValueError, match="exported for max_length 64; 65 requested"):
+        graph.init_cache(1, 65)
+    with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens"):
+        onnx_lm.generate("Hello", max_new_tokens=60)
+    with pytest.raises(NotImplementedError, match="last position's logits only"):
+        onnx_lm(ids)
+
+
+def test_bad_export_requests(exported, tmp_path):
+    lm, _, _, path = exported
+    with pytest.raises(FileExistsError, match="exists; pass overwrite=True"):
+        kw.export(lm, path)
+    with pytest.raises(ValueError, match=r"cannot tell the export format from 'model.bin'"):
+        kw.export(lm, tmp_path / "model.bin")
+    with pytest.raises(ValueError, match=r"unknown export format 'tflite'"):
+        kw.export(lm, tmp_path / "model.onnx", format="tflite")
+    with pytest.raises(ValueError, match=r"max_length 100000 is beyond the model's context of 128 tokens"):
+        kw.export(lm, tmp_path / "model.onnx", max_length=100_000)
+    with pytest.raises(ValueError, match="quantize='int4' is an ONNX option"):
+        kw.export(lm, tmp_path / "model.mlpackage", quantize="int4")
+    with pytest.raises(FileNotFoundError, match="no exported model at"):
+        kw.load_exported(tmp_path / "missing.onnx")
+    assert not (tmp_path / "model.onnx").exists()
+
+
+def test_an_edit_the_runtime_cannot_represent_is_named(tmp_path):
+    from kvwire.layers.base import Layer
+
+    class RunningMax(Layer):  # cummax has no ONNX translation in torch.onnx
+        def forward(self, x):
+            return x + torch.cummax(x, dim=-1).values
+
+    lm = _chat("gpt2")
+    edited = lm.edit(kw.insert_after(kw.block_calls(lm.backbone)[1], RunningMax()))
+    with pytest.raises(RuntimeError, match=r"export to ONNX failed in layer '\w+__RunningMax' \(RunningMax\): "
+                                           r"operation aten.cummax.default has no ONNX translation"):
+        kw.export(edited, tmp_path / "cummax.onnx", max_length=16)
+    assert not (tmp_path / "cummax.onnx").exists()
