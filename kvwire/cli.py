@@ -31,9 +31,16 @@ def _load_model(args):
     from .load import load
     from .steer import ControlVector
 
+    if getattr(args, "runtime", "eager") != "eager":
+        from .export import load_exported
+        if getattr(args, "control_vector", None):
+            raise ValueError("--control-vector applies to eager models; export a steered model instead "
+                             "(kvwire export --control-vector V ...) and pass --strength at run time")
+        return load_exported(args.model)
     lm = load(args.model, dtype=args.dtype)
     if getattr(args, "control_vector", None):
-        lm = lm.steer(ControlVector.load(args.control_vector), args.strength,
+        strength = 1.0 if args.strength is None else args.strength
+        lm = lm.steer(ControlVector.load(args.control_vector), strength,
                       generated_only=getattr(args, "generated_only", False))
     return lm
 
@@ -42,6 +49,8 @@ def _generate(args):
     lm = _load_model(args)
     options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=make_sampler(args),
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
+    if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:
+        options["inputs"] = {"steer_strength": torch.tensor([args.strength])}
     if args.no_stream or args.sampler == "beam" or args.beams:
         gen = lm.generate(args.prompt, return_logprobs=True, **options)
         print(args.prompt + gen.texts[0])
@@ -68,6 +77,16 @@ def _score(args):
     logprobs = lm.score(text)
     print(f"{len(logprobs)} tokens, mean log-prob {float(logprobs.mean()):.4f}, "
           f"perplexity {float(torch.exp(-logprobs.mean())):.3f}")
+
+
+def _export(args):
+    from .export import export
+
+    lm = _load_model(args)
+    report = export(lm, args.output, max_length=args.max_length, format=args.format, overwrite=args.overwrite,
+                    quantize=args.quantize)
+    print(f"wrote {report['path']} ({report['format']}, {report['bytes'] / 1e6:.1f} MB) in "
+          f"{report['seconds']:.1f} s", file=sys.stderr)
 
 
 def _read_lines(path):
@@ -118,6 +137,8 @@ def parser():
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable; not printed)")
     g.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="penalty > 0 on seen tokens")
     g.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
+    g.add_argument("--runtime", default="eager", choices=["eager", "onnx"],
+                   help="eager (kvwire) or onnx: --model is then an exported .onnx file")
     _steer_options(g)
     g.set_defaults(run=_generate)
     s = commands.add_parser("score", help="perplexity of a text file", description="Print the perplexity of a "
@@ -127,6 +148,17 @@ def parser():
     _steer_options(s)
     s.set_defaults(run=_score)
     _steer_parser(commands)
+    e = commands.add_parser("export", help="export the (steered) model's cached graph to a file",
+                            description="Export the cached graph plus head as one model (ONNX; .pte and "
+                            ".mlpackage are not available yet). Run it with kvwire generate --runtime onnx.")
+    e.add_argument("output", help="output file, e.g. model.onnx")
+    _model_options(e)
+    _steer_options(e)
+    e.add_argument("--max-length", type=int, default=None, metavar="N", help="cache length (default 1024)")
+    e.add_argument("--format", default=None, choices=["onnx", "executorch", "coreml"], help="when the suffix is unclear")
+    e.add_argument("--quantize", default=None, choices=["int8", "int4"], help="ONNX weight-only quantisation")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    e.set_defaults(run=_export)
     pl = commands.add_parser("plot", help="draw the layer graph (svg/png/pdf/dot)",
                              description="Draw the model's layer graph with Graphviz. Inserted layers are "
                              "orange; with --cached, the cache inputs and outputs of every layer are drawn.")
@@ -157,7 +189,8 @@ def _steer_parser(commands):
 
 def _steer_options(p):
     p.add_argument("--control-vector", default=None, metavar="VEC.gguf", help="steer with this control vector")
-    p.add_argument("--strength", type=float, default=1.0, help="control-vector strength (default 1.0)")
+    p.add_argument("--strength", type=float, default=None,
+                   help="control-vector strength (default 1.0; for --runtime onnx: the exported default)")
     p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
 
 

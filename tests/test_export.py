@@ -131,3 +131,23 @@ def test_an_edit_the_runtime_cannot_represent_is_named(tmp_path):
                                            r"operation aten.cummax.default has no ONNX translation"):
         kw.export(edited, tmp_path / "cummax.onnx", max_length=16)
     assert not (tmp_path / "cummax.onnx").exists()
+
+
+def test_export_and_generate_commands(tmp_path, capsys):
+    from kvwire import cli
+
+    from .conftest import tiny_hf_gpt2
+    from .test_hf_folder import _tokenizer_json
+
+    hf = tiny_hf_gpt2(vocab_size=300, bos_token_id=0, eos_token_id=0)
+    hf.save_pretrained(tmp_path / "model")
+    _tokenizer_json(tmp_path / "model", 300)
+    model, out = str(tmp_path / "model"), str(tmp_path / "m.onnx")
+    assert cli.main(["export", out, "--model", model, "--max-length", "32"]) == 0
+    assert cli.main(["export", out, "--model", model]) == 2
+    assert "exists; pass overwrite=True" in capsys.readouterr().err
+    args = ["generate", "the cat", "--max-new-tokens", "5", "--no-stream"]
+    assert cli.main(args + ["--model", out, "--runtime", "onnx"]) == 0
+    onnx_text = capsys.readouterr().out
+    assert cli.main(args + ["--model", model]) == 0
+    assert onnx_text == capsys.readouterr().out
