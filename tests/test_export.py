@@ -151,3 +151,31 @@ def test_export_and_generate_commands(tmp_path, capsys):
     onnx_text = capsys.readouterr().out
     assert cli.main(args + ["--model", model]) == 0
     assert onnx_text == capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family, stateful", [("gemma3", True), ("gpt2", False)])
+def test_coreml_package_is_structurally_loadable(family, stateful, tmp_path):
+    pytest.importorskip("coremltools")
+    from kvwire.export.coreml import package_summary
+
+    lm = _chat(family)
+    width = lm.head.weight.shape[1]
+    steered = lm.steer(kw.ControlVector({1: torch.ones(width)}), 0.5) if stateful else lm
+    path = tmp_path / "model.mlpackage"
+    kw.export(steered, path, max_length=32, stateful=stateful)
+    summary = package_summary(path)
+    assert set(summary) == {"prefill", "decode"}
+    n, slots = len(lm.cached.slots), [c[0].shape for c in lm.cached.init_cache(1, 32)]
+    for function, T in (("prefill", 32), ("decode", 1)):
+        s = summary[function]
+        assert not s["ops"] & {"cond", "while_loop"} and "linear" in s["ops"]
+        assert s["nonconst_weights"] == []  # the seed's "Param 'weight' must be const" failure
+        assert s["inputs"]["token_ids"] == [1, T] and s["inputs"]["attention_mask"] == [1, 32]
+        caches = s["states"] if stateful else s["inputs"]
+        assert [caches[f"past_{i}_key"] for i in range(n)] == [list(shape) for shape in slots]
+        if stateful:
+            assert list(s["outputs"]) == ["logits"] and s["inputs"]["steer_strength"] == [1]
+        else:
+            assert list(s["outputs"]) == ["logits"] + [f"present_{i}_{p}" for i in range(n) for p in ("key", "value")]
+    with pytest.raises(RuntimeError, match="Core ML packages run only on macOS"):
+        kw.load_exported(path)

@@ -131,7 +131,7 @@ class Attention(Layer):
         mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
         sizes = [k.shape[2] for k, _, _ in blocks]
         scores = scores.view(B, self.num_kv_heads, groups, T, sum(sizes))
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        scores = scores.masked_fill(torch.logical_not(mask[:, None, None]), float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, sum(sizes))
         parts = torch.split(probs, sizes, dim=-1)
         out = sum(p @ v.to(q.dtype) for p, (_, v, _) in zip(parts, blocks))

@@ -1,5 +1,6 @@
 """Boolean attention masks of the cached graph, built from tensors only (no Python branches on
-values), so one graph serves prefill and decode and exports as it is.
+values), so one graph serves prefill and decode and exports as it is. Boolean algebra uses
+torch.logical_* (Core ML's converter has no mapping for the `&` / `|` operator overloads).
 
 Cache slot `s` of a layer with `S` slots holds absolute index `i` with `i % S == s` (a ring; for a
 full-length cache `i == s`). Absolute index = the position in the cache's timeline, which is what
@@ -23,7 +24,7 @@ def ring_sources(cache_index, T, slots):
     """
     s = torch.arange(slots, device=cache_index.device)
     source = T - 1 - torch.remainder(cache_index + T - 1 - s + slots, slots)  # operands kept >= 0
-    return source, source.clamp(min=0)
+    return source, _nonnegative(source)
 
 
 def slot_mask(cache_index, T, slots, window, attention_mask):
@@ -33,11 +34,11 @@ def slot_mask(cache_index, T, slots, window, attention_mask):
     # absolute index held in slot s (remainder's operand kept >= 0: some runtimes truncate negatives)
     held = cache_index - 1 - torch.remainder(cache_index - 1 - s + slots, slots)
     queries = cache_index + torch.arange(T, device=device)
-    ok = (held >= 0)[None, :] & torch.ones(T, 1, dtype=torch.bool, device=device)
+    ok = torch.logical_and((held >= 0)[None, :], torch.ones(T, 1, dtype=torch.bool, device=device))
     if window is not None:
-        ok = ok & (queries[:, None] - held[None, :] < window)
-    valid = attention_mask.index_select(1, held.clamp(min=0))  # (B, slots)
-    return ok[None] & valid[:, None, :]
+        ok = torch.logical_and(ok, queries[:, None] - held[None, :] < window)
+    valid = _gather(attention_mask, _nonnegative(held))  # (B, slots)
+    return torch.logical_and(ok[None], valid[:, None, :])
 
 
 def chunk_mask(cache_index, T, window, attention_mask):
@@ -49,9 +50,19 @@ def chunk_mask(cache_index, T, window, attention_mask):
     i = torch.arange(T, device=device)
     ok = i[None, :] <= i[:, None]
     if window is not None:
-        ok = ok & (i[:, None] - i[None, :] < window)
+        ok = torch.logical_and(ok, i[:, None] - i[None, :] < window)
     ok = ok[None]
     if attention_mask is not None:
-        valid = attention_mask.index_select(1, cache_index + i)  # (B, T)
-        ok = ok & valid[:, None, :]
-    return ok | torch.eye(T, dtype=torch.bool, device=device)[None]
+        valid = _gather(attention_mask, cache_index + i)  # (B, T)
+        ok = torch.logical_and(ok, valid[:, None, :])
+    return torch.logical_or(ok, torch.eye(T, dtype=torch.bool, device=device)[None])
+
+
+def _gather(attention_mask, index):
+    """attention_mask[:, index] as bool; gathered as int32 (Core ML gathers no bool tensors)."""
+    return attention_mask.to(torch.int32).index_select(1, index) != 0
+
+
+def _nonnegative(index):
+    """max(index, 0) for int tensors, kept integer (Core ML's converter turns clamp into float clip)."""
+    return torch.where(index < 0, torch.zeros_like(index), index)
