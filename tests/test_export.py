@@ -28,7 +28,7 @@ def exported(request, tmp_path_factory):
     width = lm.head.weight.shape[1]
     vec = kw.ControlVector({i: torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in (1, 2)})
     path = tmp_path_factory.mktemp("onnx") / f"{request.param}.onnx"
-    report = kw.export(lm.steer(vec, 0.0), path, max_length=64)
+    report = kw.export(lm.steer(vec, 0.0, generated_only=True), path, max_length=64)
     assert report["format"] == "onnx" and report["bytes"] > 0
     return lm, vec, kw.load_exported(path), path
 
@@ -57,9 +57,15 @@ def test_unsteered_greedy_equals_eager_with_padding_and_past_the_window(exported
 def test_steered_rows_equal_eager_steered_model(exported):
     lm, vec, onnx_lm, _ = exported
     strengths = torch.tensor([2.0, 0.0, -1.5])
-    got = onnx_lm.generate(PROMPTS, max_new_tokens=8, inputs={"steer_strength": strengths})
-    assert got == lm.steer(vec, strengths).generate(PROMPTS, max_new_tokens=8)
-    assert got[0] != lm.generate(PROMPTS[0], max_new_tokens=8) or got[2] != lm.generate(PROMPTS[2], max_new_tokens=8)
+    # exported generated_only: the start defaults to each row's prompt length
+    later = onnx_lm.generate(PROMPTS, max_new_tokens=8, inputs={"steer_strength": strengths})
+    assert later == lm.steer(vec, strengths, generated_only=True).generate(PROMPTS, max_new_tokens=8)
+    # start 0 steers every position, as an always-on steer
+    everywhere = onnx_lm.generate(PROMPTS, max_new_tokens=8, inputs={"steer_strength": strengths,
+                                                                     "steer_start": torch.zeros(3, dtype=torch.long)})
+    assert everywhere == lm.steer(vec, strengths).generate(PROMPTS, max_new_tokens=8)
+    plain = lm.generate(PROMPTS, max_new_tokens=8)
+    assert everywhere[1] == plain[1] and (everywhere[0] != plain[0] or everywhere[2] != plain[2])
 
 
 def test_samplers_beam_search_and_stream_match_eager(exported):
@@ -75,7 +81,8 @@ def test_samplers_beam_search_and_stream_match_eager(exported):
 def test_sidecar_records_signature_and_tokenizer(exported):
     _, _, _, path = exported
     meta = json.loads((path.parent / (path.name + ".kvwire.json")).read_text())
-    assert meta["max_length"] == 64 and meta["runtime_defaults"] == {"steer_strength": 0.0, "steer_start": 0}
+    assert meta["max_length"] == 64
+    assert meta["runtime_defaults"] == {"steer_strength": 0.0, "steer_start": "prompt_length"}
     assert meta["tokenizer"]["add_bos"] is True
 
 
@@ -179,3 +186,25 @@ def test_coreml_package_is_structurally_loadable(family, stateful, tmp_path):
             assert list(s["outputs"]) == ["logits"] + [f"present_{i}_{p}" for i in range(n) for p in ("key", "value")]
     with pytest.raises(RuntimeError, match="Core ML packages run only on macOS"):
         kw.load_exported(path)
+
+
+def test_seed_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
+    """coremltools issue #2008: distil GPT-2 (6 x 12 heads x 768, vocab 21128) with a KV cache and
+    beam size 3. One graph, no branches: ONNX beam tokens equal eager; Core ML converts and passes
+    the structural checks the seed's conversion failed."""
+    from examples.seed_gpt2_beam import seed_model
+
+    lm = seed_model()
+    prompt = torch.tensor([101, 2769, 4263, 872, 8024])
+    beam = kw.BeamSearch(num_beams=3)
+    kw.export(lm, tmp_path / "seed.onnx", max_length=24)
+    runtime = kw.load_exported(tmp_path / "seed.onnx")
+    assert runtime.generate(prompt, max_new_tokens=8, sampler=beam).tolist() == \
+        lm.generate(prompt, max_new_tokens=8, sampler=beam).tolist()
+    pytest.importorskip("coremltools")
+    from kvwire.export.coreml import package_summary
+
+    kw.export(lm, tmp_path / "seed.mlpackage", max_length=24, batch_size=3, stateful=False)
+    summary = package_summary(tmp_path / "seed.mlpackage")
+    assert all(not s["nonconst_weights"] and not s["ops"] & {"cond", "while_loop"} for s in summary.values())
+    assert summary["decode"]["inputs"]["past_5_value"] == [3, 12, 24, 64]

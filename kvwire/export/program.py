@@ -85,6 +85,13 @@ class ExportProgram(nn.Module):
         return tuple(out)
 
     def default_runtime_inputs(self):
-        """Defaults of the runtime inputs for one row (stored in exported metadata)."""
-        values = self._defaults(1)
-        return {name: float(values[name][0]) for name in self.runtime}
+        """Defaults of the runtime inputs for one row (stored in exported metadata); an input
+        whose default is the row's prompt length (a `generated_only` steer) is "prompt_length"."""
+        probe = 1 + self.max_length  # a prompt length no constant default can equal
+        plain, probed = self._defaults(1), self._defaults(1, torch.tensor([probe]))
+        out = {}
+        for name, dtype in self.runtime.items():
+            follows = int(probed[name][0]) == probe and int(plain[name][0]) != probe
+            value = plain[name][0]
+            out[name] = "prompt_length" if follows else float(value) if dtype.is_floating_point else int(value)
+        return out

@@ -1,0 +1,78 @@
+"""Exported default model (Gemma 3 270M) on onnxruntime vs kvwire eager vs llama.cpp, one process.
+
+    python bench/export.py [--threads 2] [--new-tokens 32] [--max-length 1024] [--no-coreml]
+
+Exports the cached graph to ONNX (float32, and int4 weights via onnxruntime's MatMulNBits
+quantiser) and to Core ML (structure only: prediction needs macOS), printing export time and file
+sizes; then runs the same kvwire generation loop on eager PyTorch and on onnxruntime, and
+llama.cpp on the GGUF when llama-cpp-python is installed, interleaved, best of 3 (see
+bench/generate.py). Prints decode tokens/s (batch 1 and 4) and prefill tokens/s (32 and 512
+tokens) with ratios.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from generate import kvwire_runner, llama_cpp_runner, measure  # noqa: E402
+
+
+def size_mb(path):
+    path = Path(path)
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    data = Path(str(path) + ".data")
+    return sum(f.stat().st_size for f in files + ([data] if data.is_file() else [])) / 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--no-coreml", action="store_true")
+    args = p.parse_args()
+    import torch
+
+    import kvwire as kw
+
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    lm = kw.load("gemma3-270m", progress=False)
+    runners = {"kvwire eager": kvwire_runner(lm)}
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = [("onnxruntime", "model.onnx", {}), ("onnxruntime int4", "int4.onnx", {"quantize": "int4"})]
+        if not args.no_coreml:
+            jobs.append(("coreml (not run)", "model.mlpackage", {}))
+        print("| export | seconds | MB |\n|---|---:|---:|")
+        for name, file, options in jobs:
+            path = Path(tmp) / file
+            start = time.perf_counter()
+            kw.export(lm, path, max_length=args.max_length, **options)
+            print(f"| {name} | {time.perf_counter() - start:.0f} | {size_mb(path):.0f} |", flush=True)
+            if path.suffix == ".onnx":
+                runners[name] = kvwire_runner(kw.load_exported(path, threads=args.threads))
+        try:
+            import llama_cpp  # noqa: F401
+            runners["llama.cpp"] = llama_cpp_runner(args.threads)
+        except ImportError:
+            print("llama-cpp-python is not installed: llama.cpp is not measured")
+        results = measure(runners, lm.tokenizer.encode, args.new_tokens)
+    keys = list(next(iter(results.values())))
+    print("\n| tokens/s | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys))
+    for lib, row in results.items():
+        print(f"| {lib} | " + " | ".join(f"{row[k]:.1f}" for k in keys) + " |")
+    base = results["kvwire eager"]
+    for lib, row in results.items():
+        if lib != "kvwire eager":
+            print(f"{lib} / kvwire eager: " + ", ".join(f"{k} {row[k] / base[k]:.2f}x" for k in keys))
+    if "llama.cpp" in results:
+        for lib in [k for k in results if k.startswith("onnxruntime")]:
+            print(f"{lib} / llama.cpp: " + ", ".join(f"{k} {results[lib][k] / results['llama.cpp'][k]:.2f}x"
+                                                    for k in keys))
+
+
+if __name__ == "__main__":
+    main()
