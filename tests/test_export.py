@@ -100,6 +100,8 @@ def test_bad_inputs_to_an_exported_model(exported):
         graph(ids, pos, 0, mask, bad)
     with pytest.raises(TypeError, match=r"unknown runtime inputs \['strength'\]"):
         graph(ids, pos, 0, mask, cache, strength=torch.zeros(1))
+    with pytest.raises(ValueError, match="chunk of 2 tokens at cache_index 63 does not fit the exported max_length 64"):
+        graph(ids, pos, 63, mask, cache)
     with pytest.raises(ValueError, match="exported for max_length 64; 65 requested"):
         graph.init_cache(1, 65)
     with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens"):
@@ -208,3 +210,26 @@ def test_seed_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
     summary = package_summary(tmp_path / "seed.mlpackage")
     assert all(not s["nonconst_weights"] and not s["ops"] & {"cond", "while_loop"} for s in summary.values())
     assert summary["decode"]["inputs"]["past_5_value"] == [3, 12, 24, 64]
+
+
+def test_executorch_runtime_generates_like_eager(tmp_path):
+    """ExecuTorch (portable kernels: XNNPACK lowering takes minutes): a steered Gemma 3 with a
+    static batch of 3; fewer rows are padded. Greedy (past the window, left padding), beam search
+    and per-row strengths equal eager."""
+    pytest.importorskip("executorch")
+    lm = _chat("gemma3")
+    width = lm.head.weight.shape[1]
+    vec = kw.ControlVector({1: torch.randn(width, generator=torch.Generator().manual_seed(5))})
+    path = tmp_path / "model.pte"
+    kw.export(lm.steer(vec, 0.0), path, max_length=48, batch_size=3, delegate="portable")
+    runtime = kw.load_exported(path)
+    prompts = PROMPTS[:2] + ["A prompt well past the window"]
+    assert runtime.generate(prompts, max_new_tokens=8) == lm.generate(prompts, max_new_tokens=8)
+    strengths = torch.tensor([1.5, 0.0, -1.0])
+    assert runtime.generate(prompts, max_new_tokens=8, inputs={"steer_strength": strengths}) == \
+        lm.steer(vec, strengths).generate(prompts, max_new_tokens=8)
+    beam = kw.BeamSearch(num_beams=3)
+    assert runtime.generate(PROMPTS[0], max_new_tokens=5, sampler=beam) == \
+        lm.generate(PROMPTS[0], max_new_tokens=5, sampler=beam)
+    with pytest.raises(ValueError, match="exported for batches of 3 rows; got 4"):
+        runtime.generate(prompts + ["x"], max_new_tokens=2)

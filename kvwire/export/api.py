@@ -7,26 +7,28 @@ from pathlib import Path
 import torch
 
 from .program import ExportProgram
-from .runtime import ExportedLM, RuntimeGraph, dtype_name, onnx_runner, read_meta, sidecar
+from .runtime import ExportedLM, RuntimeGraph, dtype_name, executorch_runner, onnx_runner, read_meta, sidecar
 
 FORMATS = {".onnx": "onnx", ".pte": "executorch", ".mlpackage": "coreml"}
 DEFAULT_MAX_LENGTH = 1024
 
 
 def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, all_logits=False,
-           overwrite=False, quantize=None, stateful=True):
+           overwrite=False, quantize=None, stateful=True, delegate="xnnpack"):
     """Export the cached graph of `lm` (edits included) plus its head as one model file.
 
     Args:
         lm: a CausalLM, edited or not. path: ".onnx", ".pte" or ".mlpackage" (or give `format`).
         max_length: cache timeline length, fixed in the file (default min(1024, context)).
-        batch_size: rows per call where shapes are static (Core ML); ONNX takes any batch and any
-            chunk of 1..max_length tokens.
+        batch_size: rows per call where the batch is static (Core ML, ExecuTorch; fewer rows are
+            padded at run time); ONNX takes any batch. Chunks of 1..max_length tokens (Core ML:
+            a fixed prefill chunk and a decode step).
         dtype: weights dtype to export (default: the model's own).
         format: "onnx", "executorch" or "coreml" when the suffix does not say.
         all_logits: output logits for every position of a chunk, not only the last.
         overwrite: replace an existing file. quantize: ONNX only: "int8" or "int4" weight-only.
         stateful: Core ML only: KV cache as model state (iOS 18) or as inputs/outputs.
+        delegate: ExecuTorch only: "xnnpack" (default) or "portable" (no delegate, faster export).
     Returns a dict report: format, path, seconds, bytes, signature.
 
     Inputs of the file: token_ids, positions, cache_index, attention_mask, past.{i}.key/value per
@@ -39,15 +41,13 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
     """
     path = Path(path)
     fmt = _format(path, format)
-    if fmt == "executorch":
-        raise NotImplementedError(
-            "ExecuTorch export is not available yet: executorch 1.5.1 with torch 2.13 bounds the exported "
-            "batch to the traced example and lowering takes minutes for a 4-layer model; use .onnx")
     max_length = _max_length(lm, max_length)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if quantize is not None and fmt != "onnx":
         raise ValueError(f"quantize={quantize!r} is an ONNX option; {fmt} export takes the model's weights")
+    if delegate != "xnnpack" and fmt != "executorch":
+        raise ValueError(f"delegate={delegate!r} is an ExecuTorch option")
     _make_room(path, overwrite)
     if dtype is not None and dtype != next(lm.parameters()).dtype:
         import copy
@@ -59,8 +59,12 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
         to_coreml(prog, path, batch_size, stateful)
     else:
         prog = ExportProgram(lm, max_length, all_logits).eval()
-        from .onnx import to_onnx
-        to_onnx(prog, path, quantize)
+        if fmt == "onnx":
+            from .onnx import to_onnx
+            to_onnx(prog, path, quantize)
+        else:
+            from .executorch import to_executorch
+            to_executorch(prog, path, batch_size, delegate)
     seconds = time.perf_counter() - start
     meta = _meta(lm, prog, fmt, batch_size, stateful)
     sidecar(path).write_text(json.dumps(meta))
@@ -72,7 +76,7 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
 
 
 def load_exported(path, tokenizer=None, threads=None):
-    """An `ExportedLM` over an exported .onnx file (run by onnxruntime).
+    """An `ExportedLM` over an exported .onnx (onnxruntime) or .pte (ExecuTorch runtime) file.
 
     tokenizer: a kvwire Tokenizer; default: the one saved at export. generate / stream /
     samplers / beam search work as on the eager model. Core ML packages need macOS to run.
@@ -89,7 +93,7 @@ def load_exported(path, tokenizer=None, threads=None):
     if fmt == "coreml":
         raise RuntimeError("Core ML packages run only on macOS (coremltools cannot predict on Linux); "
                            "use the .onnx or .pte export here")
-    run = onnx_runner(path, threads)
+    run = onnx_runner(path, threads) if fmt == "onnx" else executorch_runner(path)
     if tokenizer is None and meta.get("tokenizer"):
         tokenizer = _tokenizer(meta)
     return ExportedLM(RuntimeGraph(meta, run), tokenizer, meta)
@@ -135,6 +139,7 @@ def _meta(lm, prog, fmt, batch_size, stateful):
     return {
         "kvwire_export": 1, "format": fmt, "max_length": sig.max_length, "batch_size": batch_size,
         "stateful": stateful if fmt == "coreml" else None, "all_logits": prog.all_logits,
+        "static_batch": batch_size if fmt in ("executorch", "coreml") else None,
         "inputs": [(n, list(s), dtype_name(d)) for n, s, d in sig.inputs], "outputs": list(sig.outputs),
         "runtime_inputs": list(sig.runtime_inputs), "runtime_defaults": prog.default_runtime_inputs(),
         "vocab_size": lm.vocab_size, "max_context": lm.max_context, "eos_token_ids": list(lm.eos_token_ids),

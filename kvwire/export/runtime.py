@@ -1,5 +1,5 @@
 """Exported models driven by kvwire's generation loop: `ExportedLM` is a CausalLM whose cached
-graph is a runtime session (onnxruntime), so generate / stream / samplers / beam
+graph is a runtime session (onnxruntime, ExecuTorch), so generate / stream / samplers / beam
 search behave as in eager mode."""
 import json
 from pathlib import Path
@@ -55,7 +55,10 @@ class RuntimeGraph:
         return out
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, **inputs):
-        B = token_ids.shape[0]
+        B, T = token_ids.shape[0], token_ids.shape[-1]
+        if not 0 <= int(cache_index) <= self.max_length - T:
+            raise ValueError(f"chunk of {T} tokens at cache_index {int(cache_index)} does not fit the exported "
+                             f"max_length {self.max_length}")
         if attention_mask.shape[-1] < self.max_length:
             pad = torch.zeros(B, self.max_length - attention_mask.shape[-1], dtype=attention_mask.dtype)
             attention_mask = torch.cat([attention_mask, pad], dim=1)
@@ -68,9 +71,13 @@ class RuntimeGraph:
         given = [token_ids, positions, torch.as_tensor(cache_index), attention_mask, *flat,
                  *[values[n] for n in self.runtime_inputs]]
         feeds = self.check(given)
-        outputs = self.run(feeds)
-        logits = torch.as_tensor(outputs[0])
-        rest = [torch.as_tensor(t) for t in outputs[1:]]
+        static = self.meta.get("static_batch")
+        if static:
+            if B > static:
+                raise ValueError(f"this model was exported for batches of {static} rows; got {B}")
+            feeds = {k: _pad_rows(v, static) if v.dim() else v for k, v in feeds.items()}
+        outputs = [torch.as_tensor(np.asarray(t))[:B] for t in self.run(feeds)]
+        logits, rest = outputs[0], outputs[1:]
         return logits, tuple((rest[i], rest[i + 1]) for i in range(0, len(rest), 2))
 
     def check(self, given):
@@ -90,6 +97,13 @@ class RuntimeGraph:
                                  f"got {dtype_name(value.dtype)} of shape {tuple(value.shape)}")
             feeds[name] = value.to(dtype)
         return feeds
+
+
+def _pad_rows(t, rows):
+    """t with zero rows appended up to `rows` (masked out: their attention mask is all False)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype)])
 
 
 class ExportedLM(CausalLM):
@@ -154,3 +168,10 @@ def onnx_runner(path, threads=None):
         options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return lambda feeds: session.run(None, {k: v.numpy() for k, v in feeds.items()})
+
+
+def executorch_runner(path):
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(str(path)).load_method("forward")
+    return lambda feeds: method.execute([t.contiguous() for t in feeds.values()])

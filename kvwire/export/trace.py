@@ -4,8 +4,9 @@ import torch.fx.experimental._config as fx_config
 from torch.export import Dim
 
 
-def export_program(prog, max_batch=64):
-    """torch.export `prog` with dynamic batch (1..max_batch) and chunk length (1..max_length).
+def export_program(prog, max_batch=64, batch_size=None):
+    """torch.export `prog` with dynamic batch (1..max_batch) and chunk length (1..max_length);
+    a given `batch_size` makes the batch static instead.
 
     The traced example has two rows and two tokens; shapes are treated size-obliviously so that
     the graph carries no 0/1 specialisation. (torch.export still refuses a declared minimum of 1,
@@ -17,8 +18,9 @@ def export_program(prog, max_batch=64):
     chunk = Dim("chunk", min=2, max=max(prog.max_length, 3))
     dims = []
     for _, shape, _ in sig.inputs:
-        d = {i: batch if s == "batch" else chunk for i, s in enumerate(shape) if s in ("batch", "chunk")}
+        dynamic = ("chunk",) if batch_size else ("batch", "chunk")
+        d = {i: batch if s == "batch" else chunk for i, s in enumerate(shape) if s in dynamic}
         dims.append(d or None)
-    example = prog.example_inputs(2, 2)
+    example = prog.example_inputs(batch_size or 2, 2)
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         return torch.export.export(prog, example, dynamic_shapes=(*dims[:4], tuple(dims[4:])), strict=False)
