@@ -83,8 +83,8 @@ def _export(args):
     from .export import export
 
     lm = _load_model(args)
-    report = export(lm, args.output, max_length=args.max_length, format=args.format, overwrite=args.overwrite,
-                    quantize=args.quantize)
+    report = export(lm, args.output, max_length=args.max_length, batch_size=args.batch_size, format=args.format,
+                    overwrite=args.overwrite, quantize=args.quantize, delegate=args.delegate)
     print(f"wrote {report['path']} ({report['format']}, {report['bytes'] / 1e6:.1f} MB) in "
           f"{report['seconds']:.1f} s", file=sys.stderr)
 
@@ -137,8 +137,8 @@ def parser():
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable; not printed)")
     g.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="penalty > 0 on seen tokens")
     g.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
-    g.add_argument("--runtime", default="eager", choices=["eager", "onnx"],
-                   help="eager (kvwire) or onnx: --model is then an exported .onnx file")
+    g.add_argument("--runtime", default="eager", choices=["eager", "onnx", "executorch"],
+                   help="eager (kvwire), or onnx / executorch: --model is then an exported .onnx / .pte file")
     _steer_options(g)
     g.set_defaults(run=_generate)
     s = commands.add_parser("score", help="perplexity of a text file", description="Print the perplexity of a "
@@ -149,14 +149,17 @@ def parser():
     s.set_defaults(run=_score)
     _steer_parser(commands)
     e = commands.add_parser("export", help="export the (steered) model's cached graph to a file",
-                            description="Export the cached graph plus head as one model (ONNX; .pte and "
-                            ".mlpackage are not available yet). Run it with kvwire generate --runtime onnx.")
+                            description="Export the cached graph plus head as one model: .onnx, .pte "
+                            "(ExecuTorch) or .mlpackage (Core ML). Run .onnx / .pte files with kvwire generate "
+                            "--runtime onnx|executorch --model FILE.")
     e.add_argument("output", help="output file, e.g. model.onnx")
     _model_options(e)
     _steer_options(e)
     e.add_argument("--max-length", type=int, default=None, metavar="N", help="cache length (default 1024)")
     e.add_argument("--format", default=None, choices=["onnx", "executorch", "coreml"], help="when the suffix is unclear")
     e.add_argument("--quantize", default=None, choices=["int8", "int4"], help="ONNX weight-only quantisation")
+    e.add_argument("--batch-size", type=int, default=1, metavar="N", help="rows per call (ExecuTorch, Core ML)")
+    e.add_argument("--delegate", default="xnnpack", choices=["xnnpack", "portable"], help="ExecuTorch kernels")
     e.add_argument("--overwrite", action="store_true", help="replace an existing file")
     e.set_defaults(run=_export)
     pl = commands.add_parser("plot", help="draw the layer graph (svg/png/pdf/dot)",
