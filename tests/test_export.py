@@ -212,12 +212,13 @@ def test_seed_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
     assert summary["decode"]["inputs"]["past_5_value"] == [3, 12, 24, 64]
 
 
-def test_executorch_runtime_generates_like_eager(tmp_path):
-    """ExecuTorch (portable kernels: XNNPACK lowering takes minutes): a steered Gemma 3 with a
-    static batch of 3; fewer rows are padded. Greedy (past the window, left padding), beam search
-    and per-row strengths equal eager."""
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_executorch_runtime_generates_like_eager(tmp_path, family):
+    """ExecuTorch (portable kernels: XNNPACK lowering takes minutes): a steered tiny model with a
+    static batch of 3; fewer rows are padded. Greedy (past Gemma's window, left padding), beam
+    search and per-row strengths equal eager."""
     pytest.importorskip("executorch")
-    lm = _chat("gemma3")
+    lm = _chat(family)
     width = lm.head.weight.shape[1]
     vec = kw.ControlVector({1: torch.randn(width, generator=torch.Generator().manual_seed(5))})
     path = tmp_path / "model.pte"
