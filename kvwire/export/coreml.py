@@ -54,14 +54,18 @@ def to_coreml(prog, path, batch_size, stateful, prefill_length=None):
             example = prog.example_inputs(batch_size, T)
             if stateful:
                 example = example[:4] + example[4 + 2 * len(prog.slots):]
-            with torch.no_grad():
-                ep = torch.export.export(module, example, strict=False).run_decompositions({})
             kwargs = {}
             if stateful:
                 kwargs["states"] = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(b.shape), dtype=np.float16),
                                                  name=name) for name, b in module.named_buffers(recurse=False)]
-            model = ct.convert(ep, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                               skip_model_load=True, compute_precision=ct.precision.FLOAT32, **kwargs)
+            try:
+                with torch.no_grad():
+                    ep = torch.export.export(module, example, strict=False).run_decompositions({})
+                model = ct.convert(ep, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                                   skip_model_load=True, compute_precision=ct.precision.FLOAT32, **kwargs)
+            except Exception as e:
+                from .check import describe_failure
+                raise describe_failure(prog, "coreml", e) from e
             check_coreml(model)
             parts[function] = Path(tmp) / f"{function}.mlpackage"
             _rename(model, prog, stateful).save(str(parts[function]))
