@@ -212,13 +212,13 @@ def test_seed_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
     assert summary["decode"]["inputs"]["past_5_value"] == [3, 12, 24, 64]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_executorch_runtime_generates_like_eager(tmp_path, family):
-    """ExecuTorch (portable kernels: XNNPACK lowering takes minutes): a steered tiny model with a
-    static batch of 3; fewer rows are padded. Greedy (past Gemma's window, left padding), beam
-    search and per-row strengths equal eager."""
+def test_executorch_runtime_generates_like_eager(tmp_path):
+    """ExecuTorch (portable kernels: XNNPACK lowering takes minutes): a steered tiny Gemma 3 (the
+    family with a sliding window) with a static batch of 3; fewer rows are padded. Greedy (past
+    the window, left padding), beam search and per-row strengths equal eager. One family only:
+    each ExecuTorch export costs ~60 s of the suite."""
     pytest.importorskip("executorch")
-    lm = _chat(family)
+    lm = _chat("gemma3")
     width = lm.head.weight.shape[1]
     vec = kw.ControlVector({1: torch.randn(width, generator=torch.Generator().manual_seed(5))})
     path = tmp_path / "model.pte"
