@@ -32,7 +32,7 @@ class ExportProgram(nn.Module):
         all_logits: return logits for every position of the chunk instead of the last one.
         int_dtype: dtype of integer inputs (torch.int32 for Core ML); cast to int64 inside.
         mask_dtype: dtype of `attention_mask` (torch.bool, or torch.int32 where a runtime has no
-            bool inputs); compared with 0 inside.
+            bool inputs or gathers); the layers read nonzero as valid.
     """
 
     def __init__(self, lm, max_length, all_logits=False, int_dtype=torch.int64, mask_dtype=torch.bool):
@@ -50,8 +50,9 @@ class ExportProgram(nn.Module):
         flat, runtime = rest[:n], rest[n:]
         cache = tuple((flat[2 * i], flat[2 * i + 1]) for i in range(len(self.slots)))
         runtime = [r.long() if self.runtime[name] == torch.int64 else r for name, r in zip(self.runtime, runtime)]
+        # the layers gather from the mask as given: bool, or int32 where the runtime needs it
         hidden, next_cache = self.body(token_ids.long(), positions.long(), cache_index.long(),
-                                        attention_mask != 0, cache, *runtime)
+                                        attention_mask, cache, *runtime)
         logits = self.head(hidden if self.all_logits else hidden[:, -1:])
         return (logits.float(), *[t for pair in next_cache for t in pair])
 

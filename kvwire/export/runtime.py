@@ -62,7 +62,7 @@ class RuntimeGraph:
         if attention_mask.shape[-1] < self.max_length:
             pad = torch.zeros(B, self.max_length - attention_mask.shape[-1], dtype=attention_mask.dtype)
             attention_mask = torch.cat([attention_mask, pad], dim=1)
-        values = {**self.default_inputs(B), **inputs}
+        values = inputs if set(inputs) >= set(self.runtime_inputs) else {**self.default_inputs(B), **inputs}
         unknown = set(values) - set(self.runtime_inputs)
         if unknown:
             raise TypeError(f"unknown runtime inputs {sorted(unknown)}; this model takes "

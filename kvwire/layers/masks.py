@@ -59,8 +59,10 @@ def chunk_mask(cache_index, T, window, attention_mask):
 
 
 def _gather(attention_mask, index):
-    """attention_mask[:, index] as bool; gathered as int32 (Core ML gathers no bool tensors)."""
-    return attention_mask.to(torch.int32).index_select(1, index) != 0
+    """attention_mask[:, index] as bool. The mask may be bool or int32 (Core ML exports take an
+    int32 mask: its converter gathers no bool tensors); the dtype is static, not a value."""
+    valid = attention_mask.index_select(1, index)
+    return valid if valid.dtype == torch.bool else valid != 0
 
 
 def _nonnegative(index):
