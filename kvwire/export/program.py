@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..layers.shared import per_call
+
 
 @dataclass(frozen=True)
 class Signature:
@@ -51,8 +53,9 @@ class ExportProgram(nn.Module):
         cache = tuple((flat[2 * i], flat[2 * i + 1]) for i in range(len(self.slots)))
         runtime = [r.long() if self.runtime[name] == torch.int64 else r for name, r in zip(self.runtime, runtime)]
         # the layers gather from the mask as given: bool, or int32 where the runtime needs it
-        hidden, next_cache = self.body(token_ids.long(), positions.long(), cache_index.long(),
-                                        attention_mask, cache, *runtime)
+        with per_call():  # one copy of the masks and rotary tables in the exported graph
+            hidden, next_cache = self.body(token_ids.long(), positions.long(), cache_index.long(),
+                                            attention_mask, cache, *runtime)
         logits = self.head(hidden if self.all_logits else hidden[:, -1:])
         return (logits.float(), *[t for pair in next_cache for t in pair])
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from ..layers.shared import per_call
 from .trace import trace
 
 
@@ -107,6 +108,8 @@ class CachedGraph(nn.Module):
     attention_mask (B, max_length) bool, cache)` -> `(hidden (B, T, D), next_cache)`, where
     `cache` is a tuple with one `(key, value)` pair per cached layer call (`self.slots`), each
     (B, kv_heads, slots, head_dim). In eager mode the caches are updated in place and returned.
+    Callers of the raw `graph_module` should enter `kvwire.layers.shared.per_call()` around each
+    call, as this module does, so layers share their masks and rotary tables.
     Layers that read runtime inputs (`self.runtime_inputs`, {name: dtype}) add one (B,) input each
     after `cache`, given by keyword; left out, they take the layers' defaults (`default_inputs`).
     Calling the module checks its inputs; `self.graph_module` is the raw graph for export/compile
@@ -161,7 +164,8 @@ class CachedGraph(nn.Module):
     def forward(self, token_ids, positions, cache_index, attention_mask, cache, **inputs):
         cache_index = _check_inputs(self, token_ids, positions, cache_index, attention_mask, cache)
         extra = self._runtime_values(token_ids.shape[0], inputs)
-        return self.graph_module(token_ids, positions, cache_index, attention_mask, cache, *extra)
+        with per_call():  # layers share masks and rotary tables within the call
+            return self.graph_module(token_ids, positions, cache_index, attention_mask, cache, *extra)
 
     def _runtime_values(self, batch_size, inputs):
         unknown = set(inputs) - set(self.runtime_inputs)

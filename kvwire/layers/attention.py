@@ -12,6 +12,8 @@ from torch import nn
 from .base import Layer
 from .linear import Linear
 from .masks import chunk_mask, ring_indices, ring_sources, slot_mask
+from .norm import as_float32
+from .shared import shared
 
 FLASH_ROWS = 64  # query rows per key/value head from which the fused kernel pays off
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -80,18 +82,19 @@ class Attention(Layer):
         k_cache, v_cache = cache
         T, slots = x.shape[1], k_cache.shape[2]
         q, k, v = self._project(x, positions)
-        old = slot_mask(cache_index, T, slots, self.sliding_window, attention_mask)
-        new = chunk_mask(cache_index, T, self.sliding_window, attention_mask)
+        # layers with the same window share masks (and index maps) within one cached-graph call
+        old = shared(slot_mask, cache_index, T, slots, self.sliding_window, attention_mask)
+        new = shared(chunk_mask, cache_index, T, self.sliding_window, attention_mask)
         out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)])
         if torch.compiler.is_compiling():  # exporters and compilers: functional, shape-free update
-            source, take = ring_sources(cache_index, T, slots)
+            source, take = shared(ring_sources, cache_index, T, slots)
             keep = (source < 0)[None, None, :, None]
             k_cache = torch.where(keep, k_cache, k.index_select(2, take))
             v_cache = torch.where(keep, v_cache, v.index_select(2, take))
         else:
             # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
             k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
-            index = ring_indices(cache_index, T, k_tail.shape[2], slots)
+            index = shared(ring_indices, cache_index, T, k_tail.shape[2], slots)
             k_cache.index_copy_(2, index, k_tail)
             v_cache.index_copy_(2, index, v_tail)
         return self._output(out, x.dtype), (k_cache, v_cache)
@@ -105,7 +108,7 @@ class Attention(Layer):
             q, k = self.q_norm(q), self.k_norm(k)
         # Attention runs in float32 whatever the weights: reduced-precision batched matmuls are slow
         # on CPUs without native bf16, and the cache keeps full precision (no-ops for float32).
-        q, k, v = q.float(), k.float(), v.float()
+        q, k, v = as_float32(q), as_float32(k), as_float32(v)
         if self.rotary is not None:
             cos, sin = self.rotary.tables(positions)
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
@@ -125,7 +128,7 @@ class Attention(Layer):
         B, H, T, hd = q.shape
         groups = H // self.num_kv_heads
         qg = q.reshape(B, self.num_kv_heads, groups * T, hd)
-        scores = torch.cat([qg @ k.to(q.dtype).transpose(-1, -2) for k, _, _ in blocks], dim=-1) * self.scale
+        scores = torch.cat([qg @ as_float32(k).transpose(-1, -2) for k, _, _ in blocks], dim=-1) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
@@ -134,7 +137,7 @@ class Attention(Layer):
         scores = scores.masked_fill(torch.logical_not(mask[:, None, None]), float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, sum(sizes))
         parts = torch.split(probs, sizes, dim=-1)
-        out = sum(p @ v.to(q.dtype) for p, (_, v, _) in zip(parts, blocks))
+        out = sum(p @ as_float32(v) for p, (_, v, _) in zip(parts, blocks))
         return out.view(B, H, T, hd)
 
     def _attend_flash(self, q, blocks):
@@ -146,7 +149,7 @@ class Attention(Layer):
             rows = rows.reshape(mask.shape[0], 1, -1, mask.shape[-1])  # (B|1, 1, G*T, S)
             bias = torch.zeros(rows.shape, dtype=q.dtype).masked_fill(~rows, float("-inf"))
             # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
-            k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+            k, v = as_float32(k).contiguous(), as_float32(v).contiguous()
             out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
             seen = rows.any(-1)  # rows with no visible key: the kernel may give 0 or NaN there
             outs.append(out.masked_fill(~seen[..., None], 0.0))
@@ -157,4 +160,5 @@ class Attention(Layer):
 
     def _output(self, out, dtype):
         B, H, T, hd = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd).to(dtype))
+        out = out.transpose(1, 2).reshape(B, T, H * hd)
+        return self.o_proj(out if out.dtype == dtype else out.to(dtype))

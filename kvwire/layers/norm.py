@@ -30,6 +30,12 @@ class RMSNorm(Layer):
         self.eps = eps
 
     def forward(self, x):
-        h = x.float()
+        h = as_float32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        h = h * (1.0 + as_float32(self.weight))
+        return h if h.dtype == x.dtype else h.to(x.dtype)
+
+
+def as_float32(t):
+    """t in float32; skips the call when it already is (a decode step makes hundreds of them)."""
+    return t if t.dtype == torch.float32 else t.float()

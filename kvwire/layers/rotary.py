@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from .shared import shared
+
 
 class Rotary(nn.Module):
     """Rotates query/key heads by their positions.
@@ -30,7 +32,12 @@ class Rotary(nn.Module):
         self.inv_freq = self._inv_freq()
 
     def tables(self, positions, dtype=torch.float32):
-        """cos and sin for positions (B, T): each (B, 1, T, head_dim)."""
+        """cos and sin for positions (B, T): each (B, 1, T, head_dim). Rotaries with equal settings
+        share them within one cached-graph call."""
+        settings = (Rotary, self.head_dim, self.base, self.scaling_factor)
+        return shared(self._tables, positions, dtype, key=settings)
+
+    def _tables(self, positions, dtype):
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
         return angles.cos().to(dtype), angles.sin().to(dtype)
