@@ -10,8 +10,9 @@ from .generate import BeamSearch, CausalLM, Generation, Greedy, MinP, Random, To
 from .graph import (CachedGraph, block_calls, clone, insert_after, insert_before, plot, replace, select, skip, tap,
                     trace, with_cache)
 from .load import from_hf, load
+from .quant import quantize
 from .steer import ControlVector, Steer
 
 __all__ = ["BeamSearch", "CachedGraph", "CausalLM", "ControlVector", "Generation", "Greedy", "MinP", "Random",
            "Steer", "TopK", "TopP", "block_calls", "clone", "export", "from_hf", "insert_after", "insert_before", "load", "load_exported", "plot",
-           "replace", "select", "skip", "tap", "trace", "with_cache"]
+           "quantize", "replace", "select", "skip", "tap", "trace", "with_cache"]

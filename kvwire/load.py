@@ -15,11 +15,13 @@ from .io.safetensors_dir import read_config, read_state_dict
 from .io.tokenizer import Tokenizer, eos_list, tokenizer_from_gguf, tokenizer_from_hf_folder
 from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
 from .models.gemma3.presets import PRESETS
+from .quant import SCHEMES
+from .quant import quantize as quantize_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True):
+def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None):
     """Load a model: a preset name, a GGUF file or a Hugging Face checkpoint folder.
 
     Args:
@@ -28,6 +30,8 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True):
             config.json + *.safetensors (+ tokenizer.json).
         dtype: torch dtype (or its name) of the weights.
         progress: show progress bars.
+        quantize: None, "int8" or "int4": weight-only quantisation of every linear map and the
+            head (`kw.quantize`); fastest decoding with dtype="bfloat16".
 
     Returns a `CausalLM`.
 
@@ -36,6 +40,13 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True):
         >>> lm.generate("Once upon a time", max_new_tokens=16)
     """
     dtype = _dtype(dtype)
+    if quantize is not None and quantize not in SCHEMES:
+        raise ValueError(f"unknown quantize={quantize!r}; expected None or one of {SCHEMES}")
+    lm = _load(name_or_path, dtype, progress)
+    return lm if quantize is None else quantize_lm(lm, quantize)
+
+
+def _load(name_or_path, dtype, progress):
     if name_or_path in PRESETS:
         return load_gguf(PRESETS[name_or_path](), dtype, progress)
     path = Path(name_or_path)

@@ -55,6 +55,10 @@ class CausalLM(nn.Module):
             self._cached = with_cache(self.backbone)
         return self._cached
 
+    def reset_caches(self):
+        """Forget the cached graph and the kept caches (after swapping layers in place)."""
+        self._cached, self._caches = None, {}
+
     def forward(self, token_ids):
         """Uncached logits: token_ids (B, T) int -> (B, T, V)."""
         self.check_ids(token_ids)

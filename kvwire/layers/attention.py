@@ -145,15 +145,16 @@ class Attention(Layer):
         qg = q.reshape(B, self.num_kv_heads, -1, hd).contiguous()
         outs, lses = [], []
         for k, v, mask in blocks:
-            rows = mask[:, None, None].expand(-1, -1, H // self.num_kv_heads, -1, -1)
-            rows = rows.reshape(mask.shape[0], 1, -1, mask.shape[-1])  # (B|1, 1, G*T, S)
-            bias = torch.zeros(rows.shape, dtype=q.dtype).masked_fill(~rows, float("-inf"))
+            bias, seen, any_seen = shared(_flash_bias, mask, H // self.num_kv_heads)
+            if not any_seen:  # e.g. the empty cache of a prompt's first chunk: nothing to attend
+                continue
             # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
             k, v = as_float32(k).contiguous(), as_float32(v).contiguous()
             out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
-            seen = rows.any(-1)  # rows with no visible key: the kernel may give 0 or NaN there
             outs.append(out.masked_fill(~seen[..., None], 0.0))
             lses.append(lse.masked_fill(~seen, float("-inf")))
+        if len(outs) == 1:
+            return outs[0].view(B, H, T, hd)
         total = torch.logsumexp(torch.stack(lses), dim=0)
         out = sum(o * torch.exp(lse - total)[..., None] for o, lse in zip(outs, lses))
         return out.view(B, H, T, hd)
@@ -162,3 +163,12 @@ class Attention(Layer):
         B, H, T, hd = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * hd)
         return self.o_proj(out if out.dtype == dtype else out.to(dtype))
+
+
+def _flash_bias(mask, groups):
+    """A block's mask (B|1, T, S) as the flash kernel's additive bias (B|1, 1, groups*T, S), which
+    query rows see any key (B|1, 1, groups*T), and whether any does (a Python bool: eager only)."""
+    rows = mask[:, None, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, -1, mask.shape[-1])
+    bias = torch.zeros(rows.shape).masked_fill(torch.logical_not(rows), float("-inf"))
+    seen = rows.any(-1)  # rows with no visible key: the kernel may give 0 or NaN there
+    return bias, seen, bool(seen.any())

@@ -17,9 +17,17 @@ class TiedHead(Layer):
         super().__init__()
         self.weight = embedding.weight
         self.softcap = softcap
+        self.quantized = None
+
+    def quantize(self, scheme, group_size=32):
+        """Compute logits with an int8/int4 copy of the weight (see `kw.quantize`); the embedding
+        keeps the float table for its lookups."""
+        from ..quant import QuantizedLinear  # quant builds on layers, not the other way round
+
+        self.quantized = QuantizedLinear(self.weight, None, scheme, group_size)
 
     def forward(self, hidden):
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight) if self.quantized is None else self.quantized(hidden)
         if self.softcap is not None:
             logits = (logits / self.softcap).tanh() * self.softcap
         return logits

@@ -1,0 +1,36 @@
+"""`kw.quantize`: swap a model's linear maps for weight-only int8 / int4 ones, in place."""
+from torch import nn
+
+from .linear import SCHEMES, QuantizedLinear
+
+
+def quantize(lm, scheme="int4", group_size=32, head=True):
+    """Quantise the weights of every `nn.Linear` in `lm.backbone` (and the head) to int8 or int4.
+
+    Activations, norms, embeddings, attention and the KV cache keep their dtype; only the matmul
+    weights shrink (decode streams 4 or 8 bits a weight instead of 16 or 32). The tied embedding
+    keeps its float table for token lookups; the head gets a quantised copy for the logits.
+    In place: models made from `lm` with `edit`/`steer` share its layers and change too.
+
+    Args:
+        lm: a `CausalLM`. scheme: "int8" (one scale per output row) or "int4" (scale and zero per
+            `group_size` inputs). head: also quantise the logits head (the largest matrix).
+
+    Returns `lm`.
+
+    Example:
+        >>> lm = kw.quantize(kw.load("gemma3-270m", dtype="bfloat16"), "int4")
+        >>> lm.generate("The capital of France is", max_new_tokens=8)
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantisation scheme {scheme!r}; expected one of {SCHEMES}")
+    targets = [(parent, name, child) for parent in lm.backbone.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name, child in targets:
+        setattr(parent, name, QuantizedLinear.from_linear(child, scheme, group_size))
+    if head:
+        if not hasattr(lm.head, "quantize"):
+            raise ValueError(f"head {type(lm.head).__name__} cannot be quantised; pass head=False")
+        lm.head.quantize(scheme, group_size)
+    lm.reset_caches()
+    return lm
