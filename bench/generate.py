@@ -1,12 +1,15 @@
 """Generation speed of the default model: kvwire vs transformers `generate` on the same weights.
 
-    python bench/generate.py [--new-tokens 32] [--threads 2] [--dtypes float32 bfloat16]
+    python bench/generate.py [--new-tokens 32] [--threads 2]
+                             [--variants float32 bfloat16 bfloat16+int8 bfloat16+int4]
 
 transformers gets kvwire's own Gemma 3 270M weights (same names but the `model.` prefix), so no
 GGUF load is needed and both run the same numbers in the same dtype. Each library and dtype runs
 in its own subprocess (peak RSS is per process). llama.cpp is measured too when llama-cpp-python
-is installed. Prints decode tokens/s at batch 1 and 4, prefill tokens/s for 32- and 512-token
-prompts, peak RSS, and the kvwire / peer ratios.
+is installed. A variant is a dtype, optionally with weight-only quantisation ("bfloat16+int4" =
+`kw.load(dtype="bfloat16", quantize="int4")`); transformers runs the float variants only, and
+quantised variants are compared with llama.cpp's 4-bit GGUF. Prints decode tokens/s at batch 1
+and 4, prefill tokens/s for 32- and 512-token prompts, peak RSS, and the kvwire / peer ratios.
 """
 import argparse
 import json
@@ -107,13 +110,14 @@ def llama_cpp_runner(threads):
     return generate
 
 
-def worker(mode, dtype, new_tokens, threads, peers):
+def worker(mode, variant, new_tokens, threads, peers):
     import torch
 
     import kvwire as kw
 
     torch.set_num_threads(threads)
-    lm = kw.load("gemma3-270m", dtype=dtype, progress=False)
+    dtype, _, scheme = variant.partition("+")
+    lm = kw.load("gemma3-270m", dtype=dtype, progress=False, quantize=scheme or None)
     runners = {"kvwire": kvwire_runner(lm)}
     if mode == "speed":
         for peer in peers:
@@ -133,32 +137,36 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--worker", nargs=2, metavar=("MODE", "DTYPE"))
+    p.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "bfloat16+int8", "bfloat16+int4"])
+    p.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
     p.add_argument("--peers", nargs="*", default=[])
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.new_tokens, args.threads, args.peers)))
         return
-    peers = ["transformers"]
+    llama = True
     try:
         import llama_cpp  # noqa: F401
-        peers.append("llama.cpp")
     except ImportError:
+        llama = False
         print("llama-cpp-python is not installed: llama.cpp is not measured")
     common = ["--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
     keys = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
-    print(f"{'library':14}{'dtype':10}" + "".join(f"{k:>13}" for k in keys) + f"{'peak RSS GB':>13}")
-    for dtype in args.dtypes:
-        # llama.cpp runs the GGUF's own quantised weights whatever our dtype: measure it once
-        these = [p for p in peers if p != "llama.cpp" or dtype == args.dtypes[0]]
-        speed = run_worker(__file__, ["--worker", "speed", dtype, *common, "--peers", *these])
+    print(f"{'library':14}{'variant':15}" + "".join(f"{k:>13}" for k in keys) + f"{'peak RSS GB':>13}")
+    for variant in args.variants:
+        quantised = "+" in variant
+        # llama.cpp runs the GGUF's own 4-bit weights whatever the variant; it is timed in every
+        # run (interleaved with kvwire) and compared with the quantised variants
+        these = ([] if quantised else ["transformers"]) + (["llama.cpp"] if llama else [])
+        speed = run_worker(__file__, ["--worker", "speed", variant, *common, "--peers", *these])
         for lib in ["kvwire", *these]:
-            rss = run_worker(__file__, ["--worker", lib, dtype, *common])["peak_rss_gb"] \
+            rss = run_worker(__file__, ["--worker", lib, variant, *common])["peak_rss_gb"] \
                 if lib != "llama.cpp" else float("nan")
-            print(f"{lib:14}{dtype:10}" + "".join(f"{speed[lib][k]:13.2f}" for k in keys) + f"{rss:13.2f}")
+            label = "Q4_K_M" if lib == "llama.cpp" else variant
+            print(f"{lib:14}{label:15}" + "".join(f"{speed[lib][k]:13.2f}" for k in keys) + f"{rss:13.2f}")
         for lib in these:
-            print(f"{'  kvwire/' + lib:24}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in keys))
+            if (lib == "llama.cpp") == quantised:
+                print(f"{'  kvwire/' + lib:29}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in keys))
     print("tokens/s; decode counts every row of the batch; best of 3 interleaved runs")
 
 

@@ -26,8 +26,8 @@ def make_sampler(args):
     }[name]()
 
 
-def _load_model(args):
-    """The model the options name, steered by --control-vector when given."""
+def _load_model(args, quantize=None):
+    """The model the options name (quantised when asked), steered by --control-vector when given."""
     from .load import load
     from .steer import ControlVector
 
@@ -36,8 +36,11 @@ def _load_model(args):
         if getattr(args, "control_vector", None):
             raise ValueError("--control-vector applies to eager models; export a steered model instead "
                              "(kvwire export --control-vector V ...) and pass --strength at run time")
+        if quantize:
+            raise ValueError(f"--quantize applies to eager models; --runtime {args.runtime} runs the file's "
+                             "own weights (export with kvwire export --quantize for ONNX)")
         return load_exported(args.model)
-    lm = load(args.model, dtype=args.dtype)
+    lm = load(args.model, dtype=args.dtype, quantize=quantize)
     if getattr(args, "control_vector", None):
         strength = 1.0 if args.strength is None else args.strength
         lm = lm.steer(ControlVector.load(args.control_vector), strength,
@@ -46,7 +49,7 @@ def _load_model(args):
 
 
 def _generate(args):
-    lm = _load_model(args)
+    lm = _load_model(args, args.quantize)
     options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=make_sampler(args),
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:
@@ -71,7 +74,7 @@ def _report(prefill, new, steps, seconds):
 
 
 def _score(args):
-    lm = _load_model(args)
+    lm = _load_model(args, args.quantize)
     with open(args.file, encoding="utf-8") as f:
         text = f.read()
     logprobs = lm.score(text)
@@ -124,6 +127,7 @@ def parser():
                             "decode speed go to stderr.")
     g.add_argument("prompt", help="the text to continue")
     _model_options(g)
+    _quantize_option(g)
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="tokens to generate (default 32)")
     g.add_argument("--max-length", type=int, default=None, metavar="N", help="prompt + new tokens at most")
     g.add_argument("--sampler", choices=SAMPLERS, default=None,
@@ -145,6 +149,7 @@ def parser():
                             "UTF-8 text file under the model (one uncached pass).")
     s.add_argument("file", help="text file")
     _model_options(s)
+    _quantize_option(s)
     _steer_options(s)
     s.set_defaults(run=_score)
     _steer_parser(commands)
@@ -195,6 +200,11 @@ def _steer_options(p):
     p.add_argument("--strength", type=float, default=None,
                    help="control-vector strength (default 1.0; for --runtime onnx: the exported default)")
     p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
+
+
+def _quantize_option(p):
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="weight-only quantisation of the eager model (fastest decode with --dtype bfloat16)")
 
 
 def _model_options(p):
