@@ -1,6 +1,6 @@
 """Does `torch.compile` of the decode step pay off? Compile time vs time saved per token.
 
-    python bench/compile.py [--steps 20] [--threads 2]
+    python bench/compile.py [--steps 20] [--threads 2] [--dtype float32] [--quantize int8|int4]
 
 Compiles the cached graph + head for T=1 (static shapes), then times eager and compiled decode
 steps in turn (best of 5 runs of `--steps` steps) and checks the logits agree.
@@ -11,20 +11,24 @@ import time
 import torch
 
 import kvwire as kw
+from kvwire.layers.shared import per_call
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    lm = kw.load("gemma3-270m", progress=False)
+    lm = kw.load("gemma3-270m", dtype=args.dtype, quantize=args.quantize, progress=False)
     cached, length = lm.cached, args.steps + 4
     graph = cached.graph_module
 
     def step(token, position, index, mask, cache):
-        hidden, cache = graph(token, position, index, mask, cache)
+        with per_call():  # as CachedGraph calls it: layers share masks and rotary tables
+            hidden, cache = graph(token, position, index, mask, cache)
         return lm.head(hidden[:, -1]), cache
 
     compiled = torch.compile(step, dynamic=False)
@@ -47,7 +51,7 @@ def main():
             x, a = step(token, torch.tensor([[i]]), torch.tensor(i), mask, a)
             y, b = compiled(token, torch.tensor([[i]]), torch.tensor(i), mask, b)
     saved = best["eager"] - best["compiled"]
-    print(f"compile {compile_s:.1f} s; decode step eager {best['eager'] * 1000:.1f} ms, compiled "
+    print(f"{args.dtype} {args.quantize or ''}: compile {compile_s:.1f} s; decode step eager {best['eager'] * 1000:.1f} ms, compiled "
           f"{best['compiled'] * 1000:.1f} ms; max |logit diff| {float((x - y).abs().max()):.2e}")
     if saved > 0:
         print(f"pays off after {compile_s / saved:.0f} generated tokens")

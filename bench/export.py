@@ -1,13 +1,15 @@
 """Exported default model (Gemma 3 270M) on onnxruntime vs kvwire eager vs llama.cpp, one process.
 
-    python bench/export.py [--threads 2] [--new-tokens 32] [--max-length 1024] [--no-coreml]
+    python bench/export.py [--threads 2] [--new-tokens 32] [--max-length 1024]
+                           [--formats onnx onnx-int4 executorch coreml]
 
 Exports the cached graph to ONNX (float32, and int4 weights via onnxruntime's MatMulNBits
-quantiser) and to Core ML (structure only: prediction needs macOS), printing export time and file
-sizes; then runs the same kvwire generation loop on eager PyTorch and on onnxruntime, and
-llama.cpp on the GGUF when llama-cpp-python is installed, interleaved, best of 3 (see
-bench/generate.py). Prints decode tokens/s (batch 1 and 4) and prefill tokens/s (32 and 512
-tokens) with ratios.
+quantiser), to ExecuTorch (XNNPACK delegate; the batch is static in a .pte, so it is exported for
+4 rows and batch-1 calls run padded to 4) and to Core ML (structure only: prediction needs macOS),
+printing export time and file sizes; then runs the same kvwire generation loop on eager PyTorch,
+onnxruntime and the ExecuTorch runtime, and llama.cpp on the GGUF when llama-cpp-python is
+installed, interleaved, best of 3 (see bench/generate.py). Prints decode tokens/s (batch 1 and 4)
+and prefill tokens/s (32 and 512 tokens) with ratios.
 """
 import argparse
 import os
@@ -18,6 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from generate import kvwire_runner, llama_cpp_runner, measure  # noqa: E402
+
+
+JOBS = {  # --formats name: (runner label, file name, kw.export options)
+    "onnx": ("onnxruntime", "model.onnx", {}),
+    "onnx-int4": ("onnxruntime int4", "int4.onnx", {"quantize": "int4"}),
+    "executorch": ("executorch xnnpack", "model.pte", {"batch_size": 4}),
+    "coreml": ("coreml (not run)", "model.mlpackage", {}),
+}
 
 
 def size_mb(path):
@@ -32,7 +42,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--no-coreml", action="store_true")
+    p.add_argument("--formats", nargs="+", default=list(JOBS), choices=list(JOBS))
     args = p.parse_args()
     import torch
 
@@ -43,16 +53,13 @@ def main():
     lm = kw.load("gemma3-270m", progress=False)
     runners = {"kvwire eager": kvwire_runner(lm)}
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [("onnxruntime", "model.onnx", {}), ("onnxruntime int4", "int4.onnx", {"quantize": "int4"})]
-        if not args.no_coreml:
-            jobs.append(("coreml (not run)", "model.mlpackage", {}))
         print("| export | seconds | MB |\n|---|---:|---:|")
-        for name, file, options in jobs:
+        for name, file, options in (JOBS[f] for f in args.formats):
             path = Path(tmp) / file
             start = time.perf_counter()
             kw.export(lm, path, max_length=args.max_length, **options)
             print(f"| {name} | {time.perf_counter() - start:.0f} | {size_mb(path):.0f} |", flush=True)
-            if path.suffix == ".onnx":
+            if path.suffix in (".onnx", ".pte"):
                 runners[name] = kvwire_runner(kw.load_exported(path, threads=args.threads))
         try:
             import llama_cpp  # noqa: F401
@@ -69,7 +76,7 @@ def main():
         if lib != "kvwire eager":
             print(f"{lib} / kvwire eager: " + ", ".join(f"{k} {row[k] / base[k]:.2f}x" for k in keys))
     if "llama.cpp" in results:
-        for lib in [k for k in results if k.startswith("onnxruntime")]:
+        for lib in [k for k in results if k.startswith(("onnxruntime", "executorch"))]:
             print(f"{lib} / llama.cpp: " + ", ".join(f"{k} {results[lib][k] / results['llama.cpp'][k]:.2f}x"
                                                     for k in keys))
 

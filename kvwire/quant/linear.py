@@ -49,10 +49,10 @@ class QuantizedLinear(nn.Module):
         # rows are quantised a slice at a time: a float32 copy of a 262k-row head would cost 671 MB
         parts = [_quantize_int8(w.float()) if scheme == "int8" else _quantize_int4(w.float(), group_size)
                  for w in weight.detach().split(CHUNK_ROWS)]
-        qweight, scales = (torch.cat([p[i] for p in parts], dim=0 if i == 0 or scheme == "int8" else 1)
-                           for i in (0, 1))
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
+        qweights, scales = zip(*parts)
+        self.register_buffer("qweight", torch.cat(qweights))
+        # int8: one scale per row (out,); int4: scales and zeros (in / group_size, out, 2)
+        self.register_buffer("scales", torch.cat(scales, dim=0 if scheme == "int8" else 1))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
