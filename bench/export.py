@@ -30,6 +30,14 @@ JOBS = {  # --formats name: (runner label, file name, kw.export options)
 }
 
 
+def same_greedy_tokens(lm, exported, new_tokens=16):
+    """(tokens equal to eager's position by position, tokens generated): a left-padded batch of 3."""
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):\n    return"]
+    ours = exported.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, return_logprobs=True).tokens
+    eager = lm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, return_logprobs=True).tokens
+    return sum(a == b for x, y in zip(ours, eager) for a, b in zip(x, y)), sum(len(y) for y in eager)
+
+
 def size_mb(path):
     path = Path(path)
     files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
@@ -51,7 +59,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     lm = kw.load("gemma3-270m", progress=False)
-    runners = {"kvwire eager": kvwire_runner(lm)}
+    runners, exported = {"kvwire eager": kvwire_runner(lm)}, {}
     with tempfile.TemporaryDirectory() as tmp:
         print("| export | seconds | MB |\n|---|---:|---:|")
         for name, file, options in (JOBS[f] for f in args.formats):
@@ -61,16 +69,21 @@ def main():
             print(f"| {name} | {time.perf_counter() - start:.0f} | {size_mb(path):.0f} |", flush=True)
             if path.suffix in (".onnx", ".pte"):
                 runners[name] = kvwire_runner(kw.load_exported(path, threads=args.threads))
+                exported[name] = path
         try:
             import llama_cpp  # noqa: F401
             runners["llama.cpp"] = llama_cpp_runner(args.threads)
         except ImportError:
             print("llama-cpp-python is not installed: llama.cpp is not measured")
         results = measure(runners, lm.tokenizer.encode, args.new_tokens)
+        agreement = {name: same_greedy_tokens(lm, kw.load_exported(tmp_path))
+                     for name, tmp_path in exported.items()}
     keys = list(next(iter(results.values())))
     print("\n| tokens/s | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys))
     for lib, row in results.items():
         print(f"| {lib} | " + " | ".join(f"{row[k]:.1f}" for k in keys) + " |")
+    for name, (same, total) in agreement.items():
+        print(f"{name}: {same}/{total} greedy tokens equal to eager's (3 prompts, a left-padded batch)")
     base = results["kvwire eager"]
     for lib, row in results.items():
         if lib != "kvwire eager":

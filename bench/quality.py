@@ -36,7 +36,7 @@ PASSAGE = (
 
 
 def greedy(lm, new_tokens):
-    return [lm.generate(p, max_new_tokens=new_tokens, ignore_eos=True).tokens[0]
+    return [lm.generate(p, max_new_tokens=new_tokens, ignore_eos=True, return_logprobs=True).tokens[0]
             for p in PROMPTS]
 
 
