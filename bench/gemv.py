@@ -1,31 +1,42 @@
-"""Which float32 GEMV layout streams fastest here: the default model's head (262144 x 640) and a
-few layer shapes, one row of activations, 2 threads. Guides issue 3 (eager batch-1 decode).
+"""Which float32 GEMV layout streams fastest here: the default model's head (262144 x 640) and its
+layer shapes, one activation row, 2 threads. Guides `kvwire.layers.linear` (issue 3).
 
     python bench/gemv.py
+
+Weights are streamed from memory as in a real decode step (enough copies of each shape to exceed
+the caches, called in turn); a weight kept hot in cache, as a naive loop would, hides the effect.
 """
 import time
 
 import torch
 
+STREAM_BYTES = 400e6
 
-def ms(fn, repeat):
-    fn()
+
+def ms_per_call(fn, weights, repeat=3):
+    for w in weights:
+        fn(w)
     start = time.perf_counter()
     for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat * 1000
+        for w in weights:
+            fn(w)
+    return (time.perf_counter() - start) / (repeat * len(weights)) * 1000
 
 
 def main():
     torch.set_num_threads(2)
-    print("| out x in | W @ h^T (kvwire now) | F.linear | h @ W^T stored transposed |\n|---|---:|---:|---:|")
-    for out_f, in_f, repeat in [(262144, 640, 20), (2048, 640, 200), (640, 2048, 200), (1024, 640, 200)]:
-        W = torch.randn(out_f, in_f)
-        Wt = W.t().contiguous()
+    print("| out x in | W @ h^T (1 row) | W @ [h; h]^T (row repeated) | F.linear | h @ W^T stored transposed |")
+    print("|---|---:|---:|---:|---:|")
+    for out_f, in_f in [(262144, 640), (2048, 640), (640, 2048), (1024, 640), (256, 640)]:
+        copies = max(1, int(STREAM_BYTES / (out_f * in_f * 4)))
+        weights = [torch.randn(out_f, in_f) for _ in range(copies)]
+        transposed = [w.t().contiguous() for w in weights]
         h = torch.randn(1, in_f)
-        row = [ms(lambda: W @ h.T, repeat), ms(lambda: torch.nn.functional.linear(h, W), repeat),
-               ms(lambda: h @ Wt, repeat)]
-        print(f"| {out_f} x {in_f} | " + " | ".join(f"{t:.3f} ms" for t in row) + " |")
+        hh = torch.cat((h, h))
+        row = [ms_per_call(lambda w: w @ h.T, weights), ms_per_call(lambda w: (w @ hh.T)[:, :1], weights),
+               ms_per_call(lambda w: torch.nn.functional.linear(h, w), weights),
+               ms_per_call(lambda w: h @ w, transposed)]
+        print(f"| {out_f} x {in_f} | " + " | ".join(f"{t:.3f} ms" for t in row) + " |", flush=True)
 
 
 if __name__ == "__main__":
