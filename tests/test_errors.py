@@ -68,7 +68,7 @@ def test_prompt_longer_than_max_length(lm):
 def test_empty_prompt(lm):
     with pytest.raises(ValueError, match="token_ids is empty"):
         lm.generate(torch.zeros(0, dtype=torch.long))
-    with pytest.raises(TypeError, match="prompt must be a str, a non-empty list of str or a token-id tensor"):
+    with pytest.raises(TypeError, match="prompt must be a str, a non-empty list of str, a token-id tensor or a list of 1-D"):
         lm.generate([])
     lm_with_text = kw.CausalLM(lm.backbone, lm.head, tokenizer=object(), config=lm.config)
     with pytest.raises(ValueError, match="prompt is empty"):

@@ -35,6 +35,15 @@ def test_greedy_batch_rows_equal_single_runs(chat):
     assert len(set(batch)) > 1
 
 
+def test_ragged_token_id_rows_equal_single_runs(chat):
+    rows = [torch.tensor(chat.tokenizer.encode(p)) for p in PROMPTS]
+    batch = chat.generate(rows, max_new_tokens=6, ignore_eos=True)
+    assert [t.tolist() for t in batch] == [chat.generate(r, max_new_tokens=6, ignore_eos=True).tolist() for r in rows]
+    assert chat.tokenizer.decode(batch[2].tolist()) == chat.generate(PROMPTS[2], max_new_tokens=6, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 100\); got values in \[0, 500\]"):
+        chat.generate([rows[0], torch.tensor([0, 500])])
+
+
 def test_rows_stop_independently(chat):
     free = chat.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
     stop_id = chat.tokenizer.encode(free[0][3], add_bos=False)[0]
@@ -194,7 +203,7 @@ def test_invalid_generation_options(chat):
         chat.generate("Hi", max_length=-3)
     with pytest.raises(ValueError, match="prompt has 3 tokens but max_length is 2"):
         chat.generate("Hi", max_length=2)
-    with pytest.raises(TypeError, match="prompt must be a str, a non-empty list of str or a token-id tensor"):
+    with pytest.raises(TypeError, match="prompt must be a str, a non-empty list of str, a token-id tensor or a list of 1-D"):
         chat.generate(42)
     with pytest.raises(TypeError, match="sampler must be a kvwire sampler"):
         chat.generate("Hi", sampler="greedy")

@@ -118,8 +118,8 @@ class CausalLM(nn.Module):
         """Continue `prompt` through the cached graph.
 
         Args:
-            prompt: a str, a list of str (a batch, left-padded), or token ids: a 1-D tensor, or a 2-D
-                (B, T) tensor.
+            prompt: a str, a list of str (a batch, left-padded), or token ids: a 1-D tensor, a 2-D
+                (B, T) tensor, or a list of 1-D tensors of different lengths (left-padded).
             max_new_tokens: tokens to generate at most (default 32 when max_length is not given).
             max_length: prompt + new tokens at most (the longest prompt of a batch counts).
                 With both, the smaller limit wins.
@@ -134,17 +134,19 @@ class CausalLM(nn.Module):
             inputs: values for the cached graph's runtime inputs, {name: (B,) tensor}, e.g.
                 {"steer_strength": torch.tensor([4.0, 0.0])}; others take their defaults.
         Returns the continuation only: str for a str, list of str for a list, a 1-D id tensor for
-        a 1-D tensor, a list of 1-D id tensors for a 2-D tensor.
+        a 1-D tensor, a list of 1-D id tensors for a 2-D tensor or a list of 1-D tensors.
         """
         run = self._start(prompt, max_new_tokens, max_length, sampler, seed, stop, stop_token_ids,
                           repetition_penalty, ignore_eos, inputs)
         gen = _last(run)
         if return_logprobs:
             return gen
-        if isinstance(prompt, torch.Tensor):
+        if isinstance(prompt, str):
+            return gen.texts[0]
+        if isinstance(prompt, torch.Tensor) or _is_id_row(prompt[0]):
             out = [torch.tensor(t, dtype=torch.long) for t in gen.tokens]
-            return out[0] if prompt.dim() == 1 else out
-        return gen.texts[0] if isinstance(prompt, str) else gen.texts
+            return out[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 else out
+        return gen.texts
 
     def generate_ids(self, prompt, max_new_tokens=None, max_length=None, **options):
         """Like `generate(..., return_logprobs=True)`: the `Generation` record."""
@@ -258,7 +260,12 @@ class CausalLM(nn.Module):
             return [r.tolist() for r in prompt.reshape(-1, prompt.shape[-1])]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
             return [self._encode(p) for p in prompt]
-        raise TypeError(f"prompt must be a str, a non-empty list of str or a token-id tensor; got {prompt!r:.80}")
+        if isinstance(prompt, (list, tuple)) and prompt and all(_is_id_row(p) for p in prompt):
+            for row in prompt:  # rows of different lengths: a batch of ids, left-padded like text
+                self.check_ids(row)
+            return [row.tolist() for row in prompt]
+        raise TypeError("prompt must be a str, a non-empty list of str, a token-id tensor or a list of 1-D "
+                        f"token-id tensors; got {prompt!r:.80}")
 
     def _encode(self, text):
         if self.tokenizer is None:
@@ -302,3 +309,7 @@ def _visible(text, stops):
     text = text.rstrip("\ufffd")
     held = max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
     return text[:len(text) - held]
+
+
+def _is_id_row(p):
+    return isinstance(p, torch.Tensor) and p.dim() == 1
