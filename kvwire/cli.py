@@ -4,6 +4,8 @@ import sys
 
 import torch
 
+from .quant import SCHEMES
+
 SAMPLERS = ("greedy", "random", "top-k", "top-p", "min-p", "beam")
 
 
@@ -162,7 +164,7 @@ def parser():
     _steer_options(e)
     e.add_argument("--max-length", type=int, default=None, metavar="N", help="cache length (default 1024)")
     e.add_argument("--format", default=None, choices=["onnx", "executorch", "coreml"], help="when the suffix is unclear")
-    e.add_argument("--quantize", default=None, choices=["int8", "int4"], help="ONNX weight-only quantisation")
+    e.add_argument("--quantize", default=None, choices=SCHEMES, help="ONNX weight-only quantisation")
     e.add_argument("--batch-size", type=int, default=1, metavar="N", help="rows per call (ExecuTorch, Core ML)")
     e.add_argument("--delegate", default="xnnpack", choices=["xnnpack", "portable"], help="ExecuTorch kernels")
     e.add_argument("--overwrite", action="store_true", help="replace an existing file")
@@ -203,7 +205,7 @@ def _steer_options(p):
 
 
 def _quantize_option(p):
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantize", default=None, choices=SCHEMES,
                    help="weight-only quantisation of the eager model (fastest decode with --dtype bfloat16)")
 
 

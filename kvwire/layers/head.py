@@ -17,14 +17,9 @@ class TiedHead(Layer):
         super().__init__()
         self.weight = embedding.weight
         self.softcap = softcap
+        # set by `kw.quantize`: a quantised copy of the weight that computes the logits, while the
+        # embedding keeps the float table for its lookups
         self.quantized = None
-
-    def quantize(self, scheme, group_size=32):
-        """Compute logits with an int8/int4 copy of the weight (see `kw.quantize`); the embedding
-        keeps the float table for its lookups."""
-        from ..quant import QuantizedLinear  # quant builds on layers, not the other way round
-
-        self.quantized = QuantizedLinear(self.weight, None, scheme, group_size)
 
     def forward(self, hidden):
         logits = linear(hidden, self.weight) if self.quantized is None else self.quantized(hidden)

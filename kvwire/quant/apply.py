@@ -29,8 +29,8 @@ def quantize(lm, scheme="int4", group_size=32, head=True):
     for parent, name, child in targets:
         setattr(parent, name, QuantizedLinear.from_linear(child, scheme, group_size))
     if head:
-        if not hasattr(lm.head, "quantize"):
+        if not hasattr(lm.head, "quantized"):
             raise ValueError(f"head {type(lm.head).__name__} cannot be quantised; pass head=False")
-        lm.head.quantize(scheme, group_size)
+        lm.head.quantized = QuantizedLinear(lm.head.weight, None, scheme, group_size)
     lm.reset_caches()
     return lm
