@@ -4,8 +4,8 @@
                            [--formats onnx onnx-int4 executorch coreml]
 
 Exports the cached graph to ONNX (float32, and int4 weights via onnxruntime's MatMulNBits
-quantiser), to ExecuTorch (XNNPACK delegate; the batch is static in a .pte, so it is exported for
-4 rows and batch-1 calls run padded to 4) and to Core ML (structure only: prediction needs macOS),
+quantiser), to ExecuTorch (XNNPACK delegate; shapes are static in a .pte: exported for 4 rows,
+batch-1 calls run padded to 4, with a 64-token prefill method and a decode method) and to Core ML (structure only: prediction needs macOS),
 printing export time and file sizes; then runs the same kvwire generation loop on eager PyTorch,
 onnxruntime and the ExecuTorch runtime, and llama.cpp on the GGUF when llama-cpp-python is
 installed, interleaved, best of 3 (see bench/generate.py). Prints decode tokens/s (batch 1 and 4)
@@ -25,7 +25,7 @@ from generate import kvwire_runner, llama_cpp_runner, measure  # noqa: E402
 JOBS = {  # --formats name: (runner label, file name, kw.export options)
     "onnx": ("onnxruntime", "model.onnx", {}),
     "onnx-int4": ("onnxruntime int4", "int4.onnx", {"quantize": "int4"}),
-    "executorch": ("executorch xnnpack", "model.pte", {"batch_size": 4}),
+    "executorch": ("executorch xnnpack", "model.pte", {"batch_size": 4, "prefill_length": 64}),
     "coreml": ("coreml (not run)", "model.mlpackage", {}),
 }
 

@@ -89,7 +89,8 @@ def _export(args):
 
     lm = _load_model(args)
     report = export(lm, args.output, max_length=args.max_length, batch_size=args.batch_size, format=args.format,
-                    overwrite=args.overwrite, quantize=args.quantize, delegate=args.delegate)
+                    overwrite=args.overwrite, quantize=args.quantize, delegate=args.delegate,
+                    prefill_length=tuple(args.prefill_length) if args.prefill_length else None)
     print(f"wrote {report['path']} ({report['format']}, {report['bytes'] / 1e6:.1f} MB) in "
           f"{report['seconds']:.1f} s", file=sys.stderr)
 
@@ -167,6 +168,9 @@ def parser():
     e.add_argument("--quantize", default=None, choices=SCHEMES, help="ONNX weight-only quantisation")
     e.add_argument("--batch-size", type=int, default=1, metavar="N", help="rows per call (ExecuTorch, Core ML)")
     e.add_argument("--delegate", default="xnnpack", choices=["xnnpack", "portable"], help="ExecuTorch kernels")
+    e.add_argument("--prefill-length", type=int, nargs="+", default=None, metavar="N",
+                   help="static prefill chunk length(s) besides the decode step (ExecuTorch: default 64 8; "
+                        "Core ML: one, default 64)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing file")
     e.set_defaults(run=_export)
     pl = commands.add_parser("plot", help="draw the layer graph (svg/png/pdf/dot)",

@@ -1,10 +1,14 @@
 """Shared fixtures: tiny random models of every family, built through transformers (the arbiter)."""
+import os
+
 import pytest
 import torch
 
 import kvwire as kw
 
-torch.set_num_threads(2)
+# two xdist workers on two cores: one thread each (much of the suite is single-threaded export
+# tracing); a plain run keeps both threads
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def tiny_hf_gpt2(seed=0, **overrides):

@@ -151,6 +151,12 @@ def test_bad_export_requests(exported, tmp_path):
         kw.export(lm, tmp_path / "model.onnx", max_length=100_000)
     with pytest.raises(ValueError, match="quantize='int4' is an ONNX option"):
         kw.export(lm, tmp_path / "model.mlpackage", quantize="int4")
+    with pytest.raises(ValueError, match="prefill_length=16 is a Core ML / ExecuTorch option"):
+        kw.export(lm, tmp_path / "model.onnx", prefill_length=16)
+    with pytest.raises(ValueError, match=r"prefill_length must be a positive int or a tuple of them; got \(8, 0\)"):
+        kw.export(lm, tmp_path / "model.pte", prefill_length=(8, 0))
+    with pytest.raises(ValueError, match=r"Core ML takes one prefill_length; got \(8, 4\)"):
+        kw.export(lm, tmp_path / "model.mlpackage", prefill_length=(8, 4))
     with pytest.raises(FileNotFoundError, match="no exported model at"):
         kw.load_exported(tmp_path / "missing.onnx")
     assert not (tmp_path / "model.onnx").exists()
@@ -241,17 +247,21 @@ def test_seed_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
     assert summary["decode"]["inputs"]["past_5_value"] == [3, 12, 24, 64]
 
 
-def test_executorch_runtime_generates_like_eager(tmp_path):
-    """ExecuTorch (portable kernels: XNNPACK lowering takes minutes): a steered tiny Gemma 3 (the
-    family with a sliding window) with a static batch of 3; fewer rows are padded. Greedy (past
-    the window, left padding), beam search and per-row strengths equal eager. One family only:
-    each ExecuTorch export costs ~60 s of the suite."""
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_executorch_runtime_generates_like_eager(family, tmp_path):
+    """ExecuTorch (portable kernels: XNNPACK lowering takes minutes): a steered tiny model with a
+    static batch of 3 (fewer rows are padded) and entry points for 8 tokens and 1, so prompts run
+    as pieces. Greedy (past Gemma 3's window, left padding), beam search and per-row strengths
+    equal eager."""
     pytest.importorskip("executorch")
-    lm = _chat("gemma3")
+    from executorch.runtime import Runtime
+
+    lm = _chat(family)
     width = lm.head.weight.shape[1]
     vec = kw.ControlVector({1: torch.randn(width, generator=torch.Generator().manual_seed(5))})
     path = tmp_path / "model.pte"
-    kw.export(lm.steer(vec, 0.0), path, max_length=48, batch_size=3, delegate="portable")
+    kw.export(lm.steer(vec, 0.0), path, max_length=48, batch_size=3, delegate="portable", prefill_length=8)
+    assert set(Runtime.get().load_program(str(path)).method_names) == {"prefill_8", "decode"}
     runtime = kw.load_exported(path)
     prompts = PROMPTS[:2] + ["A prompt well past the window"]
     assert runtime.generate(prompts, max_new_tokens=8) == lm.generate(prompts, max_new_tokens=8)
@@ -261,5 +271,8 @@ def test_executorch_runtime_generates_like_eager(tmp_path):
     beam = kw.BeamSearch(num_beams=3)
     assert runtime.generate(PROMPTS[0], max_new_tokens=5, sampler=beam) == \
         lm.generate(PROMPTS[0], max_new_tokens=5, sampler=beam)
+    # 45 tokens + 2 leave no room to pad to 48: the prompt runs as 5 chunks of 8, then 5 steps
+    long = "x" * 7 + PROMPTS[2]
+    assert runtime.generate(long, max_new_tokens=2) == lm.generate(long, max_new_tokens=2)
     with pytest.raises(ValueError, match="exported for batches of 3 rows; got 4"):
         runtime.generate(prompts + ["x"], max_new_tokens=2)

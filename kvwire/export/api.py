@@ -15,15 +15,18 @@ DEFAULT_MAX_LENGTH = 1024
 
 
 def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, all_logits=False,
-           overwrite=False, quantize=None, stateful=True, delegate="xnnpack"):
+           overwrite=False, quantize=None, stateful=True, delegate="xnnpack", prefill_length=None):
     """Export the cached graph of `lm` (edits included) plus its head as one model file.
 
     Args:
         lm: a CausalLM, edited or not. path: ".onnx", ".pte" or ".mlpackage" (or give `format`).
         max_length: cache timeline length, fixed in the file (default min(1024, context)).
         batch_size: rows per call where the batch is static (Core ML, ExecuTorch; fewer rows are
-            padded at run time); ONNX takes any batch. Chunks of 1..max_length tokens (Core ML:
-            a fixed prefill chunk and a decode step).
+            padded at run time); ONNX takes any batch and chunks of 1..max_length tokens.
+        prefill_length: Core ML and ExecuTorch, whose shapes are static: the chunk length(s) of
+            the prefill entry points, besides the one-token decode step (an int; ExecuTorch also
+            a tuple). Default 64 (Core ML) and (64, 8) (ExecuTorch). A prompt runs as chunks of
+            these lengths, the rest token by token; every entry point shares one copy of the weights.
         dtype: weights dtype to export (default: the model's own).
         format: "onnx", "executorch" or "coreml" when the suffix does not say.
         all_logits: output logits for every position of a chunk, not only the last.
@@ -52,6 +55,7 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
                          "no export runtime has); export the float model, with quantize='int4' or 'int8' for ONNX")
     if delegate != "xnnpack" and fmt != "executorch":
         raise ValueError(f"delegate={delegate!r} is an ExecuTorch option")
+    lengths = _chunk_lengths(fmt, prefill_length, max_length)
     _make_room(path, overwrite)
     if dtype is not None and dtype != next(lm.parameters()).dtype:
         import copy
@@ -60,7 +64,7 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
     if fmt == "coreml":
         from .coreml import to_coreml
         prog = ExportProgram(lm, max_length, all_logits, int_dtype=torch.int32, mask_dtype=torch.int32).eval()
-        to_coreml(prog, path, batch_size, stateful)
+        to_coreml(prog, path, batch_size, stateful, lengths[0])
     else:
         prog = ExportProgram(lm, max_length, all_logits).eval()
         if fmt == "onnx":
@@ -68,9 +72,9 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
             to_onnx(prog, path, quantize)
         else:
             from .executorch import to_executorch
-            to_executorch(prog, path, batch_size, delegate)
+            to_executorch(prog, path, batch_size, lengths, delegate)
     seconds = time.perf_counter() - start
-    meta = _meta(lm, prog, fmt, batch_size, stateful)
+    meta = _meta(lm, prog, fmt, batch_size, stateful, lengths)
     sidecar(path).write_text(json.dumps(meta))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
     data = Path(str(path) + ".data")
@@ -97,7 +101,7 @@ def load_exported(path, tokenizer=None, threads=None):
     if fmt == "coreml":
         raise RuntimeError("Core ML packages run only on macOS (coremltools cannot predict on Linux); "
                            "use the .onnx or .pte export here")
-    run = onnx_runner(path, threads) if fmt == "onnx" else executorch_runner(path)
+    run = onnx_runner(path, threads) if fmt == "onnx" else executorch_runner(path, meta.get("chunk_lengths"))
     if tokenizer is None and meta.get("tokenizer"):
         tokenizer = _tokenizer(meta)
     return ExportedLM(RuntimeGraph(meta, run), tokenizer, meta)
@@ -126,6 +130,23 @@ def _max_length(lm, max_length):
     return max_length
 
 
+def _chunk_lengths(fmt, prefill_length, max_length):
+    """Static chunk lengths to export, longest first, ending with 1; None for ONNX (dynamic)."""
+    if fmt == "onnx":
+        if prefill_length is not None:
+            raise ValueError(f"prefill_length={prefill_length!r} is a Core ML / ExecuTorch option; "
+                             "ONNX takes chunks of any length")
+        return None
+    given = prefill_length if prefill_length is not None else (64 if fmt == "coreml" else (64, 8))
+    lengths = given if isinstance(given, (tuple, list)) else (given,)
+    if fmt == "coreml" and len(lengths) != 1:
+        raise ValueError(f"Core ML takes one prefill_length; got {prefill_length!r}")
+    if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
+        raise ValueError(f"prefill_length must be a positive int or a tuple of them; got {prefill_length!r}")
+    lengths = sorted({min(n, max_length) for n in lengths} | {1}, reverse=True)
+    return lengths if fmt == "executorch" else [lengths[0], 1]
+
+
 def _make_room(path, overwrite):
     if path.exists() or sidecar(path).exists():
         if not overwrite:
@@ -137,13 +158,14 @@ def _make_room(path, overwrite):
         raise FileNotFoundError(f"folder {path.parent} does not exist")
 
 
-def _meta(lm, prog, fmt, batch_size, stateful):
+def _meta(lm, prog, fmt, batch_size, stateful, lengths):
     sig = prog.signature()
     tok = lm.tokenizer
     return {
         "kvwire_export": 1, "format": fmt, "max_length": sig.max_length, "batch_size": batch_size,
         "stateful": stateful if fmt == "coreml" else None, "all_logits": prog.all_logits,
         "static_batch": batch_size if fmt in ("executorch", "coreml") else None,
+        "chunk_lengths": lengths,  # static entry points (longest first), None: any length
         "inputs": [(n, list(s), dtype_name(d)) for n, s, d in sig.inputs], "outputs": list(sig.outputs),
         "runtime_inputs": list(sig.runtime_inputs), "runtime_defaults": prog.default_runtime_inputs(),
         "vocab_size": lm.vocab_size, "max_context": lm.max_context, "eos_token_ids": list(lm.eos_token_ids),

@@ -46,6 +46,8 @@ def to_coreml(prog, path, batch_size, stateful, prefill_length=None):
     """Convert `prog` to an .mlpackage with functions "prefill" and "decode"; returns the path."""
     import coremltools as ct
 
+    from .trace import export_static
+
     prefill_length = prefill_length or min(64, prog.max_length)
     module = StatefulProgram(prog, batch_size).eval() if stateful else prog
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,8 +61,7 @@ def to_coreml(prog, path, batch_size, stateful, prefill_length=None):
                 kwargs["states"] = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(b.shape), dtype=np.float16),
                                                  name=name) for name, b in module.named_buffers(recurse=False)]
             try:
-                with torch.no_grad():
-                    ep = torch.export.export(module, example, strict=False).run_decompositions({})
+                ep = export_static(module, example).run_decompositions({})
                 model = ct.convert(ep, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                                    skip_model_load=True, compute_precision=ct.precision.FLOAT32, **kwargs)
             except Exception as e:

@@ -55,6 +55,9 @@ class RuntimeGraph:
         return out
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, **inputs):
+        lengths = self.meta.get("chunk_lengths")
+        if lengths and token_ids.shape[-1] not in lengths:
+            return self._in_pieces(lengths, token_ids, positions, cache_index, attention_mask, cache, inputs)
         B, T = token_ids.shape[0], token_ids.shape[-1]
         if not 0 <= int(cache_index) <= self.max_length - T:
             raise ValueError(f"chunk of {T} tokens at cache_index {int(cache_index)} does not fit the exported "
@@ -79,6 +82,18 @@ class RuntimeGraph:
         outputs = [torch.as_tensor(np.asarray(t))[:B] for t in self.run(feeds)]
         logits, rest = outputs[0], outputs[1:]
         return logits, tuple((rest[i], rest[i + 1]) for i in range(0, len(rest), 2))
+
+    def _in_pieces(self, lengths, token_ids, positions, cache_index, attention_mask, cache, inputs):
+        """A chunk the program has no entry point for, as consecutive pieces of exported lengths
+        (longest first). Same result: each piece sees the cache its predecessors wrote."""
+        T, start, logits = token_ids.shape[-1], 0, []
+        for n in lengths:
+            while T - start >= n:
+                part, cache = self(token_ids[:, start:start + n], positions[:, start:start + n],
+                                   torch.as_tensor(cache_index) + start, attention_mask, cache, **inputs)
+                logits.append(part)
+                start += n
+        return (torch.cat(logits, dim=1) if self.meta["all_logits"] else logits[-1]), cache
 
     def check(self, given):
         """Cast integer/bool inputs to the exported dtypes and check every shape: {name: tensor}."""
@@ -141,7 +156,15 @@ class ExportedLM(CausalLM):
 
     def _session(self, rows, max_length, inputs=None, reuse=True):  # caches at the exported length
         from ..generate.session import Session
-        return Session(self.cached, self.head, rows, self.meta["max_length"], inputs=inputs)
+
+        # static chunk lengths: left-pad prompts to whole chunks of the shortest prefill entry
+        # point when the padding fits, so no prompt tail runs token by token
+        prefills = [n for n in self.meta.get("chunk_lengths") or () if n > 1]
+        longest = max(len(r) for r in rows)
+        multiple = min(prefills) if prefills else 1
+        if max_length + (-longest % multiple) > self.meta["max_length"]:
+            multiple = 1
+        return Session(self.cached, self.head, rows, self.meta["max_length"], inputs=inputs, multiple=multiple)
 
     def edit(self, fn, depth="block"):
         raise TypeError("an exported model cannot be edited; edit the eager model and export it again")
@@ -170,8 +193,16 @@ def onnx_runner(path, threads=None):
     return lambda feeds: session.run(None, {k: v.numpy() for k, v in feeds.items()})
 
 
-def executorch_runner(path):
+def executorch_runner(path, lengths=None):
+    """Runs feeds through the program's method for their chunk length (files exported before
+    static chunk lengths have one dynamic method, "forward")."""
     from executorch.runtime import Runtime
 
-    method = Runtime.get().load_program(str(path)).load_method("forward")
-    return lambda feeds: method.execute([t.contiguous() for t in feeds.values()])
+    from .executorch import method_name
+
+    program = Runtime.get().load_program(str(path))
+    if not lengths:
+        method = program.load_method("forward")
+        return lambda feeds: method.execute([t.contiguous() for t in feeds.values()])
+    methods = {n: program.load_method(method_name(n)) for n in lengths}
+    return lambda feeds: methods[feeds["token_ids"].shape[1]].execute([t.contiguous() for t in feeds.values()])

@@ -2,9 +2,10 @@
 import torch
 
 
-def left_pad(rows, pad_id=0):
-    """Token id rows of different lengths -> ids (B, L), positions (B, L), pad counts (B,)."""
-    L = max(len(r) for r in rows)
+def left_pad(rows, pad_id=0, multiple=1):
+    """Token id rows of different lengths -> ids (B, L), positions (B, L), pad counts (B,);
+    L is the longest row rounded up to a multiple of `multiple`."""
+    L = -(-max(len(r) for r in rows) // multiple) * multiple
     pads = torch.tensor([L - len(r) for r in rows])
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -22,11 +23,13 @@ class Session:
         cache: caches to reuse, allocated by `init_cache(len(rows), max_length)`, or None.
         inputs: values for the graph's runtime inputs ({name: (B,) tensor}); the rest take the
             layers' defaults for these prompts.
+        multiple: pad the prompts to a multiple of this length (a program with static chunk
+            lengths then runs the prompt in whole chunks; padding is masked out).
     """
 
-    def __init__(self, cached, head, rows, max_length, cache=None, inputs=None):
+    def __init__(self, cached, head, rows, max_length, cache=None, inputs=None, multiple=1):
         self.cached, self.head = cached, head
-        self.ids, self.positions, self.pads = left_pad(rows)
+        self.ids, self.positions, self.pads = left_pad(rows, multiple=multiple)
         lengths = torch.tensor([len(r) for r in rows])
         self.inputs = {**cached.default_inputs(len(rows), lengths), **(inputs or {})}
         self.cache = cache if cache is not None else cached.init_cache(len(rows), max_length)
