@@ -18,3 +18,25 @@ def test_linear_kernel_choice_matches_nn_functional(rows, dtype, bias):
     assert got.shape == (rows, 3, 40) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+def test_one_row_pack_matches_linear_and_follows_weight_edits():
+    import copy
+
+    from kvwire.layers.linear import OneRowPack
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("no MKL in this torch build")
+    pack = OneRowPack()
+    w = torch.randn(300, 48)
+    x = torch.randn(1, 1, 48)
+    with torch.inference_mode():
+        got = pack(x, w)
+        assert got.shape == (1, 1, 300)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w))
+        w.mul_(2.0)  # an in-place edit: the packed copy must follow
+        torch.testing.assert_close(pack(x, w), torch.nn.functional.linear(x, w))
+        assert pack(torch.randn(2, 48), w) is None  # several rows: `linear` does them
+        assert pack(x.bfloat16(), w.bfloat16()) is None
+    assert pack(x, w.requires_grad_()) is None  # autograd: the packed kernel has no backward
+    assert copy.deepcopy(pack).packed is None

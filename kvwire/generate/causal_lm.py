@@ -56,8 +56,12 @@ class CausalLM(nn.Module):
         return self._cached
 
     def reset_caches(self):
-        """Forget the cached graph and the kept caches (after swapping layers in place)."""
+        """Forget the cached graph, the kept caches and the head's packed weight (after swapping
+        layers in place, or to free memory)."""
         self._cached, self._caches = None, {}
+        pack = getattr(self.head, "pack", None)
+        if pack is not None:
+            pack.clear()
 
     def forward(self, token_ids):
         """Uncached logits: token_ids (B, T) int -> (B, T, V)."""
