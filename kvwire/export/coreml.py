@@ -61,7 +61,7 @@ def to_coreml(prog, path, batch_size, stateful, prefill_length=None):
                 kwargs["states"] = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(b.shape), dtype=np.float16),
                                                  name=name) for name, b in module.named_buffers(recurse=False)]
             try:
-                ep = export_static(module, example).run_decompositions({})
+                ep = export_static(module, example).run_decompositions(_decompositions())
                 model = ct.convert(ep, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                                    skip_model_load=True, compute_precision=ct.precision.FLOAT32, **kwargs)
             except Exception as e:
@@ -76,6 +76,14 @@ def to_coreml(prog, path, batch_size, stateful, prefill_length=None):
         desc.default_function_name = "decode"
         ct.utils.save_multifunction(desc, str(path))
     return path
+
+
+def _decompositions():
+    """ATen ops the layers use that coremltools has no mapping for, decomposed before conversion
+    (addcmul: RMSNorm's scale and the rotary's rotation, fused in eager)."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions([torch.ops.aten.addcmul])
 
 
 def _rename(model, prog, stateful):

@@ -30,9 +30,8 @@ class RMSNorm(Layer):
         self.eps = eps
 
     def forward(self, x):
-        h = as_float32(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = h * (1.0 + as_float32(self.weight))
+        h = nn.functional.rms_norm(as_float32(x), x.shape[-1:], None, self.eps)
+        h = torch.addcmul(h, h, as_float32(self.weight))  # h * (1 + w) in one op
         return h if h.dtype == x.dtype else h.to(x.dtype)
 
 

@@ -32,22 +32,24 @@ class Rotary(nn.Module):
         self.inv_freq = self._inv_freq()
 
     def tables(self, positions, dtype=torch.float32):
-        """cos and sin for positions (B, T): each (B, 1, T, head_dim). Rotaries with equal settings
-        share them within one cached-graph call."""
+        """cos and signed sin for positions (B, T): each (B, 1, T, head_dim); the sin's first half
+        is negated (the rotate-half sign folded in). Rotaries with equal settings share them
+        within one cached-graph call."""
         settings = (Rotary, self.head_dim, self.base, self.scaling_factor)
         return shared(self._tables, positions, dtype, key=settings)
 
     def _tables(self, positions, dtype):
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = freqs.sin()[:, None]
+        return angles.cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     @staticmethod
-    def rotate(x, cos, sin):
-        """x (B, H, T, hd) rotated by the tables of `tables`."""
+    def rotate(x, cos, signed_sin):
+        """x (B, H, T, hd) rotated by the tables of `tables`: x cos + [x2, x1] signed_sin, which
+        is x cos + [-x2, x1] sin in 3 ops instead of 7 (a decode step rotates 36 heads' tensors)."""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed_sin)
 
     def forward(self, x, positions):
         """x (B, H, T, hd), positions (B, T) int -> (B, H, T, hd)."""
