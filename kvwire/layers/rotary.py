@@ -47,7 +47,7 @@ class Rotary(nn.Module):
     @staticmethod
     def rotate(x, cos, signed_sin):
         """x (B, H, T, hd) rotated by the tables of `tables`: x cos + [x2, x1] signed_sin, which
-        is x cos + [-x2, x1] sin in 3 ops instead of 7 (a decode step rotates 36 heads' tensors)."""
+        is x cos + [-x2, x1] sin in 5 ops instead of 7 (a decode step rotates 36 tensors)."""
         half = x.shape[-1] // 2
         return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed_sin)
 
