@@ -25,8 +25,10 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
             padded at run time); ONNX takes any batch and chunks of 1..max_length tokens.
         prefill_length: Core ML and ExecuTorch, whose shapes are static: the chunk length(s) of
             the prefill entry points, besides the one-token decode step (an int; ExecuTorch also
-            a tuple). Default 64 (Core ML) and (64, 8) (ExecuTorch). A prompt runs as chunks of
-            these lengths, the rest token by token; every entry point shares one copy of the weights.
+            a tuple). Default 64 (Core ML) and (64, 8) (ExecuTorch). `load_exported` left-pads a
+            prompt (masked) to a whole number of the shortest prefill chunk when the cache has
+            room, else runs it as pieces of the exported lengths; every entry point shares one
+            copy of the weights.
         dtype: weights dtype to export (default: the model's own).
         format: "onnx", "executorch" or "coreml" when the suffix does not say.
         all_logits: output logits for every position of a chunk, not only the last.

@@ -44,9 +44,10 @@ def linear(x, weight, bias=None):
 
 class OneRowPack:
     """An MKL-packed copy of a float32 weight for one-row products (batch-1 decode): the default
-    model's 262144 x 640 head in 43 ms instead of 58 ms with the repeated row or 74 ms with
-    `linear` (bench/gemv.py), for a second copy of the weight in memory (671 MB there). The copy is
-    made on first use and rebuilt when the weight changes (in-place edits bump its version).
+    model's 262144 x 640 head in 43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms
+    with `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked
+    (best of 4, interleaved), for a second copy of the weight in memory (671 MB there). The copy
+    is made on first use and rebuilt when the weight changes (in-place edits bump its version).
 
     Call `pack(x, weight)`: the product (1, out), or None where it does not apply (other dtypes
     or row counts, autograd, compilers and exporters, no MKL); the caller falls back to `linear`.
