@@ -190,6 +190,8 @@ def test_export_and_generate_commands(tmp_path, capsys):
     assert cli.main(["export", out, "--model", model, "--max-length", "32"]) == 0
     assert cli.main(["export", out, "--model", model]) == 2
     assert "exists; pass overwrite=True" in capsys.readouterr().err
+    assert cli.main(["export", str(tmp_path / "n.onnx"), "--model", model, "--prefill-length", "8"]) == 2
+    assert "prefill_length=(8,) is a Core ML / ExecuTorch option" in capsys.readouterr().err
     args = ["generate", "the cat", "--max-new-tokens", "5", "--no-stream"]
     assert cli.main(args + ["--model", out, "--runtime", "onnx"]) == 0
     onnx_text = capsys.readouterr().out

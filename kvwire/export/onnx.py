@@ -30,6 +30,11 @@ def to_onnx(prog, path, quantize=None):
                                     output_names=list(sig.outputs), verbose=False, optimize=False)
     except Exception as e:
         raise describe_failure(prog, "onnx", e, ep) from e
+    # constant folding alone (seconds): leaves no CastLike of constants or unused initializers,
+    # which onnxruntime cannot fold / removes, warning about each at every load
+    import onnxscript.optimizer
+    onnxscript.optimizer.fold_constants(program.model)
+    onnxscript.optimizer.remove_unused_nodes(program.model)
     model = program.model_proto
     ops = {n.op_type for n in model.graph.node}
     bad = sorted(ops & set(FORBIDDEN))
