@@ -4,7 +4,8 @@ where it applies (or portable kernels only) -> one .pte whose methods share the 
 
 Why static: lowering a dynamic-chunk program spends most of its time in symbolic shape
 arithmetic (the default model: 378 s to a portable .pte, 631 s with XNNPACK; one static method:
-80 s portable). A chunk of any length runs as pieces of the exported lengths (`RuntimeGraph`).
+80 s portable). Prompts are left-padded to whole chunks where the cache has room (`ExportedLM`);
+any other chunk runs as pieces of the exported lengths (`RuntimeGraph`).
 """
 from pathlib import Path
 
