@@ -55,3 +55,10 @@ def family(request):
 def tiny_lm(family):
     """A tiny kvwire CausalLM of each family (float32), converted from a random HF model."""
     return kw.from_hf(FAMILIES[family]())
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    """The real default model (Gemma 3 270M, float32), loaded once per test process; `real` tests
+    only, and none of them changes it."""
+    return kw.load("gemma3-270m", progress=False)

@@ -21,8 +21,8 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return kw.load("gemma3-270m", progress=False)
+def ours(default_lm):
+    return default_lm
 
 
 @pytest.fixture(scope="module")

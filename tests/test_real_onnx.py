@@ -10,15 +10,10 @@ pytestmark = pytest.mark.real
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
 
 
-@pytest.fixture(scope="module")
-def lm():
-    return kw.load("gemma3-270m", progress=False)
-
-
-def test_default_model_onnx_greedy_equals_eager(lm, tmp_path):
+def test_default_model_onnx_greedy_equals_eager(default_lm, tmp_path):
     pytest.importorskip("onnxruntime")
-    kw.export(lm, tmp_path / "gemma3.onnx", max_length=96)
+    kw.export(default_lm, tmp_path / "gemma3.onnx", max_length=96)
     runtime = kw.load_exported(tmp_path / "gemma3.onnx")
     with torch.inference_mode():
-        assert runtime.generate(PROMPTS[0], max_new_tokens=16) == lm.generate(PROMPTS[0], max_new_tokens=16)
-        assert runtime.generate(PROMPTS, max_new_tokens=16) == lm.generate(PROMPTS, max_new_tokens=16)
+        assert runtime.generate(PROMPTS[0], max_new_tokens=16) == default_lm.generate(PROMPTS[0], max_new_tokens=16)
+        assert runtime.generate(PROMPTS, max_new_tokens=16) == default_lm.generate(PROMPTS, max_new_tokens=16)

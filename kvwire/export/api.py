@@ -145,8 +145,7 @@ def _chunk_lengths(fmt, prefill_length, max_length):
         raise ValueError(f"Core ML takes one prefill_length; got {prefill_length!r}")
     if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
         raise ValueError(f"prefill_length must be a positive int or a tuple of them; got {prefill_length!r}")
-    lengths = sorted({min(n, max_length) for n in lengths} | {1}, reverse=True)
-    return lengths if fmt == "executorch" else [lengths[0], 1]
+    return sorted({min(n, max_length) for n in lengths} | {1}, reverse=True)
 
 
 def _make_room(path, overwrite):

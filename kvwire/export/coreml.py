@@ -42,13 +42,13 @@ def _buffer(name):
     return name.replace(".", "_")
 
 
-def to_coreml(prog, path, batch_size, stateful, prefill_length=None):
-    """Convert `prog` to an .mlpackage with functions "prefill" and "decode"; returns the path."""
+def to_coreml(prog, path, batch_size, stateful, prefill_length):
+    """Convert `prog` to an .mlpackage with functions "prefill" (`prefill_length` tokens) and
+    "decode" (one token); returns the path."""
     import coremltools as ct
 
     from .trace import export_static
 
-    prefill_length = prefill_length or min(64, prog.max_length)
     module = StatefulProgram(prog, batch_size).eval() if stateful else prog
     with tempfile.TemporaryDirectory() as tmp:
         parts = {}

@@ -21,7 +21,7 @@ def method_name(length):
 
 def to_executorch(prog, path, batch_size, lengths, delegate="xnnpack"):
     """Write `prog` as an ExecuTorch program for `batch_size` rows to `path`, one method per chunk
-    length in `lengths` (which includes 1), weights stored once. Returns {method: length}.
+    length in `lengths` (distinct, longest first, ending with 1), weights stored once.
 
     Lowering with XNNPACK takes minutes on large graphs; delegate="portable" skips it (slower
     kernels, faster export).
@@ -32,9 +32,8 @@ def to_executorch(prog, path, batch_size, lengths, delegate="xnnpack"):
 
     if delegate not in DELEGATES:
         raise ValueError(f"delegate must be one of {DELEGATES}, got {delegate!r}")
-    methods = {method_name(T): T for T in sorted(set(lengths), reverse=True)}
     try:
-        programs = {name: export_static(prog, prog.example_inputs(batch_size, T)) for name, T in methods.items()}
+        programs = {method_name(T): export_static(prog, prog.example_inputs(batch_size, T)) for T in lengths}
         if delegate == "xnnpack":
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
             edge = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
@@ -44,4 +43,3 @@ def to_executorch(prog, path, batch_size, lengths, delegate="xnnpack"):
     except Exception as e:
         raise describe_failure(prog, "executorch", e) from e
     Path(path).write_bytes(program.buffer)
-    return methods
