@@ -17,6 +17,7 @@ from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
 from .models.gemma3.presets import PRESETS
 from .quant import SCHEMES
 from .quant import quantize as quantize_lm
+from .quant.ggml import qtype_of, use_gguf_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,8 +31,9 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
             config.json + *.safetensors (+ tokenizer.json).
         dtype: torch dtype (or its name) of the weights.
         progress: show progress bars.
-        quantize: None, "int8" or "int4": weight-only quantisation of every linear map and the
-            head (`kw.quantize`); fastest decoding with dtype="bfloat16".
+        quantize: None; "gguf": keep a GGUF file's own quantised weights and run ggml's kernels on
+            them (no further loss; needs `kvwire[ggml]`); a ggml format ("q8_0", "q4_k", ...,
+            `kw.quantize`); or "int8" / "int4" on PyTorch's kernels (fastest with dtype="bfloat16").
 
     Returns a `CausalLM`.
 
@@ -40,15 +42,28 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         >>> lm.generate("Once upon a time", max_new_tokens=16)
     """
     dtype = _dtype(dtype)
-    if quantize is not None and quantize not in SCHEMES:
-        raise ValueError(f"unknown quantize={quantize!r}; expected None or one of {SCHEMES}")
-    lm = _load(name_or_path, dtype, progress)
+    if quantize is not None and quantize != "gguf" and quantize not in SCHEMES and not _is_ggml_type(quantize):
+        raise ValueError(f"unknown quantize={quantize!r}; expected None, 'gguf', a ggml type such as 'q8_0' "
+                         f"or 'q4_k', or one of {SCHEMES}")
+    source = PRESETS[name_or_path]() if name_or_path in PRESETS else name_or_path
+    if quantize == "gguf" and not (Path(source).is_file() and Path(source).suffix.lower() == ".gguf"):
+        raise ValueError(f"quantize='gguf' keeps a GGUF file's own blocks; {str(name_or_path)!r} is not a .gguf "
+                         f"file (use a ggml type such as 'q8_0' to quantise other weights)")
+    lm = _load(source, dtype, progress)
+    if quantize == "gguf":
+        return use_gguf_blocks(lm, source)
     return lm if quantize is None else quantize_lm(lm, quantize)
 
 
+def _is_ggml_type(name):
+    try:
+        qtype_of(name)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def _load(name_or_path, dtype, progress):
-    if name_or_path in PRESETS:
-        return load_gguf(PRESETS[name_or_path](), dtype, progress)
     path = Path(name_or_path)
     if path.is_dir():
         return load_hf_folder(path, dtype)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..quant import QuantizedLinear
+from ..quant.ggml import GGMLLinear
 from .program import ExportProgram
 from .runtime import ExportedLM, RuntimeGraph, dtype_name, executorch_runner, onnx_runner, read_meta, sidecar
 
@@ -52,9 +53,10 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if quantize is not None and fmt != "onnx":
         raise ValueError(f"quantize={quantize!r} is an ONNX option; {fmt} export takes the model's weights")
-    if any(isinstance(m, QuantizedLinear) for m in lm.modules()):
-        raise ValueError("this model's layers were quantised with kw.quantize (PyTorch CPU kernels that "
-                         "no export runtime has); export the float model, with quantize='int4' or 'int8' for ONNX")
+    if any(isinstance(m, (QuantizedLinear, GGMLLinear)) for m in lm.modules()):
+        raise ValueError("this model's layers were quantised with kw.quantize or quantize='gguf' (CPU kernels "
+                         "that no export runtime has); export the float model, with quantize='int4' or 'int8' "
+                         "for ONNX")
     if delegate != "xnnpack" and fmt != "executorch":
         raise ValueError(f"delegate={delegate!r} is an ExecuTorch option")
     lengths = _chunk_lengths(fmt, prefill_length, max_length)

@@ -70,6 +70,7 @@ class GGUFFile:
     def __init__(self, path):
         self.path = str(path)
         self.data = np.memmap(self.path, mode="r")
+        self._cow = None  # a copy-on-write map for `blocks`, made on first use
         # Parse from plain bytes (slicing a memmap makes an array per string): the first 64 MiB
         # hold the header of any model we know; a longer header is retried on the whole file.
         try:
@@ -116,7 +117,20 @@ class GGUFFile:
                                              disable=not progress, leave=False):
             yield name, self._tensor(name, dims, kind, offset)
 
-    def _tensor(self, name, dims, kind, offset):
+    def blocks(self, name):
+        """(type, raw bytes) of one tensor: a `GGMLQuantizationType` and a (rows, row_bytes) uint8
+        array mapped from the file (copy-on-write, so nothing is read until used)."""
+        for tensor, dims, kind, offset in self.infos:
+            if tensor == name:
+                if self._cow is None:
+                    self._cow = np.memmap(self.path, mode="c")
+                qtype, raw = self._raw(tensor, dims, kind, offset, self._cow)
+                return qtype, raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+        raise KeyError(f"{self.path} has no tensor {name!r}")
+
+    def _raw(self, name, dims, kind, offset, data):
+        """(type, the tensor's bytes shaped (*outer dims, row bytes)) for quantised types, or its
+        float values shaped as the tensor for float ones."""
         try:
             qtype = GGMLQuantizationType(kind)
         except ValueError:
@@ -124,13 +138,15 @@ class GGUFFile:
         block, size = GGML_QUANT_SIZES[qtype]
         shape = list(reversed(dims))  # GGUF lists the fastest-moving dimension first
         nbytes = int(np.prod(dims)) // block * size
-        if offset + nbytes > len(self.data):
+        if offset + nbytes > len(data):
             raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
-        raw = self.data[offset:offset + nbytes]
+        raw = data[offset:offset + nbytes]
         if qtype in _NUMPY:
-            array = raw.view(_NUMPY[qtype]).reshape(shape)
-        else:
-            array = raw.reshape(*shape[:-1], shape[-1] // block * size)
+            return qtype, raw.view(_NUMPY[qtype]).reshape(shape)
+        return qtype, raw.reshape(*shape[:-1], shape[-1] // block * size)
+
+    def _tensor(self, name, dims, kind, offset):
+        qtype, array = self._raw(name, dims, kind, offset, self.data)
         try:
             return np.require(dequantize(array, qtype), dtype=np.float32, requirements=["C", "W"])
         except NotImplementedError as e:

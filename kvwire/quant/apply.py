@@ -1,11 +1,11 @@
-"""`kw.quantize`: swap a model's linear maps for weight-only int8 / int4 ones, in place."""
+"""`kw.quantize`: swap a model's linear maps for weight-only quantised ones, in place."""
 from torch import nn
 
 from .linear import SCHEMES, QuantizedLinear
 
 
 def quantize(lm, scheme="int4", group_size=32, head=True):
-    """Quantise the weights of every `nn.Linear` in `lm.backbone` (and the head) to int8 or int4.
+    """Quantise the weights of every `nn.Linear` in `lm.backbone` (and the head).
 
     Activations, norms, embeddings, attention and the KV cache keep their dtype; only the matmul
     weights shrink (decode streams 4 or 8 bits a weight instead of 16 or 32). The tied embedding
@@ -14,7 +14,9 @@ def quantize(lm, scheme="int4", group_size=32, head=True):
 
     Args:
         lm: a `CausalLM`. scheme: "int8" (one scale per output row) or "int4" (scale and zero per
-            `group_size` inputs). head: also quantise the logits head (the largest matrix).
+            `group_size` inputs) on PyTorch's kernels, or a ggml format ("q8_0", "q5_0", "q4_0",
+            "q4_k", "q6_k", ...) quantised and run by ggml (`kvwire[ggml]`; `quantize_ggml`).
+            head: also quantise the logits head (the largest matrix).
 
     Returns `lm`.
 
@@ -23,7 +25,13 @@ def quantize(lm, scheme="int4", group_size=32, head=True):
         >>> lm.generate("The capital of France is", max_new_tokens=8)
     """
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantisation scheme {scheme!r}; expected one of {SCHEMES}")
+        from .ggml import qtype_of, quantize_ggml
+        try:
+            qtype_of(scheme)
+        except ValueError:
+            raise ValueError(f"unknown quantisation scheme {scheme!r}; expected one of {SCHEMES} or a ggml "
+                             f"type such as 'q8_0' or 'q4_k'") from None
+        return quantize_ggml(lm, scheme, head)
     targets = [(parent, name, child) for parent in lm.backbone.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:

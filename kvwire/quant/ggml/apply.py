@@ -1,0 +1,113 @@
+"""Put ggml block weights into a model: the GGUF file's own (`use_gguf_blocks`) or freshly
+quantised ones (`quantize_ggml`)."""
+import numpy as np
+import torch
+from torch import nn
+
+from ...io.gguf import GGUFFile
+from .linear import FLOAT_TYPES, GGMLLinear, qtype_of
+
+# llama.cpp's fallbacks when a row is not a whole number of 256-weight K-quant blocks
+# (Gemma 3 270M's 640-wide rows): a 32-weight format with at least as many bits
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def quantize_ggml(lm, qtype, head=True):
+    """Quantise every `nn.Linear` of `lm.backbone` (and the head) to a ggml format, in place.
+
+    K-quant formats (q4_k, q6_k, ...) fall back per matrix to a 32-weight format when a row's
+    length is not a multiple of 256, as llama.cpp does (q4_k -> q5_0, q6_k -> q8_0)."""
+    qtype = qtype_of(qtype)
+
+    def make(weight, bias):
+        kind = qtype
+        if weight.shape[1] % 256 and qtype.name in _FALLBACK:
+            kind = qtype_of(_FALLBACK[qtype.name])
+        return GGMLLinear.quantize(weight, kind, bias)
+
+    for parent, name, child in _linears(lm):
+        setattr(parent, name, make(child.weight, child.bias))
+    if head:
+        _head(lm).quantized = make(lm.head.weight, None)
+    lm.reset_caches()
+    return lm
+
+
+def use_gguf_blocks(lm, path):
+    """Swap every linear map whose weight is quantised in the GGUF file at `path` for a
+    `GGMLLinear` on the file's own blocks (memory-mapped), head included. In place; returns `lm`.
+
+    Which tensor (and which of its rows) feeds which weight is found by running the family's GGUF
+    converter on row numbers instead of values: converters may split or reorder whole rows (GPT-2
+    splits the fused q/k/v), never mix values within a row, so the numbers come out where the rows go.
+    """
+    from ...models import by_gguf_architecture  # the models import the quant package
+
+    gguf = GGUFFile(path)
+    family = by_gguf_architecture(gguf.architecture, path)
+    sources = _row_sources(family, gguf)
+    swapped = 0
+    for parent, name, child in _linears(lm):
+        key = _key_of(lm, child.weight)
+        if key in sources:
+            setattr(parent, name, _blocks_for(gguf, sources[key], child.weight, child.bias))
+            swapped += 1
+    head_key = _key_of(lm, lm.head.weight)
+    if head_key in sources:
+        _head(lm).quantized = _blocks_for(gguf, sources[head_key], lm.head.weight, None)
+        swapped += 1
+    if not swapped:
+        raise ValueError(f"{path} holds no quantised linear weights for ggml kernels (all float?)")
+    lm.reset_caches()
+    return lm
+
+
+def _row_sources(family, gguf):
+    """{backbone key: (tensor name, row numbers)} for every quantised 2-D tensor of the file."""
+    quantised = [i for i, (_, dims, kind, _) in enumerate(gguf.infos) if len(dims) == 2 and kind not in FLOAT_TYPES]
+
+    def stand_ins():
+        for i, (name, dims, kind, _) in enumerate(gguf.infos):
+            shape = list(reversed(dims))
+            if i in quantised:  # (rows, 1): tensor index in the high bits, row in the low
+                yield name, ((np.int64(i) << 32) + np.arange(shape[0], dtype=np.int64))[:, None]
+            else:
+                yield name, np.broadcast_to(np.float32(0), shape)  # costs no memory
+    sources = {}
+    for key, value in family.state_from_gguf(stand_ins()).items():
+        value = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if value.dtype != np.int64 or value.ndim != 2 or value.shape[1] != 1:
+            continue
+        tensors = np.unique(value[:, 0] >> 32)
+        if len(tensors) != 1 or tensors[0] not in quantised:
+            raise ValueError(f"{family.name}'s GGUF converter mixes rows of several tensors into {key!r}")
+        sources[key] = (gguf.infos[int(tensors[0])][0], value[:, 0] & 0xFFFFFFFF)
+    return sources
+
+
+def _blocks_for(gguf, source, weight, bias):
+    name, rows = source
+    qtype, blocks = gguf.blocks(name)
+    if len(rows) != weight.shape[0]:
+        raise ValueError(f"GGUF tensor {name!r} gives {len(rows)} rows for a weight of shape {tuple(weight.shape)}")
+    whole = len(rows) == blocks.shape[0] and np.array_equal(rows, np.arange(len(rows)))
+    picked = torch.from_numpy(blocks if whole else np.ascontiguousarray(blocks[rows]))
+    return GGMLLinear(picked, qtype, weight.shape[1], bias)
+
+
+def _linears(lm):
+    return [(parent, name, child) for parent in lm.backbone.modules()
+            for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+
+
+def _key_of(lm, tensor):
+    for key, param in lm.backbone.named_parameters(remove_duplicate=False):
+        if param is tensor:
+            return key
+    return None
+
+
+def _head(lm):
+    if not hasattr(lm.head, "quantized"):
+        raise ValueError(f"head {type(lm.head).__name__} cannot be quantised; pass head=False")
+    return lm.head

@@ -1,0 +1,101 @@
+"""`GGMLLinear`: a linear map whose weight stays in a GGUF block format (Q8_0, Q5_0, Q4_K, ...).
+
+Decode at batch 1 streams every weight once per token, so it runs ggml's own dot products on the
+blocks (`lib.py`, `matmul.c`): the weights a GGUF file ships are used as they are, with no
+re-quantisation and so no further loss. Activations are quantised per row to ggml's partner
+format (8-bit) inside the kernel, as llama.cpp does. Many rows (a prefill chunk) instead
+dequantise the weight with ggml and use MKL's float32 GEMM, which wins there.
+"""
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from .lib import library
+
+# from these many rows, dequantising + float32 GEMM beats the row-by-row dot products
+MANY_ROWS = 16
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+class GGMLLinear(nn.Module):
+    """y = x @ W^T + b with W (out, in) held as ggml blocks.
+
+    Args:
+        blocks: (out, row_bytes) uint8, each row `in_features` weights in `qtype` blocks.
+        qtype: a `gguf.GGMLQuantizationType` (or its id) with a ggml CPU dot product.
+        in_features: weights per row. bias: (out,) or None.
+
+    Shapes: x (..., in) -> (..., out), in x's dtype (computed in float32).
+
+    Example:
+        >>> q = GGMLLinear.quantize(torch.randn(64, 256), "q4_k")
+        >>> q(torch.randn(2, 256)).shape
+        torch.Size([2, 64])
+    """
+
+    def __init__(self, blocks, qtype, in_features, bias=None):
+        super().__init__()
+        lib = library()
+        self.qtype = GGMLQuantizationType(int(qtype))
+        if self.qtype in FLOAT_TYPES or not lib.kvw_supported(int(self.qtype)):
+            raise ValueError(f"ggml has no CPU dot product for {self.qtype.name} weights")
+        block = lib.kvw_block_size(int(self.qtype))
+        if in_features % block:
+            raise ValueError(f"{self.qtype.name} packs {block} weights a block; in_features={in_features} "
+                             f"is not a multiple")
+        row_bytes = lib.kvw_row_bytes(int(self.qtype), in_features)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
+            raise ValueError(f"expected blocks of shape (out, {row_bytes}) uint8 for {in_features} "
+                             f"{self.qtype.name} weights a row; got {tuple(blocks.shape)} {blocks.dtype}")
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    @classmethod
+    def quantize(cls, weight, qtype, bias=None):
+        """Quantise a float (out, in) weight with ggml's own quantiser ("q8_0", "q4_k", ...)."""
+        qtype = qtype_of(qtype)
+        lib = library()
+        out_features, in_features = weight.shape
+        if lib.kvw_block_size(int(qtype)) and in_features % lib.kvw_block_size(int(qtype)):
+            raise ValueError(f"{qtype.name} packs {lib.kvw_block_size(int(qtype))} weights a block; "
+                             f"a weight with {in_features} inputs is not a multiple")
+        blocks = torch.empty(out_features, lib.kvw_row_bytes(int(qtype), in_features), dtype=torch.uint8)
+        for start in range(0, out_features, 16384):  # a float32 copy of a 262k-row head would be 671 MB
+            part = weight.detach()[start:start + 16384].float().contiguous()
+            lib.kvw_quantize(int(qtype), part.data_ptr(), blocks[start:].data_ptr(), part.shape[0], in_features)
+        return cls(blocks, qtype, in_features, bias)
+
+    def forward(self, x):
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features).float().contiguous()
+        if rows > MANY_ROWS:
+            out = nn.functional.linear(x2, self.dequantize())
+        else:
+            out = torch.empty(rows, self.out_features)
+            if library().kvw_matmul(int(self.qtype), self.blocks.data_ptr(), self.out_features, self.in_features,
+                                    x2.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()):
+                raise MemoryError(f"ggml matmul could not allocate {rows} quantised activation rows")
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self):
+        """The weight as the kernels see it: (out, in) float32."""
+        w = torch.empty(self.out_features, self.in_features)
+        library().kvw_dequantize(int(self.qtype), self.blocks.data_ptr(), self.out_features, self.in_features,
+                                 w.data_ptr(), torch.get_num_threads())
+        return w
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}"
+
+
+def qtype_of(name):
+    """A `GGMLQuantizationType` from "q4_k" / "Q4_K" / a type / its id, or a ValueError."""
+    if isinstance(name, str):
+        try:
+            return GGMLQuantizationType[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown ggml type {name!r}; expected e.g. 'q8_0', 'q5_0', 'q4_k', 'q6_k'") from None
+    return GGMLQuantizationType(int(name))

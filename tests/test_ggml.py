@@ -1,0 +1,126 @@
+"""GGUF block formats on ggml's kernels: the bytes mean what the gguf package says they mean, the
+kernel computes with them, a GGUF file's own blocks land in the right layers (rows included), and
+bad requests fail clearly."""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+import kvwire as kw
+
+from .conftest import FAMILIES, tiny_hf_gemma3, tiny_hf_gpt2
+from .gguf_files import write_gemma3, write_gpt2
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                reason="ggml kernels need llama-cpp-python (kvwire[ggml])")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path / "cache"))
+
+
+# relative error of the stored weight on Gaussian values (measured: q8_0 0.4 %, q5_0 3.5 %,
+# q4_0 7.2 %, q4_k 6.4 %, q6_k 1.6 %), bounded with margin
+FORMATS = {"q8_0": 0.01, "q5_0": 0.05, "q4_0": 0.1, "q4_k": 0.1, "q6_k": 0.03}
+
+
+@pytest.mark.parametrize("name, max_rel", FORMATS.items())
+def test_blocks_mean_what_the_gguf_package_says(name, max_rel):
+    from kvwire.quant.ggml import GGMLLinear
+
+    w = torch.randn(24, 512, generator=torch.Generator().manual_seed(0))
+    q = GGMLLinear.quantize(w, name)
+    ours = q.dequantize()
+    # the gguf package's numpy decoder is an independent reading of the same bytes
+    reference = dequantize(q.blocks.numpy(), q.qtype).reshape(24, 512)
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(reference)))
+    assert ((ours - w).norm() / w.norm()).item() < max_rel
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_forward_equals_dequantized_matmul(name, rows):
+    from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.linear import MANY_ROWS
+
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(48, 256, generator=g), torch.randn(48, generator=g), torch.randn(rows, 256, generator=g)
+    q = GGMLLinear.quantize(w, name, bias=b)
+    expected = x @ q.dequantize().t() + b
+    got = q(x.view(1, rows, 256))
+    assert got.shape == (1, rows, 48)
+    # few rows: the kernel quantises activations to 8 bits per block (as llama.cpp does), ~0.5 %
+    # relative error; many rows: float32 GEMM on the dequantised weight
+    tol = 0.02 * expected.abs().max().item() if rows <= MANY_ROWS else 1e-4
+    torch.testing.assert_close(got[0], expected, atol=tol, rtol=0)
+
+
+def test_k_quants_fall_back_on_rows_that_are_not_whole_blocks(tiny_lm):
+    kw.quantize(tiny_lm, "q4_k")  # rows of 32 / 64 inputs: no 256-weight K-quant block fits
+    kinds = {m.qtype.name for m in tiny_lm.modules() if type(m).__name__ == "GGMLLinear"}
+    assert kinds == {"Q5_0"}
+
+
+def _rollout_equals_cached(lm, ids, steps=5):
+    out = lm.generate(ids, max_new_tokens=steps, ignore_eos=True, return_logprobs=True)
+    rollout = ids
+    for _ in range(steps):  # uncached greedy rollout through the same layers
+        rollout = torch.cat([rollout, lm(rollout)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert out.tokens[0] == rollout[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("writer, make", [(write_gemma3, tiny_hf_gemma3), (write_gpt2, tiny_hf_gpt2)],
+                         ids=["gemma3", "gpt2"])
+def test_gguf_blocks_land_in_the_right_layers(tmp_path, writer, make):
+    from kvwire.quant.ggml import GGMLLinear
+
+    writer(tmp_path / "m.gguf", make(vocab_size=300), Q.Q8_0)
+    float_lm = kw.load(tmp_path / "m.gguf", progress=False)  # the file's values, dequantised
+    lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
+    swapped = {n: m for n, m in lm.backbone.named_modules() if isinstance(m, GGMLLinear)}
+    assert not [n for n, m in lm.backbone.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert isinstance(lm.head.quantized, GGMLLinear)
+    # every weight, GPT-2's split q/k/v rows included, is exactly the file's value for that weight
+    for name, module in swapped.items():
+        assert torch.equal(module.dequantize(), float_lm.backbone.get_submodule(name).weight), name
+        if module.bias is not None:
+            assert torch.equal(module.bias, float_lm.backbone.get_submodule(name).bias), name
+    assert torch.equal(lm.head.quantized.dequantize(), float_lm.head.weight)
+    ids = torch.tensor([[5, 17, 42, 9, 55, 23, 8]])
+    with torch.no_grad():
+        a, b = lm(ids), float_lm(ids)
+    assert ((a - b).norm() / b.norm()).item() < 0.02  # only the 8-bit activations differ
+    _rollout_equals_cached(lm, ids)
+
+
+def test_ggml_quantized_model_cached_equals_uncached(family):
+    _rollout_equals_cached(kw.quantize(kw.from_hf(FAMILIES[family]()), "q8_0"), torch.tensor([[3, 17, 42, 9, 55]]))
+
+
+def test_bad_ggml_requests(tmp_path):
+    from kvwire.quant.ggml import GGMLLinear
+
+    with pytest.raises(ValueError, match="unknown ggml type 'q3_x'"):
+        GGMLLinear.quantize(torch.randn(4, 256), "q3_x")
+    with pytest.raises(ValueError, match="Q4_K packs 256 weights a block; a weight with 320 inputs"):
+        GGMLLinear.quantize(torch.randn(4, 320), "q4_k")
+    with pytest.raises(ValueError, match=r"expected blocks of shape \(out, 34\) uint8 .* got \(4, 30\)"):
+        GGMLLinear(torch.zeros(4, 30, dtype=torch.uint8), Q.Q8_0, 32)
+    with pytest.raises(ValueError, match="no CPU dot product for F32"):
+        GGMLLinear(torch.zeros(4, 128, dtype=torch.uint8), Q.F32, 32)
+    with pytest.raises(ValueError, match="quantize='gguf' keeps a GGUF file's own blocks"):
+        kw.load(tmp_path, quantize="gguf")
+    write_gpt2(tmp_path / "f.gguf", tiny_hf_gpt2(vocab_size=300), Q.F32)
+    with pytest.raises(ValueError, match="holds no quantised linear weights"):
+        kw.load(tmp_path / "f.gguf", progress=False, quantize="gguf")
+
+
+def test_a_ggml_model_is_not_exported(tmp_path):
+    lm = kw.quantize(kw.from_hf(FAMILIES["gpt2"]()), "q8_0")
+    with pytest.raises(ValueError, match="quantize='gguf'"):
+        kw.export(lm, tmp_path / "model.onnx")
+    assert not (tmp_path / "model.onnx").exists()
