@@ -26,3 +26,31 @@ def run_worker(script, args, env=None):
     out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True, text=True,
                          env={**os.environ, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def parse_variant(variant):
+    """"dtype[+scheme][+head=Q][+compile]" -> dict(dtype, quantize, head, compile).
+
+    scheme: int8 / int4 (PyTorch kernels), gguf (the GGUF's own blocks) or a ggml type; head=Q
+    re-quantises only the logits head to ggml type Q; compile: `lm.compile()`."""
+    dtype, *parts = variant.split("+")
+    spec = {"dtype": dtype, "quantize": None, "head": None, "compile": False}
+    for part in parts:
+        if part == "compile":
+            spec["compile"] = True
+        elif part.startswith("head="):
+            spec["head"] = part.removeprefix("head=")
+        else:
+            spec["quantize"] = part
+    return spec
+
+
+def load_variant(variant):
+    """The default model as `variant` names it (compiled lazily: the first decode step compiles)."""
+    import kvwire as kw
+
+    spec = parse_variant(variant)
+    lm = kw.load("gemma3-270m", dtype=spec["dtype"], progress=False, quantize=spec["quantize"])
+    if spec["head"]:
+        kw.quantize(lm, spec["head"], layers=False)
+    return lm.compile() if spec["compile"] else lm

@@ -1,6 +1,6 @@
 """Does `torch.compile` of the decode step pay off? Compile time vs time saved per token.
 
-    python bench/compile.py [--steps 20] [--threads 2] [--dtype float32] [--quantize int8|int4]
+    python bench/compile.py [--steps 20] [--threads 2] [--dtype float32] [--quantize int8|int4|gguf|q8_0]
 
 Compiles the cached graph + head for T=1 (static shapes), then times eager and compiled decode
 steps in turn (best of 5 runs of `--steps` steps) and checks the logits agree.
@@ -19,7 +19,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"])
+    p.add_argument("--quantize", default=None, help="int8, int4, gguf or a ggml type (q8_0, ...)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lm = kw.load("gemma3-270m", dtype=args.dtype, quantize=args.quantize, progress=False)

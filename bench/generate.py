@@ -1,13 +1,16 @@
 """Generation speed of the default model: kvwire vs transformers `generate` on the same weights.
 
     python bench/generate.py [--new-tokens 32] [--threads 2]
-                             [--variants float32 bfloat16 bfloat16+int8 bfloat16+int4]
+                             [--variants float32 bfloat16 bfloat16+int8 bfloat16+int4 float32+gguf
+                                         float32+gguf+compile]
 
 transformers gets kvwire's own Gemma 3 270M weights (same names but the `model.` prefix), so no
 GGUF load is needed and both run the same numbers in the same dtype. Each library and dtype runs
 in its own subprocess (peak RSS is per process). llama.cpp is measured too when llama-cpp-python
 is installed. A variant is a dtype, optionally with weight-only quantisation ("bfloat16+int4" =
-`kw.load(dtype="bfloat16", quantize="int4")`); transformers runs the float variants only, and
+`kw.load(dtype="bfloat16", quantize="int4")`; "+gguf" keeps the GGUF's own blocks on ggml's kernels;
+"+head=q5_0" re-quantises the logits head alone; "+compile" adds `lm.compile()`, compiled before
+timing); transformers runs the float variants only, and
 quantised variants are compared with llama.cpp's 4-bit GGUF. Prints decode tokens/s at batch 1
 and 4, prefill tokens/s for 32- and 512-token prompts, peak RSS, and the kvwire / peer ratios.
 """
@@ -17,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import peak_rss_gb, run_worker, seconds  # noqa: E402
+from common import load_variant, parse_variant, peak_rss_gb, run_worker, seconds  # noqa: E402
 
 TEXT = ("The history of the city of Paris begins with a small settlement on an island in the river Seine. "
         "Over two thousand years it grew into one of the great capitals of the world, ") * 40
@@ -113,11 +116,11 @@ def llama_cpp_runner(threads):
 def worker(mode, variant, new_tokens, threads, peers):
     import torch
 
-    import kvwire as kw
-
     torch.set_num_threads(threads)
-    dtype, _, scheme = variant.partition("+")
-    lm = kw.load("gemma3-270m", dtype=dtype, progress=False, quantize=scheme or None)
+    lm = load_variant(variant)
+    if parse_variant(variant)["compile"]:
+        for batch in (1, 4):  # compile both batch sizes before anything is timed
+            lm.generate(prompt_ids(lm.tokenizer.encode, 16, batch), max_new_tokens=2, ignore_eos=True)
     runners = {"kvwire": kvwire_runner(lm)}
     if mode == "speed":
         for peer in peers:
@@ -137,7 +140,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "bfloat16+int8", "bfloat16+int4"])
+    p.add_argument("--variants", nargs="+", default=["float32", "bfloat16+int4", "float32+gguf", "float32+gguf+compile"])
     p.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
     p.add_argument("--peers", nargs="*", default=[])
     args = p.parse_args()
@@ -154,7 +157,7 @@ def main():
     keys = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
     print(f"{'library':14}{'variant':15}" + "".join(f"{k:>13}" for k in keys) + f"{'peak RSS GB':>13}")
     for variant in args.variants:
-        quantised = "+" in variant
+        quantised = parse_variant(variant)["quantize"] is not None
         # llama.cpp runs the GGUF's own 4-bit weights whatever the variant; it is timed in every
         # run (interleaved with kvwire) and compared with the quantised variants
         these = ([] if quantised else ["transformers"]) + (["llama.cpp"] if llama else [])

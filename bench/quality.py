@@ -1,17 +1,23 @@
 """What reduced precision costs in quality: greedy agreement with float32 and perplexity change.
 
-    python bench/quality.py [--variants bfloat16 bfloat16+int8 bfloat16+int4] [--new-tokens 48]
+    python bench/quality.py [--variants bfloat16 bfloat16+int8 bfloat16+int4 float32+gguf
+                             float32+gguf+head=q5_0] [--new-tokens 48]
 
-For each variant ("dtype" or "dtype+scheme", as in bench/generate.py) the default model greedily
+For each variant ("dtype[+scheme][+head=Q]", as in bench/generate.py) the default model greedily
 continues the prompts below; reported: the share of generated tokens equal to float32's (position
 by position), how many tokens stay identical before the first difference (mean over prompts), and
-the perplexity of the passage below against float32's.
+the perplexity of the passage below against float32's. ggml variants score the passage through
+their decode kernels (8-bit activations, as every decode step runs), not the float GEMM their
+many-row calls take, so the perplexity shows what decoding costs.
 """
 import argparse
+import os
+import sys
 
 import torch
 
-import kvwire as kw
+sys.path.insert(0, os.path.dirname(__file__))
+from common import load_variant  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -49,25 +55,26 @@ def agreement(rows, reference):
     return same / sum(len(r) for r in reference), sum(prefix) / len(prefix)
 
 
-def load(variant):
-    dtype, _, scheme = variant.partition("+")
-    return kw.load("gemma3-270m", dtype=dtype, progress=False, quantize=scheme or None)
-
-
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", nargs="+", default=["bfloat16", "bfloat16+int8", "bfloat16+int4"])
+    p.add_argument("--variants", nargs="+", default=["bfloat16", "bfloat16+int8", "bfloat16+int4", "float32+gguf",
+                                                     "float32+gguf+head=q5_0"])
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    reference = load("float32")
+    try:
+        from kvwire.quant.ggml import linear as ggml_linear
+        ggml_linear.MANY_ROWS = 1 << 30  # every call through the decode kernels
+    except ImportError:
+        pass
+    reference = load_variant("float32")
     ref_tokens, ref_ppl = greedy(reference, args.new_tokens), reference.perplexity(PASSAGE)
     del reference
     print(f"{'variant':16}{'same tokens':>13}{'same prefix':>13}{'perplexity':>12}{'change':>9}")
     print(f"{'float32':16}{1.0:13.3f}{args.new_tokens:13.1f}{ref_ppl:12.3f}{0.0:+9.2%}")
     for variant in args.variants:
-        lm = load(variant)
+        lm = load_variant(variant)
         share, prefix = agreement(greedy(lm, args.new_tokens), ref_tokens)
         ppl = lm.perplexity(PASSAGE)
         print(f"{variant:16}{share:13.3f}{prefix:13.1f}{ppl:12.3f}{ppl / ref_ppl - 1:+9.2%}")

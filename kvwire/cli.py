@@ -52,6 +52,10 @@ def _load_model(args, quantize=None):
 
 def _generate(args):
     lm = _load_model(args, args.quantize)
+    if args.compile:
+        if args.runtime != "eager":
+            raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
+        lm.compile()
     options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=make_sampler(args),
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:
@@ -131,6 +135,8 @@ def parser():
     g.add_argument("prompt", help="the text to continue")
     _model_options(g)
     _quantize_option(g)
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (about a minute first; pays with --quantize gguf)")
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="tokens to generate (default 32)")
     g.add_argument("--max-length", type=int, default=None, metavar="N", help="prompt + new tokens at most")
     g.add_argument("--sampler", choices=SAMPLERS, default=None,
@@ -209,8 +215,9 @@ def _steer_options(p):
 
 
 def _quantize_option(p):
-    p.add_argument("--quantize", default=None, choices=SCHEMES,
-                   help="weight-only quantisation of the eager model (fastest decode with --dtype bfloat16)")
+    p.add_argument("--quantize", default=None, metavar="Q",
+                   help="weights of the eager model: 'gguf' (a GGUF file's own quantised blocks on ggml's "
+                        f"kernels), a ggml type (q8_0, q5_0, q4_k, ...) or {' / '.join(SCHEMES)} (PyTorch kernels)")
 
 
 def _model_options(p):

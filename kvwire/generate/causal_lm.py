@@ -33,6 +33,7 @@ class CausalLM(nn.Module):
         self.config = config if config is not None else getattr(backbone, "config", None)
         self._cached = None
         self._caches = {}  # batch size -> (max_length, cache), reused across calls
+        self._compile_options, self._decode = None, None  # set by `compile`
 
     @property
     def vocab_size(self):
@@ -56,12 +57,41 @@ class CausalLM(nn.Module):
         return self._cached
 
     def reset_caches(self):
-        """Forget the cached graph, the kept caches and the head's packed weight (after swapping
-        layers in place, or to free memory)."""
-        self._cached, self._caches = None, {}
+        """Forget the cached graph, the kept caches, the compiled decode step (made again when next
+        needed) and the head's packed weight (after swapping layers in place, or to free memory)."""
+        self._cached, self._caches, self._decode = None, {}, None
         pack = getattr(self.head, "pack", None)
         if pack is not None:
             pack.clear()
+
+    def compile(self, bucket=256, **options):
+        """Run generation's one-token decode steps through `torch.compile` (cached graph + head).
+
+        Pays where small ops dominate a step: quantised weights at batch 1 (measured in
+        bench/compile.py and bench/generate.py). The first step of each batch size compiles (about a
+        minute for the default model; Inductor caches it on disk for later processes). Cache lengths
+        are rounded up to `bucket` slots so calls with different lengths share a compiled step.
+        Prefill stays eager. `options` go to `torch.compile`. Returns self.
+
+        Example:
+            >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()
+            >>> lm.generate("Once upon a time", max_new_tokens=64)
+        """
+        from .compiled import CompiledDecode
+
+        CompiledDecode(self.cached, self.head, bucket, **options)  # checks the options now
+        self._compile_options, self._decode = dict(options, bucket=bucket), None
+        self._caches = {}
+        return self
+
+    def _decoder(self):
+        if self._compile_options is None:
+            return None
+        if self._decode is None:
+            from .compiled import CompiledDecode
+
+            self._decode = CompiledDecode(self.cached, self.head, **self._compile_options)
+        return self._decode
 
     def forward(self, token_ids):
         """Uncached logits: token_ids (B, T) int -> (B, T, V)."""
@@ -244,10 +274,13 @@ class CausalLM(nn.Module):
     def _session(self, rows, max_length, inputs=None, reuse=True):
         """A session that takes this model's idle caches for the batch size when they are long
         enough (and not more than twice as long: decode attends over every full-length slot)."""
+        decode = self._decoder()
+        if decode is not None:
+            max_length = decode.length(max_length, self.max_context)
         kept = self._caches.pop(len(rows), None) if reuse else None  # taken: an interleaved run gets its own
         if kept is not None and max_length <= kept[0] <= 2 * max_length:
-            return Session(self.cached, self.head, rows, kept[0], kept[1], inputs)
-        return Session(self.cached, self.head, rows, max_length, inputs=inputs)
+            return Session(self.cached, self.head, rows, kept[0], kept[1], inputs, decode=decode)
+        return Session(self.cached, self.head, rows, max_length, inputs=inputs, decode=decode)
 
     def _returning(self, session, run):
         """Yield from run, then give the session's caches back for the next call."""

@@ -25,10 +25,11 @@ class Session:
             layers' defaults for these prompts.
         multiple: pad the prompts to a multiple of this length (a program with static chunk
             lengths then runs the prompt in whole chunks; padding is masked out).
+        decode: a `CompiledDecode` that runs the one-token steps instead of the eager graph, or None.
     """
 
-    def __init__(self, cached, head, rows, max_length, cache=None, inputs=None, multiple=1):
-        self.cached, self.head = cached, head
+    def __init__(self, cached, head, rows, max_length, cache=None, inputs=None, multiple=1, decode=None):
+        self.cached, self.head, self.decode = cached, head, decode
         self.ids, self.positions, self.pads = left_pad(rows, multiple=multiple)
         lengths = torch.tensor([len(r) for r in rows])
         self.inputs = {**cached.default_inputs(len(rows), lengths), **(inputs or {})}
@@ -48,7 +49,14 @@ class Session:
     def step(self, tokens):
         """Feed one token per row (B,); logits of the next: (B, V)."""
         positions = (self.index - self.pads)[:, None]
-        return self._run(tokens[:, None], positions)
+        if self.decode is None:
+            return self._run(tokens[:, None], positions)
+        self.cached.check_call(tokens[:, None], positions, self.index, self.mask, self.cache)
+        extra = self.cached.runtime_values(tokens.shape[0], self.inputs)
+        logits, self.cache = self.decode(tokens[:, None], positions, torch.tensor(self.index), self.mask,
+                                         self.cache, extra)
+        self.index += 1
+        return logits
 
     def expand(self, n):
         """Repeat every row n times (rows i*n .. i*n+n-1 copy row i), caches included."""

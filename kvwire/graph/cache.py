@@ -162,12 +162,17 @@ class CachedGraph(nn.Module):
         return tuple(cache)
 
     def forward(self, token_ids, positions, cache_index, attention_mask, cache, **inputs):
-        cache_index = _check_inputs(self, token_ids, positions, cache_index, attention_mask, cache)
-        extra = self._runtime_values(token_ids.shape[0], inputs)
+        cache_index = self.check_call(token_ids, positions, cache_index, attention_mask, cache)
+        extra = self.runtime_values(token_ids.shape[0], inputs)
         with per_call():  # layers share masks and rotary tables within the call
             return self.graph_module(token_ids, positions, cache_index, attention_mask, cache, *extra)
 
-    def _runtime_values(self, batch_size, inputs):
+    def check_call(self, token_ids, positions, cache_index, attention_mask, cache):
+        """Validate a call's inputs (what `forward` checks); returns cache_index as a 0-d tensor."""
+        return _check_inputs(self, token_ids, positions, cache_index, attention_mask, cache)
+
+    def runtime_values(self, batch_size, inputs):
+        """The runtime inputs ({name: (B,) tensor}, defaults for those left out) in graph order."""
         unknown = set(inputs) - set(self.runtime_inputs)
         if unknown:
             raise TypeError(f"unknown runtime inputs {sorted(unknown)}; this graph takes "

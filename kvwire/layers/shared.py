@@ -40,6 +40,8 @@ def shared(fn, *args, key=None):
         >>> a is b
         True
     """
+    if torch.compiler.is_compiling():  # dynamo cannot trace a ContextVar; inductor fuses the copies
+        return fn(*args)
     memo = _memo.get()
     if memo is None:
         return fn(*args)

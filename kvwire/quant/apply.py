@@ -4,7 +4,7 @@ from torch import nn
 from .linear import SCHEMES, QuantizedLinear
 
 
-def quantize(lm, scheme="int4", group_size=32, head=True):
+def quantize(lm, scheme="int4", group_size=32, head=True, layers=True):
     """Quantise the weights of every `nn.Linear` in `lm.backbone` (and the head).
 
     Activations, norms, embeddings, attention and the KV cache keep their dtype; only the matmul
@@ -16,7 +16,9 @@ def quantize(lm, scheme="int4", group_size=32, head=True):
         lm: a `CausalLM`. scheme: "int8" (one scale per output row) or "int4" (scale and zero per
             `group_size` inputs) on PyTorch's kernels, or a ggml format ("q8_0", "q5_0", "q4_0",
             "q4_k", "q6_k", ...) quantised and run by ggml (`kvwire[ggml]`; `quantize_ggml`).
-            head: also quantise the logits head (the largest matrix).
+            head: quantise the logits head (the largest matrix). layers: quantise the backbone's
+            linear maps; `layers=False` re-quantises only the head (e.g. a smaller head for a
+            `quantize="gguf"` model, whose Q8_0 head is most of a decode step's bytes).
 
     Returns `lm`.
 
@@ -31,9 +33,9 @@ def quantize(lm, scheme="int4", group_size=32, head=True):
         except ValueError:
             raise ValueError(f"unknown quantisation scheme {scheme!r}; expected one of {SCHEMES} or a ggml "
                              f"type such as 'q8_0' or 'q4_k'") from None
-        return quantize_ggml(lm, scheme, head)
+        return quantize_ggml(lm, scheme, head, layers)
     targets = [(parent, name, child) for parent in lm.backbone.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+               for name, child in parent.named_children() if isinstance(child, nn.Linear) and layers]
     for parent, name, child in targets:
         setattr(parent, name, QuantizedLinear.from_linear(child, scheme, group_size))
     if head:

@@ -12,8 +12,9 @@ from .linear import FLOAT_TYPES, GGMLLinear, qtype_of
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
-def quantize_ggml(lm, qtype, head=True):
-    """Quantise every `nn.Linear` of `lm.backbone` (and the head) to a ggml format, in place.
+def quantize_ggml(lm, qtype, head=True, layers=True):
+    """Quantise every `nn.Linear` of `lm.backbone` (`layers`) and the head (`head`) to a ggml
+    format, in place. The head is quantised from its float weight (the tied embedding table).
 
     K-quant formats (q4_k, q6_k, ...) fall back per matrix to a 32-weight format when a row's
     length is not a multiple of 256, as llama.cpp does (q4_k -> q5_0, q6_k -> q8_0)."""
@@ -25,7 +26,7 @@ def quantize_ggml(lm, qtype, head=True):
             kind = qtype_of(_FALLBACK[qtype.name])
         return GGMLLinear.quantize(weight, kind, bias)
 
-    for parent, name, child in _linears(lm):
+    for parent, name, child in _linears(lm) if layers else ():
         setattr(parent, name, make(child.weight, child.bias))
     if head:
         _head(lm).quantized = make(lm.head.weight, None)

@@ -71,11 +71,10 @@ class GGMLLinear(nn.Module):
         x2 = x.reshape(rows, self.in_features).float().contiguous()
         if rows > MANY_ROWS:
             out = nn.functional.linear(x2, self.dequantize())
+        elif torch.compiler.is_compiling():  # an opaque op to the compiler; eager skips its dispatch
+            out = ggml_matmul(x2, self.blocks, int(self.qtype), self.in_features)
         else:
-            out = torch.empty(rows, self.out_features)
-            if library().kvw_matmul(int(self.qtype), self.blocks.data_ptr(), self.out_features, self.in_features,
-                                    x2.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()):
-                raise MemoryError(f"ggml matmul could not allocate {rows} quantised activation rows")
+            out = _matmul(x2, self.blocks, int(self.qtype), self.in_features)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -89,6 +88,25 @@ class GGMLLinear(nn.Module):
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}"
+
+
+def _matmul(x, blocks, qtype, in_features):
+    out = torch.empty(x.shape[0], blocks.shape[0])
+    if library().kvw_matmul(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(), x.shape[0],
+                            out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"ggml matmul could not allocate {x.shape[0]} quantised activation rows")
+    return out
+
+
+@torch.library.custom_op("kvwire::ggml_matmul", mutates_args=())
+def ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """x (rows, in) float32 @ W^T, W (out, in) as ggml blocks (out, row_bytes) uint8 -> (rows, out)."""
+    return _matmul(x.contiguous(), blocks, qtype, in_features)
+
+
+@ggml_matmul.register_fake
+def _(x, blocks, qtype, in_features):
+    return x.new_empty(x.shape[0], blocks.shape[0])
 
 
 def qtype_of(name):
