@@ -155,7 +155,7 @@ def main():
         print("llama-cpp-python is not installed: llama.cpp is not measured")
     common = ["--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
     keys = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
-    print(f"{'library':14}{'variant':15}" + "".join(f"{k:>13}" for k in keys) + f"{'peak RSS GB':>13}")
+    print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in keys) + f"{'peak RSS GB':>13}")
     for variant in args.variants:
         quantised = parse_variant(variant)["quantize"] is not None
         # llama.cpp runs the GGUF's own 4-bit weights whatever the variant; it is timed in every
@@ -166,10 +166,10 @@ def main():
             rss = run_worker(__file__, ["--worker", lib, variant, *common])["peak_rss_gb"] \
                 if lib != "llama.cpp" else float("nan")
             label = "Q4_K_M" if lib == "llama.cpp" else variant
-            print(f"{lib:14}{label:15}" + "".join(f"{speed[lib][k]:13.2f}" for k in keys) + f"{rss:13.2f}")
+            print(f"{lib:14}{label:32}" + "".join(f"{speed[lib][k]:13.2f}" for k in keys) + f"{rss:13.2f}")
         for lib in these:
             if (lib == "llama.cpp") == quantised:
-                print(f"{'  kvwire/' + lib:29}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in keys))
+                print(f"{'  kvwire/' + lib:46}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in keys))
     print("tokens/s; decode counts every row of the batch; best of 3 interleaved runs")
 
 

@@ -71,13 +71,13 @@ def main():
     reference = load_variant("float32")
     ref_tokens, ref_ppl = greedy(reference, args.new_tokens), reference.perplexity(PASSAGE)
     del reference
-    print(f"{'variant':16}{'same tokens':>13}{'same prefix':>13}{'perplexity':>12}{'change':>9}")
-    print(f"{'float32':16}{1.0:13.3f}{args.new_tokens:13.1f}{ref_ppl:12.3f}{0.0:+9.2%}")
+    print(f"{'variant':26}{'same tokens':>13}{'same prefix':>13}{'perplexity':>12}{'change':>9}")
+    print(f"{'float32':26}{1.0:13.3f}{args.new_tokens:13.1f}{ref_ppl:12.3f}{0.0:+9.2%}")
     for variant in args.variants:
         lm = load_variant(variant)
         share, prefix = agreement(greedy(lm, args.new_tokens), ref_tokens)
         ppl = lm.perplexity(PASSAGE)
-        print(f"{variant:16}{share:13.3f}{prefix:13.1f}{ppl:12.3f}{ppl / ref_ppl - 1:+9.2%}")
+        print(f"{variant:26}{share:13.3f}{prefix:13.1f}{ppl:12.3f}{ppl / ref_ppl - 1:+9.2%}")
         del lm
     print(f"{len(PROMPTS)} prompts x {args.new_tokens} greedy tokens; same prefix = tokens before the "
           "first difference (mean); perplexity of a 9-sentence passage")

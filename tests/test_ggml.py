@@ -106,6 +106,8 @@ def test_bad_ggml_requests(tmp_path):
 
     with pytest.raises(ValueError, match="unknown ggml type 'q3_x'"):
         GGMLLinear.quantize(torch.randn(4, 256), "q3_x")
+    with pytest.raises(ValueError, match="kvwire quantises to q8_0, .*; got iq2_xxs"):
+        GGMLLinear.quantize(torch.randn(4, 256), "iq2_xxs")  # needs an importance matrix
     with pytest.raises(ValueError, match="Q4_K packs 256 weights a block; a weight with 320 inputs"):
         GGMLLinear.quantize(torch.randn(4, 320), "q4_k")
     with pytest.raises(ValueError, match=r"expected blocks of shape \(out, 34\) uint8 .* got \(4, 30\)"):

@@ -43,7 +43,8 @@ def library():
     """The loaded bridge (ctypes.CDLL), built on first use."""
     if "lib" not in _LIB:
         lib_dir, include = ggml_dirs()
-        stamp = SOURCE.read_bytes() + str(lib_dir).encode() + str((lib_dir / "libggml-cpu.so").stat().st_mtime_ns).encode()
+        ggml = lib_dir / "libggml-cpu.so"
+        stamp = SOURCE.read_bytes() + str(ggml.resolve()).encode() + str(ggml.stat().st_mtime_ns).encode()
         target = cache_root() / "ggml" / hashlib.sha256(stamp).hexdigest()[:16] / "libkvwire_ggml.so"
         if not target.exists():
             _build(target, lib_dir, include)

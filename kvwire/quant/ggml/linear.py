@@ -4,7 +4,7 @@ Decode at batch 1 streams every weight once per token, so it runs ggml's own dot
 blocks (`lib.py`, `matmul.c`): the weights a GGUF file ships are used as they are, with no
 re-quantisation and so no further loss. Activations are quantised per row to ggml's partner
 format (8-bit) inside the kernel, as llama.cpp does. Many rows (a prefill chunk) instead
-dequantise the weight with ggml and use MKL's float32 GEMM, which wins there.
+dequantise the weight with ggml and use MKL's float32 GEMM, which wins there (`MANY_ROWS`).
 """
 import torch
 from gguf import GGMLQuantizationType
@@ -12,9 +12,14 @@ from torch import nn
 
 from .lib import library
 
-# from these many rows, dequantising + float32 GEMM beats the row-by-row dot products
-MANY_ROWS = 16
+# above these many rows, dequantising + float32 GEMM beats the row-by-row dot products (default
+# model, 2 threads, kernel vs dequantise + GEMM at 32 rows: Q5_0 2048x640 2.31 vs 2.41 ms, Q6_K
+# 640x2048 1.43 vs 2.79, Q4_K 640x1024 0.75 vs 0.75; at 64 rows 4.55 vs 3.20, 2.87 vs 3.36, 1.43 vs
+# 1.04; ggml's dequantisation is most of the second number)
+MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+# what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
+QUANTIZE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 
 
 class GGMLLinear(nn.Module):
@@ -55,6 +60,9 @@ class GGMLLinear(nn.Module):
     def quantize(cls, weight, qtype, bias=None):
         """Quantise a float (out, in) weight with ggml's own quantiser ("q8_0", "q4_k", ...)."""
         qtype = qtype_of(qtype)
+        if qtype.name not in QUANTIZE_TYPES:
+            raise ValueError(f"kvwire quantises to {', '.join(t.lower() for t in QUANTIZE_TYPES)}; "
+                             f"got {qtype.name.lower()}")
         lib = library()
         out_features, in_features = weight.shape
         if lib.kvw_block_size(int(qtype)) and in_features % lib.kvw_block_size(int(qtype)):
@@ -92,8 +100,8 @@ class GGMLLinear(nn.Module):
 
 def _matmul(x, blocks, qtype, in_features):
     out = torch.empty(x.shape[0], blocks.shape[0])
-    if library().kvw_matmul(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(), x.shape[0],
-                            out.data_ptr(), torch.get_num_threads()):
+    if x.shape[0] and library().kvw_matmul(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(),
+                                           x.shape[0], out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"ggml matmul could not allocate {x.shape[0]} quantised activation rows")
     return out
 
