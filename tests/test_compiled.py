@@ -38,3 +38,12 @@ def test_bad_bucket():
     lm = kw.from_hf(FAMILIES["gpt2"]())
     with pytest.raises(ValueError, match="bucket must be a positive int .* got 0"):
         lm.compile(bucket=0)
+
+
+def test_cache_lengths_round_up_to_bucket_times_a_power_of_two():
+    from kvwire.generate.compiled import CompiledDecode
+
+    lm = kw.from_hf(FAMILIES["gpt2"]())
+    decode = CompiledDecode(lm.cached, lm.head, bucket=64)  # torch.compile is lazy: nothing compiles
+    assert [decode.length(n) for n in (1, 64, 65, 200, 300)] == [64, 64, 128, 256, 512]
+    assert decode.length(150, limit=200) == 200  # never past the model's context

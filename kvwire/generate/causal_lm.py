@@ -64,13 +64,14 @@ class CausalLM(nn.Module):
         if pack is not None:
             pack.clear()
 
-    def compile(self, bucket=256, **options):
+    def compile(self, bucket=64, **options):
         """Run generation's one-token decode steps through `torch.compile` (cached graph + head).
 
         Pays where small ops dominate a step: quantised weights at batch 1 (measured in
         bench/compile.py and bench/generate.py). The first step of each batch size compiles (about a
-        minute for the default model; Inductor caches it on disk for later processes). Cache lengths
-        are rounded up to `bucket` slots so calls with different lengths share a compiled step.
+        minute for the default model; Inductor caches it on disk for later processes), and so does
+        each new cache length: lengths are rounded up to `bucket` * 2^k slots, so calls with
+        different lengths share compiled steps and a long context compiles a few times, not often.
         Prefill stays eager. `options` go to `torch.compile`. Returns self.
 
         Example:

@@ -3,8 +3,10 @@
 Decode at batch 1 runs ~2,700 small ops a token; eager PyTorch pays ~5 us of dispatch for each,
 more than the weights cost to stream once they are 4-8 bits. Compiled, Inductor fuses the norms,
 rotary, masks and softmax into a few C++ kernels, and the matmuls stay library calls. Shapes are
-static (one compile per batch size and cache length), so cache lengths are rounded up to
-`bucket` slots and calls with different `max_length` reuse one compiled step.
+static (one compile per batch size and cache length), so cache lengths are rounded up to `bucket`
+times a power of two: calls with different `max_length` share compiled steps, a long context
+costs a logarithmic number of compiles, and a short one attends over few slots (decode reads
+every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default model).
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
 call of a signature (batch, cache length, runtime input dtypes, grad mode) has run without
@@ -24,9 +26,9 @@ class CompiledDecode:
         >>> lm.generate("Once upon a time", max_new_tokens=64)   # first call compiles (~1 min)
     """
 
-    def __init__(self, cached, head, bucket=256, **options):
+    def __init__(self, cached, head, bucket=64, **options):
         if not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"bucket must be a positive int (cache slots to round lengths up to), got {bucket!r}")
+            raise ValueError(f"bucket must be a positive int (the smallest cache length), got {bucket!r}")
         self.bucket = bucket
         graph = cached.graph_module
 
@@ -38,8 +40,10 @@ class CompiledDecode:
         self.seen = set()  # call signatures that run without compiling
 
     def length(self, max_length, limit=None):
-        """max_length rounded up to a whole number of buckets (not past `limit` when given)."""
-        rounded = -(-max_length // self.bucket) * self.bucket
+        """max_length rounded up to bucket * 2^k (not past `limit` when given)."""
+        rounded = self.bucket
+        while rounded < max_length:
+            rounded *= 2
         return rounded if limit is None or max_length > limit else min(rounded, limit)
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):

@@ -40,7 +40,9 @@ def shared(fn, *args, key=None):
         >>> a is b
         True
     """
-    if torch.compiler.is_compiling():  # dynamo cannot trace a ContextVar; inductor fuses the copies
+    # torch.compile's tracer cannot read a ContextVar, and Inductor fuses the copies anyway; the
+    # (non-strict) export tracer runs this Python as is, so exported graphs keep one copy
+    if torch.compiler.is_dynamo_compiling():
         return fn(*args)
     memo = _memo.get()
     if memo is None:
