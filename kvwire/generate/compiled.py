@@ -9,10 +9,11 @@ costs a logarithmic number of compiles, and a short one attends over few slots (
 every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default model).
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
-call of a signature (batch, cache length, runtime input dtypes, grad mode) has run without
+call of a signature (batch, cache length, input / cache / weight dtypes, grad mode) has run without
 compiling anything, later calls with it evaluate only the guards that tell compiled variants
 apart (`skip_guard_eval_unsafe`): safe because nothing else those guards check changes between
-the steps of a generation, and any edit of the model makes a new `CompiledDecode`.
+the steps of a generation, and an edit makes a new model (or, swapped in place, is followed by
+`lm.reset_caches()`, which drops this object) and so a new `CompiledDecode`.
 """
 import torch
 
@@ -29,7 +30,7 @@ class CompiledDecode:
     def __init__(self, cached, head, bucket=64, **options):
         if not isinstance(bucket, int) or bucket < 1:
             raise ValueError(f"bucket must be a positive int (the smallest cache length), got {bucket!r}")
-        self.bucket = bucket
+        self.bucket, self.head = bucket, head
         graph = cached.graph_module
 
         def step(token_ids, positions, cache_index, attention_mask, cache, *extra):
@@ -48,6 +49,7 @@ class CompiledDecode:
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
         key = (tuple(token_ids.shape), tuple(attention_mask.shape), tuple(t.dtype for t in extra),
+               cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
         if key not in self.seen:  # every guard; seen once a call of this signature compiled nothing new
