@@ -1,4 +1,5 @@
-"""Weight-only quantisation (int8, int4) for fast CPU decoding."""
+"""Weight-only quantisation for fast CPU decoding: int8 / int4 on PyTorch's kernels (`linear`), GGUF
+block formats on ggml's kernels (`ggml`)."""
 from .apply import quantize
 from .linear import SCHEMES, QuantizedLinear
 
