@@ -29,15 +29,17 @@ def run_worker(script, args, env=None):
 
 
 def parse_variant(variant):
-    """"dtype[+scheme][+head=Q][+compile]" -> dict(dtype, quantize, head, compile).
+    """"dtype[+scheme][+head=Q][+compile][+cpp]" -> dict(dtype, quantize, head, compile, cpp).
 
     scheme: int8 / int4 (PyTorch kernels), gguf (the GGUF's own blocks) or a ggml type; head=Q
-    re-quantises only the logits head to ggml type Q; compile: `lm.compile()`."""
+    re-quantises only the logits head to ggml type Q; compile: `lm.compile()`; cpp: compile with
+    Inductor's C++ wrapper (`lm.compile(options={"cpp_wrapper": True})`)."""
     dtype, *parts = variant.split("+")
-    spec = {"dtype": dtype, "quantize": None, "head": None, "compile": False}
+    spec = {"dtype": dtype, "quantize": None, "head": None, "compile": False, "cpp": False}
     for part in parts:
-        if part == "compile":
+        if part in ("compile", "cpp"):
             spec["compile"] = True
+            spec["cpp"] = spec["cpp"] or part == "cpp"
         elif part.startswith("head="):
             spec["head"] = part.removeprefix("head=")
         else:
@@ -53,4 +55,6 @@ def load_variant(variant):
     lm = kw.load("gemma3-270m", dtype=spec["dtype"], progress=False, quantize=spec["quantize"])
     if spec["head"]:
         kw.quantize(lm, spec["head"], layers=False)
-    return lm.compile() if spec["compile"] else lm
+    if not spec["compile"]:
+        return lm
+    return lm.compile(options={"cpp_wrapper": True}) if spec["cpp"] else lm.compile()

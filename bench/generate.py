@@ -10,7 +10,7 @@ in its own subprocess (peak RSS is per process). llama.cpp is measured too when 
 is installed. A variant is a dtype, optionally with weight-only quantisation ("bfloat16+int4" =
 `kw.load(dtype="bfloat16", quantize="int4")`; "+gguf" keeps the GGUF's own blocks on ggml's kernels;
 "+head=q5_0" re-quantises the logits head alone; "+compile" adds `lm.compile()`, compiled before
-timing); transformers runs the float variants only, and
+timing, "+cpp" the same with Inductor's C++ wrapper); transformers runs the float variants only, and
 quantised variants are compared with llama.cpp's 4-bit GGUF. Prints decode tokens/s at batch 1
 and 4, prefill tokens/s for 32- and 512-token prompts, peak RSS, and the kvwire / peer ratios.
 """
