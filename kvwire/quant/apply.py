@@ -34,13 +34,22 @@ def quantize(lm, scheme="int4", group_size=32, head=True, layers=True):
             raise ValueError(f"unknown quantisation scheme {scheme!r}; expected one of {SCHEMES} or a ggml "
                              f"type such as 'q8_0' or 'q4_k'") from None
         return quantize_ggml(lm, scheme, head, layers)
-    targets = [(parent, name, child) for parent in lm.backbone.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear) and layers]
-    for parent, name, child in targets:
+    for parent, name, child in linears(lm) if layers else ():
         setattr(parent, name, QuantizedLinear.from_linear(child, scheme, group_size))
     if head:
-        if not hasattr(lm.head, "quantized"):
-            raise ValueError(f"head {type(lm.head).__name__} cannot be quantised; pass head=False")
-        lm.head.quantized = QuantizedLinear(lm.head.weight, None, scheme, group_size)
+        quantizable_head(lm).quantized = QuantizedLinear(lm.head.weight, None, scheme, group_size)
     lm.reset_caches()
     return lm
+
+
+def linears(lm):
+    """(parent, name, child) for every `nn.Linear` in `lm.backbone`: the maps a quantiser swaps."""
+    return [(parent, name, child) for parent in lm.backbone.modules()
+            for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+
+
+def quantizable_head(lm):
+    """`lm.head` if it can hold a quantised copy of its weight (`head.quantized`), else a ValueError."""
+    if not hasattr(lm.head, "quantized"):
+        raise ValueError(f"head {type(lm.head).__name__} cannot be quantised; pass head=False")
+    return lm.head

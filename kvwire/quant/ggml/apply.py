@@ -2,9 +2,9 @@
 quantised ones (`quantize_ggml`)."""
 import numpy as np
 import torch
-from torch import nn
 
 from ...io.gguf import GGUFFile
+from ..apply import linears, quantizable_head
 from .linear import FLOAT_TYPES, GGMLLinear, qtype_of
 
 # llama.cpp's fallbacks when a row is not a whole number of 256-weight K-quant blocks
@@ -26,10 +26,10 @@ def quantize_ggml(lm, qtype, head=True, layers=True):
             kind = qtype_of(_FALLBACK[qtype.name])
         return GGMLLinear.quantize(weight, kind, bias)
 
-    for parent, name, child in _linears(lm) if layers else ():
+    for parent, name, child in linears(lm) if layers else ():
         setattr(parent, name, make(child.weight, child.bias))
     if head:
-        _head(lm).quantized = make(lm.head.weight, None)
+        quantizable_head(lm).quantized = make(lm.head.weight, None)
     lm.reset_caches()
     return lm
 
@@ -48,14 +48,14 @@ def use_gguf_blocks(lm, path):
     family = by_gguf_architecture(gguf.architecture, path)
     sources = _row_sources(family, gguf)
     swapped = 0
-    for parent, name, child in _linears(lm):
+    for parent, name, child in linears(lm):
         key = _key_of(lm, child.weight)
         if key in sources:
             setattr(parent, name, _blocks_for(gguf, sources[key], child.weight, child.bias))
             swapped += 1
     head_key = _key_of(lm, lm.head.weight)
     if head_key in sources:
-        _head(lm).quantized = _blocks_for(gguf, sources[head_key], lm.head.weight, None)
+        quantizable_head(lm).quantized = _blocks_for(gguf, sources[head_key], lm.head.weight, None)
         swapped += 1
     if not swapped:
         raise ValueError(f"{path} holds no quantised linear weights for ggml kernels (all float?)")
@@ -65,7 +65,7 @@ def use_gguf_blocks(lm, path):
 
 def _row_sources(family, gguf):
     """{backbone key: (tensor name, row numbers)} for every quantised 2-D tensor of the file."""
-    quantised = [i for i, (_, dims, kind, _) in enumerate(gguf.infos) if len(dims) == 2 and kind not in FLOAT_TYPES]
+    quantised = {i for i, (_, dims, kind, _) in enumerate(gguf.infos) if len(dims) == 2 and kind not in FLOAT_TYPES}
 
     def stand_ins():
         for i, (name, dims, kind, _) in enumerate(gguf.infos):
@@ -96,19 +96,8 @@ def _blocks_for(gguf, source, weight, bias):
     return GGMLLinear(picked, qtype, weight.shape[1], bias)
 
 
-def _linears(lm):
-    return [(parent, name, child) for parent in lm.backbone.modules()
-            for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-
-
 def _key_of(lm, tensor):
     for key, param in lm.backbone.named_parameters(remove_duplicate=False):
         if param is tensor:
             return key
     return None
-
-
-def _head(lm):
-    if not hasattr(lm.head, "quantized"):
-        raise ValueError(f"head {type(lm.head).__name__} cannot be quantised; pass head=False")
-    return lm.head

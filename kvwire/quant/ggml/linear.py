@@ -44,10 +44,7 @@ class GGMLLinear(nn.Module):
         self.qtype = GGMLQuantizationType(int(qtype))
         if self.qtype in FLOAT_TYPES or not lib.kvw_supported(int(self.qtype)):
             raise ValueError(f"ggml has no CPU dot product for {self.qtype.name} weights")
-        block = lib.kvw_block_size(int(self.qtype))
-        if in_features % block:
-            raise ValueError(f"{self.qtype.name} packs {block} weights a block; in_features={in_features} "
-                             f"is not a multiple")
+        _check_width(self.qtype, in_features)
         row_bytes = lib.kvw_row_bytes(int(self.qtype), in_features)
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
             raise ValueError(f"expected blocks of shape (out, {row_bytes}) uint8 for {in_features} "
@@ -65,9 +62,7 @@ class GGMLLinear(nn.Module):
                              f"got {qtype.name.lower()}")
         lib = library()
         out_features, in_features = weight.shape
-        if lib.kvw_block_size(int(qtype)) and in_features % lib.kvw_block_size(int(qtype)):
-            raise ValueError(f"{qtype.name} packs {lib.kvw_block_size(int(qtype))} weights a block; "
-                             f"a weight with {in_features} inputs is not a multiple")
+        _check_width(qtype, in_features)  # before ggml's quantiser, which would abort on it
         blocks = torch.empty(out_features, lib.kvw_row_bytes(int(qtype), in_features), dtype=torch.uint8)
         for start in range(0, out_features, 16384):  # a float32 copy of a 262k-row head would be 671 MB
             part = weight.detach()[start:start + 16384].float().contiguous()
@@ -96,6 +91,13 @@ class GGMLLinear(nn.Module):
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}"
+
+
+def _check_width(qtype, in_features):
+    block = library().kvw_block_size(int(qtype))
+    if in_features % block:
+        raise ValueError(f"{qtype.name} packs {block} weights a block; a weight with {in_features} inputs "
+                         f"is not a multiple")
 
 
 def _matmul(x, blocks, qtype, in_features):
