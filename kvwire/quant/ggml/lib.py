@@ -1,9 +1,11 @@
-"""Build and load kvwire's bridge to ggml's CPU kernels (`matmul.c`).
+"""Build and load kvwire's bridge to ggml's CPU kernels (`matmul.c`, `op.cpp`).
 
 ggml ships with llama-cpp-python (`pip install "kvwire[ggml]"`): its shared libraries and headers.
-The bridge is compiled with the machine's C compiler on first use (well under a second) into the
-kvwire cache, keyed by its source and the ggml it links, and loaded with ctypes. Torch must be
-imported first so the bridge's OpenMP threads come from torch's libgomp (one thread pool).
+The bridge is compiled with the machine's C and C++ compilers on first use (~15 s, mostly torch's
+headers) into the kvwire cache, keyed by its sources, the ggml it links and the torch it is built
+against. It is loaded twice over: by torch (`op.cpp` registers the `kvwire::ggml_matmul` kernel)
+and by ctypes (`matmul.c`'s helpers). Torch must be imported first so the bridge's OpenMP threads
+come from torch's libgomp (one thread pool).
 """
 import ctypes
 import hashlib
@@ -18,7 +20,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours)
 
 from ...io.weights_cache import cache_root
 
-SOURCE = Path(__file__).with_name("matmul.c")
+SOURCES = (Path(__file__).with_name("matmul.c"), Path(__file__).with_name("op.cpp"))
 INSTALL_HINT = 'ggml kernels need llama-cpp-python, which ships ggml: pip install "kvwire[ggml]"'
 _LIB = {}
 
@@ -44,10 +46,12 @@ def library():
     if "lib" not in _LIB:
         lib_dir, include = ggml_dirs()
         ggml = lib_dir / "libggml-cpu.so"
-        stamp = SOURCE.read_bytes() + str(ggml.resolve()).encode() + str(ggml.stat().st_mtime_ns).encode()
+        stamp = b"".join(s.read_bytes() for s in SOURCES) + f"{ggml.resolve()} {ggml.stat().st_mtime_ns} " \
+            f"{torch.__version__} {Path(torch.__file__).parent}".encode()
         target = cache_root() / "ggml" / hashlib.sha256(stamp).hexdigest()[:16] / "libkvwire_ggml.so"
         if not target.exists():
             _build(target, lib_dir, include)
+        torch.ops.load_library(str(target))  # after linear.py declared the operator's schema
         lib = ctypes.CDLL(str(target))
         _declare(lib)
         lib.kvw_init()
@@ -56,19 +60,32 @@ def library():
 
 
 def _build(target, lib_dir, include):
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise GGMLUnavailable("ggml kernels need a C compiler (gcc) to build kvwire's bridge; none on PATH")
+    cc = _compiler("CC", "gcc", "cc")
+    cxx = _compiler("CXX", "g++", "c++")
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        pass
-    cmd = [compiler, "-O2", "-shared", "-fPIC", "-fopenmp", str(SOURCE), f"-I{include}", f"-L{lib_dir}",
-           "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib_dir}", "-o", tmp.name]
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        c_object, so = f"{tmp}/matmul.o", f"{tmp}/{target.name}"
+        _run([cc, "-O2", "-fPIC", "-fopenmp", "-c", str(SOURCES[0]), f"-I{include}", "-o", c_object])
+        _run([cxx, "-O2", "-shared", "-fPIC", "-fopenmp", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+              f"-I{torch_dir / 'include'}", str(SOURCES[1]), c_object, f"-L{lib_dir}", f"-L{torch_dir / 'lib'}",
+              "-lggml-cpu", "-lggml-base", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}",
+              f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", so])
+        os.replace(so, target)  # atomic: a concurrent build of the same sources is harmless
+
+
+def _compiler(variable, *names):
+    found = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
+    if found is None:
+        raise GGMLUnavailable(f"ggml kernels need {names[0]} to build kvwire's bridge; none on PATH")
+    return found
+
+
+def _run(cmd):
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        os.unlink(tmp.name)
         raise GGMLUnavailable(f"building kvwire's ggml bridge failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
-    os.replace(tmp.name, target)  # atomic: a concurrent build of the same source is harmless
 
 
 def _declare(lib):
@@ -77,6 +94,5 @@ def _declare(lib):
     lib.kvw_block_size.argtypes, lib.kvw_block_size.restype = [i32], i64
     lib.kvw_row_bytes.argtypes, lib.kvw_row_bytes.restype = [i32, i64], i64
     lib.kvw_supported.argtypes, lib.kvw_supported.restype = [i32], i32
-    lib.kvw_matmul.argtypes, lib.kvw_matmul.restype = [i32, ptr, i64, i64, ptr, i64, ptr, i32], i32
     lib.kvw_dequantize.argtypes, lib.kvw_dequantize.restype = [i32, ptr, i64, i64, ptr, i32], None
     lib.kvw_quantize.argtypes, lib.kvw_quantize.restype = [i32, ptr, ptr, i64, i64], i64

@@ -74,10 +74,8 @@ class GGMLLinear(nn.Module):
         x2 = x.reshape(rows, self.in_features).float().contiguous()
         if rows > MANY_ROWS:
             out = nn.functional.linear(x2, self.dequantize())
-        elif torch.compiler.is_compiling():  # an opaque op to the compiler; eager skips its dispatch
-            out = ggml_matmul(x2, self.blocks, int(self.qtype), self.in_features)
-        else:
-            out = _matmul(x2, self.blocks, int(self.qtype), self.in_features)
+        else:  # op.cpp's kernel; an opaque op to torch.compile
+            out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, int(self.qtype), self.in_features)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -100,22 +98,13 @@ def _check_width(qtype, in_features):
                          f"is not a multiple")
 
 
-def _matmul(x, blocks, qtype, in_features):
-    out = torch.empty(x.shape[0], blocks.shape[0])
-    if x.shape[0] and library().kvw_matmul(qtype, blocks.data_ptr(), blocks.shape[0], in_features, x.data_ptr(),
-                                           x.shape[0], out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError(f"ggml matmul could not allocate {x.shape[0]} quantised activation rows")
-    return out
+# the operator's kernel is C++ (op.cpp, loaded by `library()`); its schema and shapes live here
+torch.library.define("kvwire::ggml_matmul", "(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor")
 
 
-@torch.library.custom_op("kvwire::ggml_matmul", mutates_args=())
-def ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """x (rows, in) float32 @ W^T, W (out, in) as ggml blocks (out, row_bytes) uint8 -> (rows, out)."""
-    return _matmul(x.contiguous(), blocks, qtype, in_features)
-
-
-@ggml_matmul.register_fake
+@torch.library.register_fake("kvwire::ggml_matmul")
 def _(x, blocks, qtype, in_features):
+    """x (rows, in) float32 @ W^T, W (out, in) as ggml blocks (out, row_bytes) uint8 -> (rows, out)."""
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
