@@ -67,7 +67,7 @@ def _generate(args):
         return
     print(args.prompt, end="", flush=True)
     gen = None
-    for piece, gen in lm.stream_with_record(args.prompt, **options):
+    for piece, gen in lm.stream_with_record(args.prompt, logprobs=False, **options):  # timings only
         print(piece, end="", flush=True)
     print()
     if gen is not None:

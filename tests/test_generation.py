@@ -175,6 +175,25 @@ def test_return_logprobs_are_the_chosen_tokens_log_probabilities(chat):
     assert gen.texts[0] == chat.tokenizer.decode(gen.tokens[0])
 
 
+def test_records_without_logprobs_keep_the_tokens(chat):
+    with_lp = chat.generate("Hello", max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+    *_, (_, without) = chat.stream_with_record("Hello", max_new_tokens=6, ignore_eos=True, logprobs=False)
+    assert without.tokens == with_lp.tokens
+    assert all(math.isnan(lp) for lp in without.logprobs[0]) and len(without.logprobs[0]) == 6
+
+
+def test_greedy_argmax_matches_torch_on_ties_and_nan():
+    from kvwire.generate.samplers import argmax
+
+    logits = torch.randn(5, 1000)
+    logits[1, [10, 700]] = 50.0  # a tie: the first index wins
+    logits[2, 300] = float("nan")  # NaN counts as the largest, as torch's argmax has it
+    logits[3] = 0.0
+    assert torch.equal(argmax(logits), logits.argmax(-1))
+    assert argmax(logits).tolist()[1:4] == [10, 300, 0]
+    assert torch.equal(kw.Greedy()(logits.double()), logits.double().argmax(-1))
+
+
 def test_repetition_penalty_discourages_repeats(chat):
     plain = chat.generate("aaaa", max_new_tokens=30, ignore_eos=True)
     penalised = chat.generate("aaaa", max_new_tokens=30, ignore_eos=True, repetition_penalty=5.0)

@@ -172,7 +172,7 @@ class CausalLM(nn.Module):
         a 1-D tensor, a list of 1-D id tensors for a 2-D tensor or a list of 1-D tensors.
         """
         run = self._start(prompt, max_new_tokens, max_length, sampler, seed, stop, stop_token_ids,
-                          repetition_penalty, ignore_eos, inputs)
+                          repetition_penalty, ignore_eos, inputs, logprobs=return_logprobs)
         gen = _last(run)
         if return_logprobs:
             return gen
@@ -198,17 +198,21 @@ class CausalLM(nn.Module):
             >>> for piece in lm.stream("Once upon a time", max_new_tokens=20):
             ...     print(piece, end="", flush=True)
         """
-        for piece, _ in self.stream_with_record(prompt, max_new_tokens, max_length, **options):
+        for piece, _ in self._stream(prompt, max_new_tokens, max_length, False, options):
             yield piece
 
-    def stream_with_record(self, prompt, max_new_tokens=None, max_length=None, **options):
-        """Like `stream`, yielding (piece, the `Generation` record so far) for timings and ids."""
+    def stream_with_record(self, prompt, max_new_tokens=None, max_length=None, logprobs=True, **options):
+        """Like `stream`, yielding (piece, the `Generation` record so far) for timings and ids;
+        logprobs=False leaves the record's log-probabilities NaN and skips computing them."""
+        return self._stream(prompt, max_new_tokens, max_length, logprobs, options)
+
+    def _stream(self, prompt, max_new_tokens, max_length, logprobs, options):
         if not isinstance(prompt, str):
             raise TypeError(f"stream expects a str prompt, got {type(prompt).__name__}")
         if isinstance(options.get("sampler"), BeamSearch):
             raise ValueError("stream does not support beam search (the best beam is known only at the end)")
         sent = ""
-        for gen in self._start(prompt, max_new_tokens, max_length, **options):
+        for gen in self._start(prompt, max_new_tokens, max_length, **options, logprobs=logprobs):
             if gen.finished:
                 text = gen.texts[0]
             else:
@@ -245,9 +249,10 @@ class CausalLM(nn.Module):
         return ids
 
     def _start(self, prompt, max_new_tokens, max_length, sampler=None, seed=None, stop=(), stop_token_ids=(),
-               repetition_penalty=None, ignore_eos=False, inputs=None):
+               repetition_penalty=None, ignore_eos=False, inputs=None, logprobs=True):
         """Validate options and start a generation: an iterator of growing `Generation` records,
-        the last one finished (beam search yields only the finished one)."""
+        the last one finished (beam search yields only the finished one). logprobs=False: the
+        records' log-probabilities are NaN (sampling skips computing them)."""
         rows = self._rows(prompt)
         longest = max(len(r) for r in rows)
         new = self._new_tokens(longest, max_new_tokens, max_length)
@@ -270,7 +275,7 @@ class CausalLM(nn.Module):
             return iter([beam_search(session, sampler, new, stopper)])
         generator = None if seed is None else torch.Generator().manual_seed(int(seed))
         session = self._session(rows, longest + new, inputs)
-        return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty))
+        return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty, logprobs))
 
     def _session(self, rows, max_length, inputs=None, reuse=True):
         """A session that takes this model's idle caches for the batch size when they are long

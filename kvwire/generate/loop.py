@@ -67,8 +67,10 @@ def _penalize(logits, seen, penalty):
 
 
 @torch.inference_mode()
-def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition_penalty=None):
-    """Sampling loop; yields the growing `Generation` after every step, then once more finished."""
+def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition_penalty=None, logprobs=True):
+    """Sampling loop; yields the growing `Generation` after every step, then once more finished.
+    logprobs=False records NaN for the chosen tokens' log-probabilities and skips a log-softmax
+    over the vocabulary per step (~0.4 ms a row for Gemma 3's 262k tokens)."""
     B = session.ids.shape[0]
     gen = Generation([[] for _ in range(B)], [[] for _ in range(B)])
     start = time.perf_counter()
@@ -84,7 +86,8 @@ def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition
     for step in range(max_new_tokens):
         scores = logits if seen is None else _penalize(logits, seen, repetition_penalty)
         tokens = sampler(scores, generator)
-        logprobs = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0]
+        chosen = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0] if logprobs \
+            else torch.full((B,), float("nan"))
         for i in range(B):
             if done[i]:
                 continue
@@ -93,7 +96,7 @@ def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition
                 done[i] = True
                 continue
             gen.tokens[i].append(t)
-            gen.logprobs[i].append(float(logprobs[i]))
+            gen.logprobs[i].append(float(chosen[i]))
             done[i] = stopper.text_stops(gen.tokens[i])
         yield gen
         if all(done) or step == max_new_tokens - 1:

@@ -30,7 +30,16 @@ class Greedy(Sampler):
     """The most likely token."""
 
     def __call__(self, logits, generator=None):
-        return logits.argmax(-1)
+        return argmax(logits)
+
+
+def argmax(logits):
+    """logits.argmax(-1), the first index on ties and NaN as the largest, as torch's. On CPU float32
+    through NumPy's SIMD argmax: torch's runs scalar, ~0.35 ms a row over Gemma 3's 262k-token
+    vocabulary against ~0.04 (a tenth of a decode step at batch 1)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return logits.argmax(-1)
 
 
 class _Filtered(Sampler):
