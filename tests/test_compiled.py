@@ -34,6 +34,24 @@ def test_compiled_decode_gives_eager_tokens(family, quantize):
     assert _greedy(steered, prompts, 10) == eager[2]  # per-row strengths are compiled-step inputs
 
 
+def test_ggml_matmuls_reading_one_input_fuse_in_the_compiled_step():
+    pytest.importorskip("llama_cpp")
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    lm = kw.from_hf(FAMILIES["gemma3"]())
+    kw.quantize(lm, "q8_0")
+    prompt = [torch.tensor([3, 17, 42, 9, 55])]
+    eager = _greedy(lm, prompt, 6)
+    lm.compile(bucket=32)
+    tokens, code = run_and_get_code(lambda: _greedy(lm, prompt, 6))
+    assert tokens == eager
+    layers = lm.config.num_hidden_layers
+    # per layer q/k/v and gate/up run as two fused calls; o, down and the head stay single
+    assert sum(c.count("torch.ops.kvwire.ggml_matmuls.default(") for c in code) == 2 * layers
+    assert sum(c.count("torch.ops.kvwire.ggml_matmul.default(") for c in code) == 2 * layers + 1
+
+
 def test_bad_bucket():
     lm = kw.from_hf(FAMILIES["gpt2"]())
     with pytest.raises(ValueError, match="bucket must be a positive int .* got 0"):

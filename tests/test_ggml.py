@@ -59,6 +59,25 @@ def test_forward_equals_dequantized_matmul(name, rows):
     torch.testing.assert_close(got[0], expected, atol=tol, rtol=0)
 
 
+def test_one_fused_call_equals_separate_calls():
+    from kvwire.quant.ggml import GGMLLinear
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 256, generator=g)
+    # mixed partner formats: Q5_0 / Q8_0 take 8-bit Q8_0 activations, Q4_K / Q6_K take Q8_K
+    qs = [GGMLLinear.quantize(torch.randn(out, 256, generator=g), name)
+          for out, name in [(40, "q5_0"), (17, "q4_k"), (64, "q8_0"), (5, "q6_k")]]
+    fused = torch.ops.kvwire.ggml_matmuls(x, [q.blocks for q in qs], [int(q.qtype) for q in qs], 256)
+    for q, y in zip(qs, fused):
+        assert torch.equal(y, torch.ops.kvwire.ggml_matmul(x, q.blocks, int(q.qtype), 256))
+    with pytest.raises(RuntimeError, match="expected 1 to 8 weights with a type each, got 2 weights and 1"):
+        torch.ops.kvwire.ggml_matmuls(x, [qs[0].blocks, qs[1].blocks], [int(qs[0].qtype)], 256)
+    with pytest.raises(RuntimeError, match=r"expected contiguous \(out, 144\) uint8 blocks for 256 weights"):
+        torch.ops.kvwire.ggml_matmul(x, qs[0].blocks, int(qs[1].qtype), 256)  # Q5_0 blocks read as Q4_K
+    with pytest.raises(RuntimeError, match=r"expected x of shape \(rows, 256\) float32, got \[3, 128\]"):
+        torch.ops.kvwire.ggml_matmul(x[:, :128], qs[0].blocks, int(qs[0].qtype), 256)
+
+
 def test_k_quants_fall_back_on_rows_that_are_not_whole_blocks(tiny_lm):
     kw.quantize(tiny_lm, "q4_k")  # rows of 32 / 64 inputs: no 256-weight K-quant block fits
     kinds = {m.qtype.name for m in tiny_lm.modules() if type(m).__name__ == "GGMLLinear"}

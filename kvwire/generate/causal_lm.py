@@ -72,7 +72,10 @@ class CausalLM(nn.Module):
         minute for the default model; Inductor caches it on disk for later processes), and so does
         each new cache length: lengths are rounded up to `bucket` * 2^k slots, so calls with
         different lengths share compiled steps and a long context compiles a few times, not often.
-        Prefill stays eager. `options` go to `torch.compile`. Returns self.
+        Prefill stays eager. `options` go to `torch.compile`; with Inductor (the default) kvwire
+        adds a pass that runs ggml matmuls reading one input as one call. For the last ~2 ms a
+        step, `options={"cpp_wrapper": True}` trades a longer first compile (Inductor's C++
+        wrapper; README, Benchmarks). Returns self.
 
         Example:
             >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()

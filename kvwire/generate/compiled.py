@@ -6,7 +6,8 @@ rotary, masks and softmax into a few C++ kernels, and the matmuls stay library c
 static (one compile per batch size and cache length), so cache lengths are rounded up to `bucket`
 times a power of two: calls with different `max_length` share compiled steps, a long context
 costs a logarithmic number of compiles, and a short one attends over few slots (decode reads
-every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default model).
+every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default model). With
+Inductor, ggml matmuls that read one input run as one call (`quant/ggml/fuse.py`).
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
 call of a signature (batch, cache length, input / cache / weight dtypes, grad mode) has run without
@@ -37,7 +38,7 @@ class CompiledDecode:
             hidden, cache = graph(token_ids, positions, cache_index, attention_mask, cache, *extra)
             return head(hidden[:, -1]), cache
 
-        self.step = torch.compile(step, dynamic=False, **options)
+        self.step = torch.compile(step, dynamic=False, **_with_passes(options))
         self.seen = set()  # call signatures that run without compiling
 
     def length(self, max_length, limit=None):
@@ -60,6 +61,17 @@ class CompiledDecode:
             return out
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             return self.step(*args)
+
+
+def _with_passes(options):
+    """torch.compile's options plus kvwire's Inductor pass (fusing ggml matmuls that share an input),
+    unless another backend or a `mode` (which excludes `options`) was asked for."""
+    if options.get("backend", "inductor") != "inductor" or "mode" in options:
+        return options
+    from ..quant.ggml.fuse import FuseSiblingMatmuls
+
+    inductor = {"post_grad_custom_post_pass": FuseSiblingMatmuls(), **(options.get("options") or {})}
+    return {**options, "options": inductor}
 
 
 def _compiled_graphs():

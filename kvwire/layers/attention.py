@@ -128,7 +128,11 @@ class Attention(Layer):
         B, H, T, hd = q.shape
         groups = H // self.num_kv_heads
         qg = q.reshape(B, self.num_kv_heads, groups * T, hd)
-        scores = torch.cat([qg @ as_float32(k).transpose(-1, -2) for k, _, _ in blocks], dim=-1) * self.scale
+        # a compiled decode step (one query row a head): products and sums, which Inductor fuses with
+        # the softmax into a few loops; a batched-matmul call there costs more than its arithmetic
+        fused = T == 1 and torch.compiler.is_dynamo_compiling()
+        matmul = _broadcast_matmul if fused else torch.matmul
+        scores = torch.cat([matmul(qg, as_float32(k).transpose(-1, -2)) for k, _, _ in blocks], dim=-1) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
@@ -137,7 +141,7 @@ class Attention(Layer):
         scores = scores.masked_fill(torch.logical_not(mask[:, None, None]), float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, sum(sizes))
         parts = torch.split(probs, sizes, dim=-1)
-        out = sum(p @ as_float32(v) for p, (_, v, _) in zip(parts, blocks))
+        out = sum(matmul(p, as_float32(v)) for p, (_, v, _) in zip(parts, blocks))
         return out.view(B, H, T, hd)
 
     def _attend_flash(self, q, blocks):
@@ -163,6 +167,11 @@ class Attention(Layer):
         B, H, T, hd = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * hd)
         return self.o_proj(out if out.dtype == dtype else out.to(dtype))
+
+
+def _broadcast_matmul(a, b):
+    """a (..., M, K) @ b (..., K, N) as a broadcast product summed over K."""
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
 
 
 def _flash_bias(mask, groups):

@@ -98,14 +98,22 @@ def _check_width(qtype, in_features):
                          f"is not a multiple")
 
 
-# the operator's kernel is C++ (op.cpp, loaded by `library()`); its schema and shapes live here
+# the operators' kernels are C++ (op.cpp, loaded by `library()`); their schemas and shapes live here
 torch.library.define("kvwire::ggml_matmul", "(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor")
+torch.library.define("kvwire::ggml_matmuls",
+                     "(Tensor x, Tensor[] blocks, int[] qtypes, int in_features) -> Tensor[]")
 
 
 @torch.library.register_fake("kvwire::ggml_matmul")
 def _(x, blocks, qtype, in_features):
     """x (rows, in) float32 @ W^T, W (out, in) as ggml blocks (out, row_bytes) uint8 -> (rows, out)."""
     return x.new_empty(x.shape[0], blocks.shape[0])
+
+
+@torch.library.register_fake("kvwire::ggml_matmuls")
+def _(x, blocks, qtypes, in_features):
+    """ggml_matmul for several weights reading the same x (fuse.py) -> [(rows, out_i)]."""
+    return [x.new_empty(x.shape[0], b.shape[0]) for b in blocks]
 
 
 def qtype_of(name):

@@ -3,7 +3,8 @@
  * ggml (llama.cpp's tensor library) owns the formats and the SIMD dot products; this file only
  * loops over rows. Activations are quantised once per call to the format ggml pairs with the
  * weight's (Q8_0 / Q8_K for most), exactly as llama.cpp does, then every output row is one
- * `vec_dot` against the quantised activation rows. Output rows are split across OpenMP threads
+ * `vec_dot` against the quantised activation rows. Weights that read the same input (a layer's
+ * q/k/v) can go in one call. Output rows are split across OpenMP threads
  * (the process's one libgomp: torch's, when torch is loaded first).
  *
  * Built by kvwire/quant/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
@@ -31,36 +32,59 @@ int kvw_supported(int type) {
     return 1;
 }
 
-/* y (rows, out) = x (rows, n) @ W^T, W (out, n) in `type` blocks. Returns 0, or -1 on no memory. */
-int kvw_matmul(int type, const void *w, int64_t out, int64_t n, const float *x, int64_t rows,
-               float *y, int threads) {
-    const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
-    const size_t w_row = ggml_row_size((enum ggml_type)type, n);
-    const void *xq = x;
-    size_t x_row = (size_t)n * sizeof(float);
-    void *scratch = NULL;
-    if (t->vec_dot_type != GGML_TYPE_F32) {
-        x_row = ggml_row_size(t->vec_dot_type, n);
-        scratch = malloc(x_row * (size_t)rows);
-        if (scratch == NULL) return -1;
+/* ys[i] (rows, outs[i]) = x (rows, n) @ W_i^T for `count` (<= 8) weights W_i (outs[i], n) in
+ * types[i] blocks, e.g. one layer's q/k/v projections: the activation rows are quantised once per
+ * partner format, and all the weights' output rows are split across threads in one parallel loop.
+ * Returns 0, -1 on no memory, -2 for more than 8 weights. */
+int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
+                const float *x, int64_t rows, float *const *ys, int threads) {
+    enum { MAX_WEIGHTS = 8 };
+    const int64_t block = 16; /* output rows a task: a weight row is read once for every activation row */
+    if (count > MAX_WEIGHTS) return -2;
+    const void *xq[MAX_WEIGHTS];
+    void *scratch[MAX_WEIGHTS] = {0};
+    size_t x_row[MAX_WEIGHTS], w_row[MAX_WEIGHTS];
+    ggml_vec_dot_t dot[MAX_WEIGHTS];
+    int64_t first[MAX_WEIGHTS + 1]; /* first task of each weight */
+    first[0] = 0;
+    for (int i = 0; i < count; i++) {
+        const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)types[i]);
+        dot[i] = t->vec_dot;
+        w_row[i] = ggml_row_size((enum ggml_type)types[i], n);
+        first[i + 1] = first[i] + (outs[i] + block - 1) / block;
+        xq[i] = x;
+        x_row[i] = (size_t)n * sizeof(float);
+        if (t->vec_dot_type == GGML_TYPE_F32) continue;
+        x_row[i] = ggml_row_size(t->vec_dot_type, n);
+        int j = 0; /* an earlier weight with the same partner format has the rows quantised already */
+        while (j < i && ggml_get_type_traits_cpu((enum ggml_type)types[j])->vec_dot_type != t->vec_dot_type) j++;
+        if (j < i) {
+            xq[i] = xq[j];
+            continue;
+        }
+        scratch[i] = malloc(x_row[i] * (size_t)rows);
+        if (scratch[i] == NULL) {
+            for (int k = 0; k < i; k++) free(scratch[k]);
+            return -1;
+        }
         ggml_from_float_t quantize = ggml_get_type_traits_cpu(t->vec_dot_type)->from_float;
         for (int64_t r = 0; r < rows; r++)
-            quantize(x + r * n, (char *)scratch + r * x_row, n);
-        xq = scratch;
+            quantize(x + r * n, (char *)scratch[i] + r * x_row[i], n);
+        xq[i] = scratch[i];
     }
-    const ggml_vec_dot_t dot = t->vec_dot;
-    /* blocks of output rows: a weight row is read once and dotted with every activation row */
-    const int64_t block = 16;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o0 = 0; o0 < out; o0 += block) {
-        const int64_t o1 = o0 + block < out ? o0 + block : out;
+    for (int64_t task = 0; task < first[count]; task++) {
+        int i = 0;
+        while (task >= first[i + 1]) i++;
+        const int64_t o0 = (task - first[i]) * block;
+        const int64_t o1 = o0 + block < outs[i] ? o0 + block : outs[i];
         for (int64_t o = o0; o < o1; o++) {
-            const char *wrow = (const char *)w + o * w_row;
+            const char *wrow = (const char *)ws[i] + o * w_row[i];
             for (int64_t r = 0; r < rows; r++)
-                dot((int)n, y + r * out + o, 0, wrow, 0, (const char *)xq + r * x_row, 0, 1);
+                dot[i]((int)n, ys[i] + r * outs[i] + o, 0, wrow, 0, (const char *)xq[i] + r * x_row[i], 0, 1);
         }
     }
-    free(scratch);
+    for (int i = 0; i < count; i++) free(scratch[i]);
     return 0;
 }
 

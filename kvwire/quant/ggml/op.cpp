@@ -1,39 +1,66 @@
-/* `kvwire::ggml_matmul` as a PyTorch operator with a C++ CPU kernel (the schema and the shape
- * function are declared in linear.py).
+/* `kvwire::ggml_matmul` and `kvwire::ggml_matmuls` as PyTorch operators with C++ CPU kernels
+ * (schemas and shape functions are declared in linear.py).
  *
  * A decode step makes ~130 of these calls; through a Python kernel each cost ~20 us of dispatch
  * before any work, ~2.5 ms a token on the default model. Registered here, the dispatcher reaches
- * `kvw_matmul` (matmul.c, linked into the same library) in ~3 us, eager and compiled alike.
+ * `kvw_matmuls` (matmul.c, linked into the same library) in ~3 us, eager and compiled alike.
+ * `ggml_matmuls` runs several weights that read the same input in one call (fuse.py makes them).
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <vector>
+
 extern "C" {
 int kvw_supported(int type);
 int64_t kvw_row_bytes(int type, int64_t n);
-int kvw_matmul(int type, const void *w, int64_t out, int64_t n, const float *x, int64_t rows, float *y,
-               int threads);
+int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
+                const float *x, int64_t rows, float *const *ys, int threads);
 }
 
-/* x (rows, in_features) float32 @ W^T, W (out, in_features) as ggml blocks (out, row_bytes) uint8. */
-static at::Tensor ggml_matmul(const at::Tensor &x, const at::Tensor &blocks, int64_t qtype, int64_t in_features) {
+/* x (rows, in_features) float32 @ W_i^T for each W_i (out_i, in_features) as ggml blocks
+ * (out_i, row_bytes) uint8 of type qtypes[i] -> [(rows, out_i)]. */
+static std::vector<at::Tensor> ggml_matmuls(const at::Tensor &x, at::TensorList blocks, at::IntArrayRef qtypes,
+                                            int64_t in_features) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
                 "ggml_matmul: expected x of shape (rows, ", in_features, ") float32, got ", x.sizes(), " ",
                 x.scalar_type());
-    TORCH_CHECK(kvw_supported((int)qtype), "ggml_matmul: ggml has no CPU dot product for type ", qtype);
-    const int64_t row_bytes = kvw_row_bytes((int)qtype, in_features);  // blocks are read unchecked: check the size
-    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == row_bytes &&
-                    blocks.is_contiguous(),
-                "ggml_matmul: expected contiguous (out, ", row_bytes, ") uint8 blocks for ", in_features,
-                " weights a row of type ", qtype, ", got ", blocks.sizes(), " ", blocks.scalar_type());
+    TORCH_CHECK(blocks.size() == qtypes.size() && !blocks.empty() && blocks.size() <= 8,
+                "ggml_matmuls: expected 1 to 8 weights with a type each, got ", blocks.size(), " weights and ",
+                qtypes.size(), " types");
     const at::Tensor xc = x.contiguous();
-    at::Tensor y = at::empty({x.size(0), blocks.size(0)}, x.options());
-    if (x.size(0) > 0 && kvw_matmul((int)qtype, blocks.data_ptr(), blocks.size(0), in_features,
-                                    xc.data_ptr<float>(), x.size(0), y.data_ptr<float>(), at::get_num_threads()))
+    std::vector<at::Tensor> ys;
+    std::vector<int> types;
+    std::vector<const void *> ws;
+    std::vector<int64_t> outs;
+    std::vector<float *> y_ptrs;
+    for (size_t i = 0; i < blocks.size(); i++) {
+        const at::Tensor &w = blocks[i];
+        const int type = (int)qtypes[i];
+        TORCH_CHECK(kvw_supported(type), "ggml_matmul: ggml has no CPU dot product for type ", type);
+        const int64_t row_bytes = kvw_row_bytes(type, in_features);  // blocks are read unchecked
+        TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == row_bytes && w.is_contiguous(),
+                    "ggml_matmul: expected contiguous (out, ", row_bytes, ") uint8 blocks for ", in_features,
+                    " weights a row of type ", type, ", got ", w.sizes(), " ", w.scalar_type());
+        ys.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
+        types.push_back(type);
+        ws.push_back(w.data_ptr());
+        outs.push_back(w.size(0));
+        y_ptrs.push_back(ys.back().data_ptr<float>());
+    }
+    if (x.size(0) > 0 && kvw_matmuls((int)types.size(), types.data(), ws.data(), outs.data(), in_features,
+                                     xc.data_ptr<float>(), x.size(0), y_ptrs.data(), at::get_num_threads()))
         TORCH_CHECK(false, "ggml_matmul could not allocate ", x.size(0), " quantised activation rows");
-    return y;
+    return ys;
 }
 
-TORCH_LIBRARY_IMPL(kvwire, CPU, m) { m.impl("ggml_matmul", &ggml_matmul); }
+static at::Tensor ggml_matmul(const at::Tensor &x, const at::Tensor &blocks, int64_t qtype, int64_t in_features) {
+    return ggml_matmuls(x, {blocks}, {qtype}, in_features)[0];
+}
+
+TORCH_LIBRARY_IMPL(kvwire, CPU, m) {
+    m.impl("ggml_matmul", &ggml_matmul);
+    m.impl("ggml_matmuls", &ggml_matmuls);
+}
