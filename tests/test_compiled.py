@@ -52,6 +52,19 @@ def test_ggml_matmuls_reading_one_input_fuse_in_the_compiled_step():
     assert sum(c.count("torch.ops.kvwire.ggml_matmul.default(") for c in code) == 2 * layers + 1
 
 
+def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing():
+    torch._dynamo.reset()
+    lm = kw.from_hf(FAMILIES["gpt2"]()).compile(bucket=32)
+    _greedy(lm, [torch.tensor([3, 17, 42])], 4)  # its step signature is now seen: guards skipped
+    decode, cached = lm._decoder(), lm.cached
+    with torch.inference_mode():  # inference tensors, unlike generate's sampled tokens
+        token, mask = torch.tensor([[5]]), torch.ones(1, 32, dtype=torch.bool)
+        cache = cached.init_cache(1, 32)
+        logits, _ = decode(token, torch.tensor([[0]]), torch.tensor(0), mask, cache, ())
+        hidden, _ = cached(token, torch.tensor([[0]]), 0, mask, cached.init_cache(1, 32))
+        torch.testing.assert_close(logits, lm.head(hidden[:, -1]), atol=1e-4, rtol=1e-4)
+
+
 def test_bad_bucket():
     lm = kw.from_hf(FAMILIES["gpt2"]())
     with pytest.raises(ValueError, match="bucket must be a positive int .* got 0"):

@@ -73,9 +73,7 @@ class CausalLM(nn.Module):
         each new cache length: lengths are rounded up to `bucket` * 2^k slots, so calls with
         different lengths share compiled steps and a long context compiles a few times, not often.
         Prefill stays eager. `options` go to `torch.compile`; with Inductor (the default) kvwire
-        adds a pass that runs ggml matmuls reading one input as one call. For the last ~2 ms a
-        step, `options={"cpp_wrapper": True}` trades a longer first compile (Inductor's C++
-        wrapper; README, Benchmarks). Returns self.
+        adds a pass that runs ggml matmuls reading one input as one call. Returns self.
 
         Example:
             >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()

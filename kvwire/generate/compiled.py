@@ -59,8 +59,14 @@ class CompiledDecode:
             if _compiled_graphs() == graphs:
                 self.seen.add(key)
             return out
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self.step(*args)
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self.step(*args)
+        except RuntimeError as e:  # raised before running: a guard outside the key (e.g. tensors
+            if "Recompilation triggered" not in str(e):  # made outside inference mode) differs
+                raise
+        self.seen.discard(key)
+        return self(token_ids, positions, cache_index, attention_mask, cache, extra)
 
 
 def _with_passes(options):
