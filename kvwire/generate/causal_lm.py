@@ -68,8 +68,8 @@ class CausalLM(nn.Module):
         """Run generation's one-token decode steps through `torch.compile` (cached graph + head).
 
         Pays where small ops dominate a step: quantised weights at batch 1 (measured in
-        bench/compile.py and bench/generate.py). The first step of each batch size compiles (about a
-        minute for the default model; Inductor caches it on disk for later processes), and so does
+        bench/compile.py and bench/generate.py). The first step of each batch size compiles (one to two
+        minutes for the default model; Inductor caches it on disk for later processes), and so does
         each new cache length: lengths are rounded up to `bucket` * 2^k slots, so calls with
         different lengths share compiled steps and a long context compiles a few times, not often.
         Prefill stays eager. `options` go to `torch.compile`; with Inductor (the default) kvwire

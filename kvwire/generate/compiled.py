@@ -14,7 +14,9 @@ call of a signature (batch, cache length, input / cache / weight dtypes, grad mo
 compiling anything, later calls with it evaluate only the guards that tell compiled variants
 apart (`skip_guard_eval_unsafe`): safe because nothing else those guards check changes between
 the steps of a generation, and an edit makes a new model (or, swapped in place, is followed by
-`lm.reset_caches()`, which drops this object) and so a new `CompiledDecode`.
+`lm.reset_caches()`, which drops this object) and so a new `CompiledDecode`. A call that dynamo
+still finds would need a new graph (say its tensors were made in inference mode, generation's
+were not) is refused before it runs and goes again with every guard, compiling what it needs.
 """
 import torch
 
