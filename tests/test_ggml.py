@@ -78,6 +78,22 @@ def test_one_fused_call_equals_separate_calls():
         torch.ops.kvwire.ggml_matmul(x[:, :128], qs[0].blocks, int(qs[0].qtype), 256)
 
 
+def test_a_saved_ggml_linear_runs_in_a_fresh_process(tmp_path):
+    import subprocess
+    import sys
+
+    from kvwire.quant.ggml import GGMLLinear
+
+    q = GGMLLinear.quantize(torch.randn(8, 64), "q8_0")
+    x = torch.randn(2, 64)
+    torch.save({"q": q, "x": x, "y": q(x)}, tmp_path / "q.pt")
+    # unpickling skips __init__, which is where the operator's kernel library gets loaded
+    code = (f"import torch, kvwire; d = torch.load({str(tmp_path / 'q.pt')!r}, weights_only=False); "
+            "assert torch.equal(d['q'](d['x']), d['y'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_k_quants_fall_back_on_rows_that_are_not_whole_blocks(tiny_lm):
     kw.quantize(tiny_lm, "q4_k")  # rows of 32 / 64 inputs: no 256-weight K-quant block fits
     kinds = {m.qtype.name for m in tiny_lm.modules() if type(m).__name__ == "GGMLLinear"}

@@ -3,8 +3,8 @@
 ggml ships with llama-cpp-python (`pip install "kvwire[ggml]"`): its shared libraries and headers.
 The bridge is compiled with the machine's C and C++ compilers on first use (~15 s, mostly torch's
 headers) into the kvwire cache, keyed by its sources, the ggml it links and the torch it is built
-against. It is loaded twice over: by torch (`op.cpp` registers the `kvwire::ggml_matmul` kernel)
-and by ctypes (`matmul.c`'s helpers). Torch must be imported first so the bridge's OpenMP threads
+against. It is loaded twice over: by torch (`op.cpp` registers the kernels of `kvwire::ggml_matmul`
+and `kvwire::ggml_matmuls`) and by ctypes (`matmul.c`'s helpers). Torch must be imported first so the bridge's OpenMP threads
 come from torch's libgomp (one thread pool).
 """
 import ctypes

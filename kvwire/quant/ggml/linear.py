@@ -53,6 +53,10 @@ class GGMLLinear(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
+    def __setstate__(self, state):  # unpickled (torch.load, deepcopy): register the kernels first
+        super().__setstate__(state)
+        library()
+
     @classmethod
     def quantize(cls, weight, qtype, bias=None):
         """Quantise a float (out, in) weight with ggml's own quantiser ("q8_0", "q4_k", ...)."""
