@@ -4,8 +4,8 @@ ggml ships with llama-cpp-python (`pip install "kvwire[ggml]"`): its shared libr
 The bridge is compiled with the machine's C and C++ compilers on first use (~15 s, mostly torch's
 headers) into the kvwire cache, keyed by its sources, the ggml it links and the torch it is built
 against. It is loaded twice over: by torch (`op.cpp` registers the kernels of `kvwire::ggml_matmul`
-and `kvwire::ggml_matmuls`) and by ctypes (`matmul.c`'s helpers). Torch must be imported first so the bridge's OpenMP threads
-come from torch's libgomp (one thread pool).
+and `kvwire::ggml_matmuls`) and by ctypes (`matmul.c`'s helpers). Torch must be imported first so
+the bridge's OpenMP threads come from torch's libgomp (one thread pool).
 """
 import ctypes
 import hashlib
@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (loads torch's libgomp before ours)
+import torch  # imported before the bridge loads: its libgomp becomes the bridge's
 
 from ...io.weights_cache import cache_root
 
