@@ -1,10 +1,40 @@
-"""Helpers shared by the benchmarks: timing, peak memory, running workers in subprocesses."""
+"""Helpers shared by the benchmarks: the machine header, timing, peak memory, workers in subprocesses
+that may crash (a peer's row then says how) and the test-only way to make a peer crash."""
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from importlib import metadata
+
+# the CPU features kvwire's and its peers' kernels branch on
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+CRASH_ENV = "KVWIRE_BENCH_CRASH_PEER"  # test only: "PEER" crashes it everywhere, "PEER@timed" outside probes
+PROBE_ENV = "KVWIRE_BENCH_PROBE"  # set in probe children
+
+
+def header(threads, cpuinfo="/proc/cpuinfo"):
+    """One line: the CPU model, which of FLAGS it has, torch's version and the thread count."""
+    name, flags = "unknown CPU", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    have = " ".join(f"{flag}{'+' if flag in flags else '-'}" for flag in FLAGS)
+    return f"CPU: {name} ({os.cpu_count()} cores; {have}); torch {torch}, {threads} threads"
 
 
 def peak_rss_gb():
@@ -21,11 +51,78 @@ def seconds(fn, repeat=1):
     return best
 
 
-def run_worker(script, args, env=None):
-    """Run `python script args...` and parse the JSON it prints last."""
-    out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True, text=True,
-                         env={**os.environ, **(env or {})})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+@dataclass(frozen=True)
+class Worker:
+    """A worker's outcome: `value` (the JSON it printed last) when it succeeded, else `failure`:
+    what happened, in words for a table row ("killed by SIGSEGV", "ValueError: ...")."""
+
+    value: object = None
+    failure: str = ""
+
+    @property
+    def ok(self):
+        return not self.failure
+
+
+def run_worker(script, args, env=None, timeout=None):
+    """Run `python script args...` and parse the JSON it prints last; never raises for the child.
+
+    A child killed by a signal, exiting non-zero (its stderr's last line, usually the exception),
+    running past `timeout` seconds or printing no JSON gives a `Worker` with `failure` set."""
+    try:
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired:
+        return Worker(failure=f"timed out after {timeout} s")
+    failure = describe_exit(out.returncode, out.stderr)
+    if failure:
+        return Worker(failure=failure)
+    try:
+        return Worker(value=json.loads(out.stdout.strip().splitlines()[-1]))
+    except (IndexError, ValueError):
+        return Worker(failure="printed no result")
+
+
+def describe_exit(returncode, stderr):
+    """"" for 0; "killed by SIGSEGV" for a signal; the last stderr line (the exception) otherwise,
+    "not installed (...)" when that is an ImportError."""
+    if returncode == 0:
+        return ""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else f"exit status {returncode}"
+    if last.startswith(("ModuleNotFoundError", "ImportError")):
+        return f"not installed ({last})"
+    return last
+
+
+def probe_peers(script, peers, args=(), env=None, timeout=600):
+    """{peer: Worker} from `python script --probe PEER args...`, each peer in its own child (the
+    script loads the peer and generates 2 tokens), so a peer that crashes takes nothing with it."""
+    return {peer: run_worker(script, ["--probe", peer, *args], {**(env or {}), PROBE_ENV: "1"}, timeout)
+            for peer in peers}
+
+
+def with_fallback(run, peers):
+    """(Worker, note): run(peers); if that child dies with peers in it, run([]) and say why."""
+    result = run(peers)
+    if result.ok or not peers:
+        return result, ""
+    note = f"the timed worker with {', '.join(peers)} {result.failure}; re-run without them"
+    return run([]), note
+
+
+def crash_if_asked(peer):
+    """Test only: kill this process with SIGSEGV if KVWIRE_BENCH_CRASH_PEER names `peer` (as a
+    peer's native code does on some CPUs); "PEER@timed" spares probe children."""
+    asked = os.environ.get(CRASH_ENV, "")
+    name, _, where = asked.partition("@")
+    if name == peer and not (where == "timed" and os.environ.get(PROBE_ENV)):
+        os.kill(os.getpid(), signal.SIGSEGV)
 
 
 def parse_variant(variant):

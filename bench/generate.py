@@ -13,6 +13,12 @@ is installed. A variant is a dtype, optionally with weight-only quantisation ("b
 timing, "+cpp" the same with Inductor's C++ wrapper); transformers runs the float variants only, and
 quantised variants are compared with llama.cpp's 4-bit GGUF. Prints decode tokens/s at batch 1
 and 4, prefill tokens/s for 32- and 512-token prompts, peak RSS, and the kvwire / peer ratios.
+
+A peer that is missing, raises or crashes does not take the table with it: each peer is first
+probed in its own process (load + 2 tokens) and one that fails gets a row saying what happened
+("killed by SIGSEGV", the exception) and is left out of the timed run; if the timed worker still
+dies with peers in it, it is re-run with kvwire alone and a note says so. (Test only:
+KVWIRE_BENCH_CRASH_PEER=llama.cpp makes that peer segfault; "llama.cpp@timed" only in the timed run.)
 """
 import argparse
 import json
@@ -20,7 +26,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import load_variant, parse_variant, peak_rss_gb, run_worker, seconds  # noqa: E402
+from common import (crash_if_asked, header, load_variant, parse_variant, peak_rss_gb, probe_peers,  # noqa: E402
+                    run_worker, seconds, with_fallback)
 
 TEXT = ("The history of the city of Paris begins with a small settlement on an island in the river Seine. "
         "Over two thousand years it grew into one of the great capitals of the world, ") * 40
@@ -90,6 +97,7 @@ def transformers_runner(lm):
     model.eval()
 
     def generate(ids, n):
+        crash_if_asked("transformers")
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  attention_mask=torch.ones_like(ids), pad_token_id=0)
@@ -105,12 +113,28 @@ def llama_cpp_runner(threads):
     llm = Llama(str(gemma3_270m()), n_threads=threads, n_ctx=1024, verbose=False)
 
     def generate(ids, n):
+        crash_if_asked("llama.cpp")
         for row in ids.tolist():  # llama-cpp-python generates one sequence at a time
             llm.reset()
             for count, _ in enumerate(llm.generate(row, temp=0.0), start=1):
                 if count == n:
                     break
     return generate
+
+
+PEERS = {"transformers": lambda lm, threads: transformers_runner(lm),  # holds kvwire's weights
+         "llama.cpp": lambda lm, threads: llama_cpp_runner(threads)}  # its own GGUF
+PROBE_IDS = [[2, *range(100, 115)]]  # 16 token ids: a probe needs no tokenizer
+
+
+def probe(peer, variant, threads):
+    """Load `peer` and generate 2 tokens (in a child process of its own: it may crash)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    lm = load_variant(variant) if peer == "transformers" else None
+    PEERS[peer](lm, threads)(torch.tensor(PROBE_IDS), 2)
+    return {"probed": peer}
 
 
 def worker(mode, variant, new_tokens, threads, peers):
@@ -124,16 +148,49 @@ def worker(mode, variant, new_tokens, threads, peers):
     runners = {"kvwire": kvwire_runner(lm)}
     if mode == "speed":
         for peer in peers:
-            runners[peer] = transformers_runner(lm) if peer == "transformers" else llama_cpp_runner(threads)
+            runners[peer] = PEERS[peer](lm, threads)
         return measure(runners, lm.tokenizer.encode, new_tokens)
     # mode is a library name: its peak memory, alone in this process, over a 512-token prefill
     # and a few decode steps at batch 4
     encode = lm.tokenizer.encode
-    generate = kvwire_runner(lm) if mode == "kvwire" else transformers_runner(lm)
+    generate = kvwire_runner(lm) if mode == "kvwire" else PEERS[mode](lm, threads)
     del lm
     generate(prompt_ids(encode, 512, 1), 2)
     generate(prompt_ids(encode, 16, 4), 8)
     return {"peak_rss_gb": peak_rss_gb()}
+
+
+KEYS = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
+
+
+def row(lib, label, cells):
+    """A table row: numbers, or one text cell saying why there are none."""
+    text = "".join(f"{c:13.2f}" for c in cells) if isinstance(cells, list) else f"  {cells}"
+    return f"{lib:14}{label:32}" + text
+
+
+def report(variant, peers, speed, why_not, common):
+    """Print one variant's rows: kvwire and every peer (timed, or why not), then the ratios.
+    Returns footnotes (what could not be measured)."""
+    quantised = parse_variant(variant)["quantize"] is not None
+    footnotes = []
+    for lib in ["kvwire", *peers]:
+        label = "Q4_K_M" if lib == "llama.cpp" else variant
+        if lib not in speed:
+            print(row(lib, label, why_not.get(lib, "not timed")))
+            continue
+        rss = float("nan")
+        if lib != "llama.cpp":
+            measured = run_worker(__file__, ["--worker", lib, variant, *common])
+            if measured.ok:
+                rss = measured.value["peak_rss_gb"]
+            else:
+                footnotes.append(f"{lib} {variant}: peak RSS not measured: {measured.failure}")
+        print(row(lib, label, [speed[lib][k] for k in KEYS] + [rss]))
+    for lib in peers:
+        if (lib == "llama.cpp") == quantised and lib in speed and "kvwire" in speed:
+            print(f"{'  kvwire/' + lib:46}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in KEYS))
+    return footnotes
 
 
 def main():
@@ -143,34 +200,41 @@ def main():
     p.add_argument("--variants", nargs="+", default=["float32", "bfloat16+int4", "float32+gguf", "float32+gguf+compile"])
     p.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
     p.add_argument("--peers", nargs="*", default=[])
+    p.add_argument("--probe", choices=list(PEERS))
+    p.add_argument("--probe-variant", default="float32")
     args = p.parse_args()
-    if args.worker:
-        print(json.dumps(worker(*args.worker, args.new_tokens, args.threads, args.peers)))
+    if args.worker or args.probe:
+        result = probe(args.probe, args.probe_variant, args.threads) if args.probe else \
+            worker(*args.worker, args.new_tokens, args.threads, args.peers)
+        print(json.dumps(result))
         return
-    llama = True
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        llama = False
-        print("llama-cpp-python is not installed: llama.cpp is not measured")
+    print(header(args.threads), flush=True)
     common = ["--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-    keys = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
-    print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in keys) + f"{'peak RSS GB':>13}")
+    floats = [v for v in args.variants if parse_variant(v)["quantize"] is None]
+    # llama.cpp runs the GGUF's own 4-bit weights whatever the variant; it is timed in every
+    # run (interleaved with kvwire) and compared with the quantised variants
+    wanted = (["transformers"] if floats else []) + ["llama.cpp"]
+    probes = probe_peers(__file__, wanted, ["--probe-variant", (floats or ["float32"])[0], "--threads",
+                                            str(args.threads)])
+    failed = {peer: f"not timed: {r.failure} (probe: load + 2 tokens)" for peer, r in probes.items() if not r.ok}
+    print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in KEYS) + f"{'peak RSS GB':>13}")
+    later = []
     for variant in args.variants:
         quantised = parse_variant(variant)["quantize"] is not None
-        # llama.cpp runs the GGUF's own 4-bit weights whatever the variant; it is timed in every
-        # run (interleaved with kvwire) and compared with the quantised variants
-        these = ([] if quantised else ["transformers"]) + (["llama.cpp"] if llama else [])
-        speed = run_worker(__file__, ["--worker", "speed", variant, *common, "--peers", *these])
-        for lib in ["kvwire", *these]:
-            rss = run_worker(__file__, ["--worker", lib, variant, *common])["peak_rss_gb"] \
-                if lib != "llama.cpp" else float("nan")
-            label = "Q4_K_M" if lib == "llama.cpp" else variant
-            print(f"{lib:14}{label:32}" + "".join(f"{speed[lib][k]:13.2f}" for k in keys) + f"{rss:13.2f}")
-        for lib in these:
-            if (lib == "llama.cpp") == quantised:
-                print(f"{'  kvwire/' + lib:46}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in keys))
+        these = ([] if quantised else ["transformers"]) + ["llama.cpp"]
+        timed = [peer for peer in these if peer not in failed]
+        result, note = with_fallback(
+            lambda peers: run_worker(__file__, ["--worker", "speed", variant, *common, "--peers", *peers]), timed)
+        why_not = dict(failed)
+        if note:
+            later.append(f"{variant}: {note}")
+            why_not.update({peer: "not timed: the timed worker died with it (see below)" for peer in timed})
+        if not result.ok:
+            why_not["kvwire"] = f"not timed: {result.failure}"
+        later += report(variant, these, result.value or {}, why_not, common)
     print("tokens/s; decode counts every row of the batch; best of 3 interleaved runs")
+    for line in later:
+        print(line)
 
 
 if __name__ == "__main__":

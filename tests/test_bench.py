@@ -1,0 +1,105 @@
+"""bench/common.py's failure handling on tiny scripts (no model): a peer that segfaults, raises or
+is missing gets a row saying so, and a timed worker that dies with peers is re-run without them."""
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+import common  # noqa: E402
+import generate  # noqa: E402
+
+PEER = """
+import json, os, signal, sys
+sys.path.insert(0, {bench!r})
+import common
+peer = sys.argv[sys.argv.index("--probe") + 1] if "--probe" in sys.argv else None
+if peer == "segfaults":
+    os.kill(os.getpid(), signal.SIGSEGV)
+if peer == "raises":
+    raise RuntimeError("weights do not fit: 3 != 4")
+if peer == "missing":
+    import no_such_peer_library
+if peer == "hooked":
+    common.crash_if_asked("llama.cpp")  # what the real peers' runners call
+peers = sys.argv[sys.argv.index("--peers") + 1:] if "--peers" in sys.argv else []
+if "fragile" in peers:
+    os.kill(os.getpid(), signal.SIGABRT)
+print("log line")
+print(json.dumps({{"peer": peer, "timed": peers}}))
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "peer.py"
+    path.write_text(PEER.format(bench=BENCH))
+    return str(path)
+
+
+def test_probe_rows_say_what_happened(script):
+    probes = common.probe_peers(script, ["segfaults", "raises", "missing", "fine"])
+    assert {p: r.failure for p, r in probes.items()} == {
+        "segfaults": "killed by SIGSEGV",
+        "raises": "RuntimeError: weights do not fit: 3 != 4",
+        "missing": "not installed (ModuleNotFoundError: No module named 'no_such_peer_library')",
+        "fine": ""}
+    assert probes["fine"].ok and probes["fine"].value == {"peer": "fine", "timed": []}
+    assert not probes["segfaults"].ok and probes["segfaults"].value is None
+    text = generate.row("llama.cpp", "Q4_K_M", f"not timed: {probes['segfaults'].failure}")
+    assert text == "llama.cpp     Q4_K_M                            not timed: killed by SIGSEGV"
+
+
+def test_crash_env_var_makes_a_peer_segfault(script, monkeypatch):
+    monkeypatch.setenv(common.CRASH_ENV, "llama.cpp")
+    assert common.probe_peers(script, ["hooked"])["hooked"].failure == "killed by SIGSEGV"
+    monkeypatch.setenv(common.CRASH_ENV, "llama.cpp@timed")  # spares the probe, kills the timed run
+    assert common.probe_peers(script, ["hooked"])["hooked"].ok
+    assert common.run_worker(script, ["--probe", "hooked"]).failure == "killed by SIGSEGV"
+    monkeypatch.setenv(common.CRASH_ENV, "transformers")
+    assert common.run_worker(script, ["--probe", "hooked"]).ok
+
+
+def test_timed_worker_dying_with_peers_is_rerun_without_them(script):
+    def run(peers):
+        return common.run_worker(script, ["--peers", *peers])
+
+    result, note = common.with_fallback(run, ["steady", "fragile"])
+    assert result.value == {"peer": None, "timed": []}
+    assert note == "the timed worker with steady, fragile killed by SIGABRT; re-run without them"
+    result, note = common.with_fallback(run, ["steady"])
+    assert (result.value, note) == ({"peer": None, "timed": ["steady"]}, "")
+
+
+def test_worker_without_json_or_past_its_timeout(tmp_path):
+    quiet, slow = tmp_path / "quiet.py", tmp_path / "slow.py"
+    quiet.write_text("print('no json here')\n")
+    slow.write_text("import time\ntime.sleep(30)\n")
+    assert common.run_worker(str(quiet), []).failure == "printed no result"
+    assert common.run_worker(str(slow), [], timeout=0.5).failure == "timed out after 0.5 s"
+
+
+def test_describe_exit():
+    assert common.describe_exit(-signal.SIGKILL, "") == "killed by SIGKILL"
+    assert common.describe_exit(3, "") == "exit status 3"
+    assert common.describe_exit(1, "Traceback ...\n  File x\nImportError: libggml.so: cannot open\n\n") == \
+        "not installed (ImportError: libggml.so: cannot open)"
+
+
+def test_header_names_the_cpu_and_its_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(textwrap.dedent("""\
+        processor\t: 0
+        model name\t: Intel(R) Xeon(R) Platinum 8480+
+        flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile amx_bf16 amx_int8 avx512_vnni
+        processor\t: 1
+        model name\t: Intel(R) Xeon(R) Platinum 8480+
+        """))
+    line = common.header(4, cpuinfo=str(info))
+    assert line.startswith("CPU: Intel(R) Xeon(R) Platinum 8480+ (")
+    assert "avx2+ avx512f+ avx512_bf16+ avx512_vnni+ amx_tile+ amx_bf16+ amx_int8+" in line
+    assert line.endswith(", 4 threads") and "torch " in line
+    assert common.header(1, cpuinfo=str(tmp_path / "absent")).startswith("CPU: unknown CPU (")
