@@ -8,6 +8,8 @@ and compiled decode steps in turn (best of 5 runs of `--steps` steps) and compar
 logit: a 1e-6 change of the input moves their logits that much, eager or compiled).
 """
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -15,6 +17,9 @@ import torch
 import kvwire as kw
 from kvwire.generate.compiled import CompiledDecode
 from kvwire.layers.shared import per_call
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import header  # noqa: E402
 
 
 def main():
@@ -25,6 +30,7 @@ def main():
     p.add_argument("--quantize", default=None, help="int8, int4, gguf or a ggml type (q8_0, ...)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    print(header(args.threads), flush=True)
     lm = kw.load("gemma3-270m", dtype=args.dtype, quantize=args.quantize, progress=False)
     cached, length = lm.cached, args.steps + 4
     graph = cached.graph_module

@@ -6,9 +6,14 @@ layer shapes, one activation row, 2 threads. Guides `kvwire.layers.linear` (issu
 Weights are streamed from memory as in a real decode step (enough copies of each shape to exceed
 the caches, called in turn); a weight kept hot in cache, as a naive loop would, hides the effect.
 """
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import header  # noqa: E402
 
 STREAM_BYTES = 400e6
 
@@ -25,6 +30,7 @@ def ms_per_call(fn, weights, repeat=3):
 
 def main():
     torch.set_num_threads(2)
+    print(header(2), flush=True)
     packed = torch.backends.mkl.is_available()
     print("| out x in | W @ h^T (1 row) | W @ [h; h]^T (row repeated) | F.linear | h @ W^T stored transposed "
           "| MKL-packed copy |")

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import load_variant  # noqa: E402
+from common import header, load_variant  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -63,6 +63,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    print(header(args.threads), flush=True)
     try:
         from kvwire.quant.ggml import linear as ggml_linear
         ggml_linear.MANY_ROWS = 1 << 30  # every call through the decode kernels
