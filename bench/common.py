@@ -34,7 +34,7 @@ def header(threads, cpuinfo="/proc/cpuinfo"):
     except metadata.PackageNotFoundError:
         torch = "not installed"
     have = " ".join(f"{flag}{'+' if flag in flags else '-'}" for flag in FLAGS)
-    return f"CPU: {name} ({os.cpu_count()} cores; {have}); torch {torch}, {threads} threads"
+    return f"CPU: {name} ({os.cpu_count()} cores; {have}); torch {torch}, {threads} thread{'s' * (threads != 1)}"
 
 
 def peak_rss_gb():
