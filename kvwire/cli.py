@@ -4,19 +4,33 @@ import sys
 
 import torch
 
+from .generate import BeamSearch
 from .quant import SCHEMES
 
 SAMPLERS = ("greedy", "random", "top-k", "top-p", "min-p", "beam")
 
 
+# the option each sampler reads; an option of another sampler would be dropped silently
+_OPTION_OF = {"top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "beam": "beams"}
+
+
 def make_sampler(args):
-    """The sampler object the command-line options describe."""
+    """The sampler object the command-line options describe. kvwire's samplers are one filter
+    each, so options of two samplers (--top-k with --top-p, --sampler random with --top-k) are
+    refused rather than one being dropped."""
     from . import generate as g
 
+    given = [name for name, option in _OPTION_OF.items() if getattr(args, option) is not None]
+    flags = ", ".join("--" + _OPTION_OF[n].replace("_", "-") for n in given)
+    if len(given) > 1:
+        raise ValueError(f"{flags} belong to different samplers and cannot be combined here; give one of them")
     name = args.sampler
     if name is None:  # infer from the options given
-        name = "beam" if args.beams else "top-p" if args.top_p is not None else "top-k" if args.top_k is not None \
-            else "min-p" if args.min_p is not None else "random" if args.temperature is not None else "greedy"
+        name = given[0] if given else "random" if args.temperature is not None else "greedy"
+    elif given and given[0] != name:
+        raise ValueError(f"--sampler {name} does not use {flags}; drop it or use --sampler {given[0]}")
+    if args.temperature is not None and name in ("greedy", "beam"):
+        raise ValueError(f"--sampler {name} is deterministic and takes no --temperature")
     t = 1.0 if args.temperature is None else args.temperature
     return {
         "greedy": lambda: g.Greedy(),
@@ -24,7 +38,7 @@ def make_sampler(args):
         "top-k": lambda: g.TopK(50 if args.top_k is None else args.top_k, temperature=t),
         "top-p": lambda: g.TopP(0.9 if args.top_p is None else args.top_p, temperature=t),
         "min-p": lambda: g.MinP(0.1 if args.min_p is None else args.min_p, temperature=t),
-        "beam": lambda: g.BeamSearch(num_beams=args.beams or 3),
+        "beam": lambda: g.BeamSearch(num_beams=3 if args.beams is None else args.beams),
     }[name]()
 
 
@@ -60,14 +74,15 @@ def _generate(args):
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:
         options["inputs"] = {"steer_strength": torch.tensor([args.strength])}
-    if args.no_stream or args.sampler == "beam" or args.beams:
+    if args.no_stream or isinstance(options["sampler"], BeamSearch):
         gen = lm.generate(args.prompt, return_logprobs=True, **options)
         print(args.prompt + gen.texts[0])
         _report(gen.prefill_seconds, len(gen.tokens[0]), gen.decode_steps, gen.decode_seconds)
         return
+    pieces = lm.stream_with_record(args.prompt, logprobs=False, **options)  # checks the options first
     print(args.prompt, end="", flush=True)
     gen = None
-    for piece, gen in lm.stream_with_record(args.prompt, logprobs=False, **options):  # timings only
+    for piece, gen in pieces:  # the record for its timings only
         print(piece, end="", flush=True)
     print()
     if gen is not None:
@@ -99,18 +114,42 @@ def _export(args):
           f"{report['seconds']:.1f} s", file=sys.stderr)
 
 
-def _read_lines(path):
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
+def read_pairs(positive_path, negative_path):
+    """Line i of one file pairs with line i of the other; pairs where both lines are blank are
+    dropped together (so blank lines never shift the pairing); a blank line facing text, or files
+    with different numbers of prompts, are refused with the line number."""
+    files = []
+    for path in (positive_path, negative_path):
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\r\n") for line in f]
+        while lines and not lines[-1].strip():  # trailing blank lines
+            lines.pop()
+        files.append(lines)
+    (pos, neg), (pos_path, neg_path) = files, (positive_path, negative_path)
+    if len(pos) != len(neg):
+        raise ValueError(f"{pos_path} has {len(pos)} lines and {neg_path} has {len(neg)}; line i of one pairs "
+                         f"with line i of the other")
+    pairs = []
+    for number, (p, n) in enumerate(zip(pos, neg), start=1):
+        if not p.strip() and not n.strip():
+            continue
+        if not p.strip() or not n.strip():
+            blank, other = (pos_path, neg_path) if not p.strip() else (neg_path, pos_path)
+            raise ValueError(f"line {number} is blank in {blank} but not in {other}; pairs must line up")
+        pairs.append((p, n))
+    if not pairs:
+        raise ValueError(f"{pos_path} and {neg_path} hold no prompt pairs")
+    return [p for p, _ in pairs], [n for _, n in pairs]
 
 
 def _steer_train(args):
     from .load import load
     from .steer import ControlVector
 
+    positive, negative = read_pairs(args.positive, args.negative)
     lm = load(args.model, dtype=args.dtype)
-    vec = ControlVector.train(lm, _read_lines(args.positive), _read_lines(args.negative), layers=args.layers,
-                              method=args.method, batch_size=args.batch_size)
+    vec = ControlVector.train(lm, positive, negative, layers=args.layers, method=args.method,
+                              batch_size=args.batch_size)
     vec.save(args.output)
     print(f"wrote {args.output}: {len(vec.layers)} directions (blocks {vec.layers[0]}-{vec.layers[-1]}), "
           f"width {vec.width}, method {vec.method}", file=sys.stderr)
@@ -230,7 +269,7 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     try:
         args.run(args)
-    except (ValueError, TypeError, OSError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError) as e:
         print(f"kvwire: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -173,7 +173,7 @@ def test_bad_control_vector_input(chat, tmp_path):
         chat.steer(kw.ControlVector({1: torch.ones(width + 1)}), 1.0)
     with pytest.raises(ValueError, match=rf"steers blocks \[{n}\], but this model has blocks 0-{n - 1}"):
         chat.steer(kw.ControlVector({n: torch.ones(width)}), 1.0)
-    with pytest.raises(ValueError, match=rf"layer indices \[{n + 5}\] are out of range"):
+    with pytest.raises(ValueError, match=rf"layer indices \[{n + 5}\] are not blocks of this model: it has blocks 0-{n - 1}"):
         kw.ControlVector.train(chat, POSITIVE, NEGATIVE, layers=[1, n + 5], progress=False)
     with pytest.raises(ValueError, match="positive must be a non-empty list"):
         kw.ControlVector.train(chat, [], NEGATIVE, progress=False)

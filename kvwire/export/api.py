@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ..dtypes import weights_dtype
 from ..quant import QuantizedLinear
 from ..quant.ggml import GGMLLinear
 from .program import ExportProgram
@@ -30,7 +31,8 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
             prompt (masked) to a whole number of the shortest prefill chunk when the cache has
             room, else runs it as pieces of the exported lengths; every entry point shares one
             copy of the weights.
-        dtype: weights dtype to export (default: the model's own).
+        dtype: weights dtype to export, a torch dtype or its name (default: the model's own); ONNX
+            takes float32 only (onnxruntime's CPU kernels).
         format: "onnx", "executorch" or "coreml" when the suffix does not say.
         all_logits: output logits for every position of a chunk, not only the last.
         overwrite: replace an existing file. quantize: ONNX only: "int8" or "int4" weight-only.
@@ -60,6 +62,13 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
     if delegate != "xnnpack" and fmt != "executorch":
         raise ValueError(f"delegate={delegate!r} is an ExecuTorch option")
     lengths = _chunk_lengths(fmt, prefill_length, max_length)
+    dtype = None if dtype is None else weights_dtype(dtype)
+    weights = dtype or next(lm.parameters()).dtype
+    if fmt == "onnx" and weights != torch.float32:
+        # onnxruntime's CPU provider has no bfloat16/float16 kernels for several of the graph's
+        # ops (Mul, Softmax): the file would be written but fail at load (NOT_IMPLEMENTED)
+        raise ValueError(f"ONNX export of {dtype_name(weights)} weights: onnxruntime's CPU kernels cannot run them; "
+                         f"pass dtype='float32' (the weights are converted; quantize='int8'/'int4' makes it smaller)")
     _make_room(path, overwrite)
     if dtype is not None and dtype != next(lm.parameters()).dtype:
         import copy

@@ -124,8 +124,8 @@ def _pad_rows(t, rows):
 class ExportedLM(CausalLM):
     """A CausalLM over an exported file: `generate`, `stream` and samplers as in eager mode.
 
-    Uncached calls (`lm(ids)`, `score`) are not available: the exported program returns the
-    last position's logits only.
+    Uncached calls (`lm(ids)`, `score`, `perplexity`) need a file exported with all_logits=True
+    (otherwise the program returns the last position's logits only).
     """
 
     def __init__(self, graph, tokenizer, meta):
@@ -151,8 +151,21 @@ class ExportedLM(CausalLM):
         return tuple(self.meta.get("eos_token_ids", ()))
 
     def forward(self, token_ids):
-        raise NotImplementedError("an exported model returns the last position's logits only; call "
-                                  "generate or stream (export with all_logits=True for every position)")
+        """Uncached logits (B, T, V) of a file exported with all_logits=True: one run of the
+        program from an empty cache (runtime inputs at their defaults)."""
+        if not self.meta.get("all_logits"):
+            raise NotImplementedError("this model was exported with the last position's logits only; call "
+                                      "generate or stream, or export with all_logits=True for lm(ids) and score")
+        self.check_ids(token_ids)
+        if token_ids.dim() != 2:
+            raise ValueError(f"lm(token_ids) expects a (B, T) tensor, got shape {tuple(token_ids.shape)}")
+        B, T = token_ids.shape
+        self.check_length(T, "the input")
+        cache = self.cached.init_cache(B, self.meta["max_length"])
+        mask = torch.ones(B, self.meta["max_length"], dtype=torch.bool)
+        positions = torch.arange(T)[None].expand(B, T)
+        logits, _ = self.cached(token_ids, positions, 0, mask, cache)
+        return logits.float()
 
     def _session(self, rows, max_length, inputs=None, reuse=True):  # caches at the exported length
         from ..generate.session import Session

@@ -98,7 +98,18 @@ class CausalLM(nn.Module):
     def forward(self, token_ids):
         """Uncached logits: token_ids (B, T) int -> (B, T, V)."""
         self.check_ids(token_ids)
+        if token_ids.dim() != 2:
+            raise ValueError(f"lm(token_ids) expects a (B, T) tensor, got shape {tuple(token_ids.shape)}"
+                             + ("; use ids[None] for one row" if token_ids.dim() == 1 else ""))
+        self.check_length(token_ids.shape[1], "the input")
         return self.head(self.backbone(token_ids))
+
+    def check_length(self, length, what="the prompt"):
+        """Refuse `length` tokens past the model's context (positions it has no embedding or rotary
+        range for)."""
+        limit = self.max_context
+        if limit is not None and length > limit:
+            raise ValueError(f"{what} has {length} tokens, more than the model's context of {limit} tokens")
 
     def edit(self, fn, depth="block"):
         """The same model with its backbone cloned through `fn` (see `kw.clone`); weights shared.
@@ -109,32 +120,49 @@ class CausalLM(nn.Module):
         """
         return CausalLM(clone(self.backbone, fn, depth=depth), self.head, self.tokenizer, self.config)
 
-    def steer(self, vector, strength=1.0, *, generated_only=False, name="steer"):
+    def steer(self, vector, strength=1.0, *, generated_only=False, name=None):
         """The same model with `vector` (a `kw.ControlVector`) added after its blocks.
 
         Args:
-            strength: a number, or a (B,) tensor: one strength per prompt of a batch (0 = unsteered).
+            strength: a number, or a (B,) tensor: one strength per prompt of a batch (0 = unsteered);
+                a (B,) strength then works for batches of B rows only.
                 In cached generation it is a graph input (`<name>_strength`), also of exported models.
             generated_only: steer only generated tokens, not the prompt (see `kvwire.steer.Steer`).
-            name: runtime-input prefix; give two vectors different names to set them separately.
+            name: runtime-input prefix. None: "steer", or "steer2", "steer3", ... when the model is
+                already steered, so stacked vectors keep their own strengths. An explicit name that
+                is taken shares that input, so its strength must equal the one already there.
+
+        The vector's block N steers the model's block N (its checkpoint number, as llama.cpp
+        counts), also on an edited model where some blocks were skipped.
 
         Example:
             >>> happy = lm.steer(vec, 4.0)
             >>> mixed = lm.steer(vec, torch.tensor([4.0, 0.0]))   # row 0 steered, row 1 not
             >>> mixed.generate(["I feel", "I feel"])
+            >>> both = lm.steer(vec, 0.5).steer(formal, 2.0)       # inputs steer_* and steer2_*
         """
-        from ..graph import block_calls, insert_after
+        from ..graph import insert_after, numbered_blocks
+        from ..graph.edit import summarize_indices
         from ..steer import ControlVector, Steer
 
         if not isinstance(vector, ControlVector):
             raise TypeError(f"steer expects a kw.ControlVector, got {type(vector).__name__}")
-        blocks = block_calls(self.backbone)
+        blocks = numbered_blocks(self.backbone)
         width = self.head.weight.shape[1]
         if vector.width != width:
             raise ValueError(f"control vector width {vector.width} does not fit this model's hidden size {width}")
-        bad = [i for i in vector.layers if i >= len(blocks)]
+        bad = [i for i in vector.layers if i not in blocks]
         if bad:
-            raise ValueError(f"control vector steers blocks {bad}, but this model has blocks 0-{len(blocks) - 1}")
+            raise ValueError(f"control vector steers blocks {bad}, but this model has blocks "
+                             f"{summarize_indices(blocks) or 'none'}")
+        taken = {m.name: m for m in self.backbone.modules() if isinstance(m, Steer)}
+        if name is None:
+            name = next(n for n in ("steer", *(f"steer{k}" for k in range(2, len(taken) + 3))) if n not in taken)
+        new = Steer(vector.directions[vector.layers[0]], strength, generated_only, name)
+        if name in taken and not taken[name].same_inputs(new):
+            raise ValueError(f"this model already has steering inputs named {name!r} with strength "
+                             f"{taken[name].strength.tolist()} (generated_only={taken[name].generated_only}); "
+                             f"layers sharing a name share their inputs: pick another name")
         index = {blocks[i]: i for i in vector.layers}
         return self.edit(insert_after(list(index), lambda call, layer: Steer(
             vector.directions[index[call]], strength, generated_only, name)))
@@ -199,8 +227,7 @@ class CausalLM(nn.Module):
             >>> for piece in lm.stream("Once upon a time", max_new_tokens=20):
             ...     print(piece, end="", flush=True)
         """
-        for piece, _ in self._stream(prompt, max_new_tokens, max_length, False, options):
-            yield piece
+        return (piece for piece, _ in self._stream(prompt, max_new_tokens, max_length, False, options))
 
     def stream_with_record(self, prompt, max_new_tokens=None, max_length=None, logprobs=True, **options):
         """Like `stream`, yielding (piece, the `Generation` record so far) for timings and ids;
@@ -208,12 +235,17 @@ class CausalLM(nn.Module):
         return self._stream(prompt, max_new_tokens, max_length, logprobs, options)
 
     def _stream(self, prompt, max_new_tokens, max_length, logprobs, options):
+        """Checks the request now (a bad option raises before anything is yielded or printed) and
+        returns the generator of (piece, record) pairs."""
         if not isinstance(prompt, str):
             raise TypeError(f"stream expects a str prompt, got {type(prompt).__name__}")
         if isinstance(options.get("sampler"), BeamSearch):
             raise ValueError("stream does not support beam search (the best beam is known only at the end)")
+        return self._pieces(self._start(prompt, max_new_tokens, max_length, **options, logprobs=logprobs), options)
+
+    def _pieces(self, run, options):
         sent = ""
-        for gen in self._start(prompt, max_new_tokens, max_length, **options, logprobs=logprobs):
+        for gen in run:
             if gen.finished:
                 text = gen.texts[0]
             else:
@@ -239,7 +271,7 @@ class CausalLM(nn.Module):
 
     def _ids_for_scoring(self, text_or_ids):
         if isinstance(text_or_ids, str):
-            ids = torch.tensor(self._encode(text_or_ids))
+            ids = torch.tensor(self._encode(text_or_ids), dtype=torch.long)
         else:
             ids = text_or_ids
             self.check_ids(ids)
@@ -267,13 +299,13 @@ class CausalLM(nn.Module):
             raise ValueError("stop strings need a tokenizer; this model has none")
         if repetition_penalty is not None and not repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
-        stop_ids = tuple(stop_token_ids) + (() if ignore_eos else self.eos_token_ids)
+        stop_ids = _token_id_list(stop_token_ids, self.vocab_size) + (() if ignore_eos else self.eos_token_ids)
         stopper = Stopper(stop_ids, stop, self.tokenizer if not isinstance(prompt, torch.Tensor) or stop else None)
         if isinstance(sampler, BeamSearch):
             if stop:
                 raise ValueError("stop strings are not supported with beam search")
             session = self._session(rows, longest + new, inputs, reuse=False)
-            return iter([beam_search(session, sampler, new, stopper)])
+            return iter([beam_search(session, sampler, new, stopper, repetition_penalty)])
         generator = None if seed is None else torch.Generator().manual_seed(int(seed))
         session = self._session(rows, longest + new, inputs)
         return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty, logprobs))
@@ -316,7 +348,11 @@ class CausalLM(nn.Module):
             raise ValueError("this model has no tokenizer; pass token ids instead of text")
         if not text:
             raise ValueError("prompt is empty; expected at least one character")
-        return self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text)
+        if ids and max(ids) >= self.vocab_size:
+            raise ValueError(f"the tokenizer gave token id {max(ids)} for {text!r:.40}, but the model has "
+                             f"{self.vocab_size} tokens: tokenizer and model do not match")
+        return ids
 
     def _new_tokens(self, prompt_length, max_new_tokens, max_length):
         for name, value in (("max_new_tokens", max_new_tokens), ("max_length", max_length)):
@@ -353,6 +389,27 @@ def _visible(text, stops):
     text = text.rstrip("\ufffd")
     held = max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
     return text[:len(text) - held]
+
+
+def _token_id_list(ids, vocab_size):
+    """stop_token_ids as a tuple of ints: ints, a list of them, or an integer tensor (0-d or 1-D)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() > 1:
+            raise TypeError(f"stop_token_ids must be integer ids (0-d or 1-D), got a {ids.dtype} tensor "
+                            f"of shape {tuple(ids.shape)}")
+        ids = ids.reshape(-1).tolist()
+    elif isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    out = []
+    for i in ids:
+        if isinstance(i, torch.Tensor) and i.dim() == 0 and not i.is_floating_point() and i.dtype != torch.bool:
+            i = int(i)
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"stop_token_ids must be integer token ids, got {i!r} ({type(i).__name__})")
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"stop token id {i} is outside the vocabulary [0, {vocab_size})")
+        out.append(i)
+    return tuple(out)
 
 
 def _is_id_row(p):

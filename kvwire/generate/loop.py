@@ -60,6 +60,30 @@ class Stopper:
         return tokens[:keep], logprobs[:keep], text[:at]
 
 
+def check_finite(logits, step, live=None):
+    """Refuse non-finite logits (B, V) of the rows still generating (`live`: B bools, or all) at a
+    step (0: the logits after the prompt) instead of sampling tokens from them."""
+    bad = ~torch.isfinite(logits).all(-1)
+    if live is not None:
+        bad &= torch.as_tensor(live, dtype=torch.bool)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        values = logits[row]
+        kinds = [k for k, m in (("nan", values.isnan()), ("inf", values.isinf())) if bool(m.any())]
+        raise FloatingPointError(
+            f"non-finite logits ({'/'.join(kinds)}) in row {row} at generation step {step} "
+            f"({'after the prompt' if step == 0 else f'after {step} generated tokens'}): the model's numbers "
+            f"overflowed (a steering strength too large, float16 weights, or broken weights?); no tokens "
+            f"were sampled from them")
+
+
+def _seen_tokens(session, vocab_size):
+    """(B, V) bools: which tokens occur in each row's prompt (left padding excluded)."""
+    seen = torch.zeros(session.ids.shape[0], vocab_size, dtype=torch.bool)
+    valid = torch.arange(session.prompt_length)[None] >= session.pads[:, None]
+    return seen.scatter_(1, session.ids * valid, valid)
+
+
 def _penalize(logits, seen, penalty):
     """transformers' repetition penalty: seen tokens' logits divided (if > 0) or multiplied by it."""
     scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -76,14 +100,11 @@ def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition
     start = time.perf_counter()
     logits = session.prefill()
     gen.prefill_seconds = time.perf_counter() - start
-    seen = None
-    if repetition_penalty is not None:
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        valid = torch.arange(session.prompt_length)[None] >= session.pads[:, None]
-        seen.scatter_(1, session.ids * valid, valid)
+    seen = None if repetition_penalty is None else _seen_tokens(session, logits.shape[-1])
     done = [False] * B
     start = time.perf_counter()
     for step in range(max_new_tokens):
+        check_finite(logits, step, [not d for d in done])
         scores = logits if seen is None else _penalize(logits, seen, repetition_penalty)
         tokens = sampler(scores, generator)
         chosen = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0] if logprobs \
@@ -118,17 +139,24 @@ def _finish(gen, stopper):
 
 
 @torch.inference_mode()
-def beam_search(session, beam, max_new_tokens, stopper):
-    """Beam search (see `BeamSearch`); returns the best hypothesis per row as a `Generation`."""
+def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None):
+    """Beam search (see `BeamSearch`); returns the best hypothesis per row as a `Generation`.
+
+    repetition_penalty applies to the log-probabilities that rank the beams (as transformers'
+    processors do); the recorded log-probabilities stay the model's own."""
     B, n = session.ids.shape[0], beam.num_beams
     start = time.perf_counter()
-    logp = torch.log_softmax(session.prefill().float(), -1)
+    logits = session.prefill()
+    check_finite(logits, 0)
+    raw = torch.log_softmax(logits.float(), -1)
     prefill = time.perf_counter() - start
-    V = logp.shape[-1]
+    V = raw.shape[-1]
     if n > V:
         raise ValueError(f"num_beams={n} exceeds the vocabulary of {V} tokens")
+    seen = None if repetition_penalty is None else _seen_tokens(session, V).repeat_interleave(n, 0)
     session.expand(n)
-    logp = logp.repeat_interleave(n, 0)
+    raw = raw.repeat_interleave(n, 0)
+    logp = raw if seen is None else _penalize(raw, seen, repetition_penalty)
     scores = torch.full((B, n), float("-inf"))
     scores[:, 0] = 0.0  # the n copies are identical: start from one
     seqs = [[[] for _ in range(n)] for _ in range(B)]
@@ -147,7 +175,7 @@ def beam_search(session, beam, max_new_tokens, stopper):
                 if done[b] or len(picked) == n or top[b, rank] == float("-inf"):
                     break
                 parent, token = divmod(int(idx[b, rank]), V)
-                token_lp = float(logp[b * n + parent, token])
+                token_lp = float(raw[b * n + parent, token])
                 if stopper.token_stops(token):
                     if rank < n:
                         finished[b].append((norm(float(top[b, rank]), step + 1), seqs[b][parent], lps[b][parent]))
@@ -162,13 +190,22 @@ def beam_search(session, beam, max_new_tokens, stopper):
             new_lps.append([lps[b][p] + [lp] for p, _, _, lp in picked])
             if not done[b] and len(finished[b]) >= n:
                 worst = min(f[0] for f in finished[b])
-                best_running = norm(float(new_scores[b].max()), step + 1)
-                done[b] = beam.early_stopping or best_running <= worst
+                # "never": the best score a running beam could still reach (scores only fall; a
+                # positive length penalty rewards the longest length allowed)
+                length = max_new_tokens if beam.early_stopping == "never" and beam.length_penalty > 0 else step + 1
+                best_running = norm(float(new_scores[b].max()), length)
+                done[b] = beam.early_stopping is True or best_running <= worst
         scores, seqs, lps = new_scores, new_seqs, new_lps
         if all(done) or step == max_new_tokens - 1:
             break
-        session.reorder(torch.tensor(rows))
-        logp = torch.log_softmax(session.step(torch.tensor(tokens)).float(), -1)
+        order = torch.tensor(rows)
+        session.reorder(order)
+        logits = session.step(torch.tensor(tokens))
+        check_finite(logits, step + 1, [not done[r // n] and scores.view(-1)[r] > float("-inf") for r in range(B * n)])
+        raw = torch.log_softmax(logits.float(), -1)
+        if seen is not None:
+            seen = seen[order].scatter_(1, torch.tensor(tokens)[:, None], True)
+        logp = raw if seen is None else _penalize(raw, seen, repetition_penalty)
         steps += 1
     for b in range(B):
         if not done[b]:

@@ -3,6 +3,7 @@
 Each is seedable through the `torch.Generator` that `generate(seed=...)` passes in. Temperature is
 applied first, then the filter (top-k, top-p, min-p), as transformers does.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +17,20 @@ class Sampler:
 
 
 def _check_temperature(temperature):
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0 (use kw.Greedy() for 0), got {temperature!r}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0 (use kw.Greedy() for 0), got {temperature!r}")
 
 
 def _draw(logits, generator):
     probs = torch.softmax(logits.float(), dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _tempered(logits, temperature):
+    """logits / temperature, shifted so each row's maximum is 0: a tiny temperature gives -inf
+    (probability 0) to everything below the maximum instead of inf - inf = NaN in the softmax."""
+    logits = logits.float()
+    return (logits - logits.max(-1, keepdim=True).values) / temperature
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ class _Filtered(Sampler):
         return logits
 
     def __call__(self, logits, generator=None):
-        return _draw(self.filter(logits.float() / self.temperature), generator)
+        return _draw(self.filter(_tempered(logits, self.temperature)), generator)
 
 
 @dataclass(frozen=True)
@@ -125,14 +133,22 @@ class BeamSearch:
     """Beam search: keep the `num_beams` best partial sequences by summed log-probability.
 
     A finished hypothesis scores sum_logprobs / generated_length ** length_penalty. With
-    early_stopping, a row stops once it has num_beams finished hypotheses; otherwise it stops when
-    no running beam can beat its worst finished one.
+    early_stopping=True, a row stops once it has num_beams finished hypotheses; with False, when
+    the best running beam, scored at its current length, cannot beat the worst finished one; with
+    "never", only when no running beam could beat it at any length still allowed (transformers'
+    three settings).
     """
 
     num_beams: int = 3
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: bool | str = False
 
     def __post_init__(self):
-        if not isinstance(self.num_beams, int) or self.num_beams < 1:
+        if not isinstance(self.num_beams, int) or isinstance(self.num_beams, bool) or self.num_beams < 1:
             raise ValueError(f"num_beams must be an int >= 1, got {self.num_beams!r}")
+        if self.early_stopping not in (True, False, "never") or isinstance(self.early_stopping, (int, float)) \
+                and not isinstance(self.early_stopping, bool):
+            raise ValueError(f"early_stopping must be True, False or 'never' (as transformers), "
+                             f"got {self.early_stopping!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

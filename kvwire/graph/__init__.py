@@ -2,9 +2,10 @@
 from .cache import CachedGraph, with_cache
 from .clone import clone, current_call
 from .draw import plot
-from .edit import block_calls, insert_after, insert_before, replace, select, skip
+from .edit import block_calls, insert_after, insert_before, numbered_blocks, replace, select, skip
 from .tap import tap
 from .trace import trace
 
-__all__ = ["CachedGraph", "block_calls", "clone", "current_call", "insert_after", "insert_before", "plot", "replace",
+__all__ = ["CachedGraph", "block_calls", "clone", "current_call", "insert_after", "insert_before", "numbered_blocks", "plot",
+           "replace",
            "select", "skip", "tap", "trace", "with_cache"]

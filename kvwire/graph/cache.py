@@ -20,6 +20,8 @@ from torch import fx, nn
 from ..layers.shared import per_call
 from .trace import trace
 
+CACHE_DTYPE = torch.float32  # attention computes in float32; caches keep its keys and values
+
 
 @dataclass(frozen=True)
 class CacheSlot:
@@ -134,10 +136,16 @@ class CachedGraph(nn.Module):
 
         prompt_lengths: (B,) prompt lengths when generating (a layer may act on generated tokens only).
         """
-        values = {}
+        values, first = {}, {}
         for layer in self._readers:
             for name, value in layer.runtime_defaults(batch_size, prompt_lengths).items():
+                if name in values and not torch.equal(values[name], value):
+                    # one graph input cannot carry two defaults: the first would win silently
+                    raise ValueError(f"layers {first[name]} and {type(layer).__name__} share runtime input "
+                                     f"{name!r} but default it to {values[name].tolist()} and {value.tolist()}; "
+                                     f"give them different names")
                 values.setdefault(name, value)
+                first.setdefault(name, type(layer).__name__)
         return {name: values[name] for name in self.runtime_inputs}
 
     @property
@@ -146,16 +154,19 @@ class CachedGraph(nn.Module):
         return [s.name for s in self.slots]
 
     def init_cache(self, batch_size, max_length, dtype=None, device=None):
-        """Zeroed per-layer caches for `batch_size` rows and `max_length` tokens (float32 unless
-        `dtype` says otherwise; attention computes in float32). A sliding-window layer gets a ring
-        of window - 1 slots, not max_length.
+        """Zeroed per-layer caches for `batch_size` rows and `max_length` tokens, float32 (the
+        only dtype the layers use: attention computes in float32; `dtype` is accepted as float32 or
+        None). A sliding-window layer gets a ring of window - 1 slots, not max_length.
         """
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size} and {max_length}")
+        if dtype not in (None, CACHE_DTYPE):
+            raise ValueError(f"init_cache(dtype={dtype}): the cached layers keep keys and values in {CACHE_DTYPE} "
+                             f"whatever the weights' dtype (attention computes in float32); leave dtype out")
         cache = []
         for slot in self.slots:
             param = next(slot.module.parameters())
-            dt = dtype or torch.float32
+            dt = CACHE_DTYPE
             k_shape, v_shape = slot.module.cache_spec(batch_size, max_length, dt)
             dev = device or param.device
             cache.append((torch.zeros(k_shape, dtype=dt, device=dev), torch.zeros(v_shape, dtype=dt, device=dev)))
@@ -214,6 +225,9 @@ def _check_inputs(cached, token_ids, positions, cache_index, attention_mask, cac
         if len(pair) != 2 or tuple(pair[0].shape) != tuple(k_shape) or pair[0].shape != pair[1].shape:
             got = [tuple(t.shape) for t in pair]
             raise ValueError(f"cache of {slot.name!r} must be (key, value) of shape {tuple(k_shape)}; got {got}")
+        if any(t.dtype != CACHE_DTYPE for t in pair):
+            raise TypeError(f"cache of {slot.name!r} must be {CACHE_DTYPE}; got {[t.dtype for t in pair]} "
+                            f"(make caches with init_cache)")
     return torch.as_tensor(start, dtype=torch.int64)
 
 

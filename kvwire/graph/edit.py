@@ -40,6 +40,37 @@ def block_calls(module):
     return select(module, Block)
 
 
+def numbered_blocks(module):
+    """{block index: dotted name} of the decoder blocks a backbone (or clone) still calls.
+
+    The index is the block's own number in the checkpoint (`layers.7` -> 7), which is what control
+    vectors and llama.cpp count, so it survives edits: after `kw.skip("layers.1")` the blocks are
+    {0: "layers.0", 2: "layers.2", ...}. Blocks without a number (a new block put in by `replace`)
+    are left out.
+
+    Example:
+        >>> numbered_blocks(lm.edit(kw.skip("layers.1")).backbone)
+        {0: 'layers.0', 2: 'layers.2', 3: 'layers.3'}
+    """
+    out = {}
+    for name in block_calls(module):
+        tail = name.rpartition(".")[2]
+        if tail.isdigit():
+            out.setdefault(int(tail), name)
+    return out
+
+
+def summarize_indices(indices):
+    """'0, 2-5, 7': sorted ints with consecutive runs collapsed."""
+    runs = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _resolve(gm, names, where):
     selectors = list(where) if isinstance(where, (list, tuple)) else [where]
     if not selectors:
@@ -81,7 +112,7 @@ def _match_pattern(names, pattern):
         if have and (lo < have[0] or hi > have[-1]):
             where = ".".join(parts[:i])
             raise ValueError(f"selector {pattern!r}: index {lo if lo < have[0] else hi} is out of range; "
-                             f"{where} has indices {have[0]}-{have[-1]}")
+                             f"{where} has indices {summarize_indices(have)}")
     return found
 
 
@@ -100,7 +131,8 @@ def _parts_match(name_parts, parts):
 
 
 def _summary(names):
-    """'embed_tokens, layers.0-17, norm': numbered runs collapsed."""
+    """'embed_tokens, layers.0-17, norm': consecutive numbered calls collapsed, gaps kept
+    ('layers.0, layers.2-3' after a skip)."""
     out, runs = [], {}
     for n in dict.fromkeys(names):
         head, _, tail = n.rpartition(".")
@@ -111,7 +143,8 @@ def _summary(names):
             runs[head].append(int(tail))
         else:
             out.append(n)
-    return ", ".join(f"{n}.{min(runs[n])}-{max(runs[n])}" if n in runs else n for n in out)
+    return ", ".join(", ".join(f"{n}.{part}" for part in summarize_indices(runs[n]).split(", "))
+                     if n in runs else n for n in out)
 
 
 class Edit:

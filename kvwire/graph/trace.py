@@ -26,6 +26,8 @@ class LayerTracer(fx.Tracer):
     def is_leaf_module(self, m, qualname):
         if isinstance(m, Layer):
             return self.depth == "block" or not isinstance(m, Block)
+        if speaks_protocol(m):  # a plain module asking for positions, caches or runtime inputs
+            return True
         if not self._registered(m):
             return True
         return super().is_leaf_module(m, qualname)
@@ -49,6 +51,22 @@ class LayerTracer(fx.Tracer):
         while name in existing:
             name, i = f"{stem}_{i}", i + 1
         return name
+
+
+def speaks_protocol(module):
+    """Whether a module that is not a kvwire `Layer` asks the cache pass for positions, a cache or
+    runtime inputs (the protocol of `kvwire.layers.base`); it must then be called as one layer, so
+    it needs `forward_cached` (and `runtime_defaults` for runtime inputs)."""
+    wants = [attr for attr in ("uses_positions", "runtime_inputs", "cache_spec") if getattr(module, attr, None)]
+    if not wants:
+        return False
+    missing = [m for m in ("forward_cached",) + (("runtime_defaults",) if "runtime_inputs" in wants else ())
+               if not callable(getattr(module, m, None))]
+    if missing:
+        raise TypeError(f"{type(module).__name__} sets {', '.join(wants)} but has no {' or '.join(missing)}; "
+                        f"a layer that speaks the cache protocol defines forward_cached (see kvwire.layers.base) "
+                        f"or subclasses kvwire.layers.base.Layer")
+    return True
 
 
 def trace(module, depth="block"):

@@ -1,7 +1,7 @@
 """`kw.quantize`: swap a model's linear maps for weight-only quantised ones, in place."""
 from torch import nn
 
-from .linear import SCHEMES, QuantizedLinear
+from .linear import SCHEMES, QuantizedLinear, check_shape
 
 
 def quantize(lm, scheme="int4", group_size=32, head=True, layers=True):
@@ -34,10 +34,21 @@ def quantize(lm, scheme="int4", group_size=32, head=True, layers=True):
             raise ValueError(f"unknown quantisation scheme {scheme!r}; expected one of {SCHEMES} or a ggml "
                              f"type such as 'q8_0' or 'q4_k'") from None
         return quantize_ggml(lm, scheme, head, layers)
-    for parent, name, child in linears(lm) if layers else ():
-        setattr(parent, name, QuantizedLinear.from_linear(child, scheme, group_size))
+    swaps = linears(lm) if layers else []
+    target = quantizable_head(lm) if head else None
+    # every shape is checked, then every weight quantised, before the model changes: a failure
+    # leaves it as it was
+    paths = {child: path for path, child in lm.backbone.named_modules()}
+    for _, _, child in swaps:
+        check_shape(child.weight.shape, scheme, group_size, name=f"layer {paths[child]!r}")
     if head:
-        quantizable_head(lm).quantized = QuantizedLinear(lm.head.weight, None, scheme, group_size)
+        check_shape(lm.head.weight.shape, scheme, group_size, name="the head")
+    new = [QuantizedLinear.from_linear(child, scheme, group_size) for _, _, child in swaps]
+    head_weights = QuantizedLinear(lm.head.weight, None, scheme, group_size) if head else None
+    for (parent, name, _), module in zip(swaps, new):
+        setattr(parent, name, module)
+    if head:
+        target.quantized = head_weights
     lm.reset_caches()
     return lm
 

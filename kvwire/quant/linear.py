@@ -41,9 +41,7 @@ class QuantizedLinear(nn.Module):
         out_features, in_features = weight.shape
         if scheme not in SCHEMES:
             raise ValueError(f"unknown quantisation scheme {scheme!r}; expected one of {SCHEMES}")
-        if scheme == "int4" and (group_size not in (32, 64, 128, 256) or in_features % group_size):
-            raise ValueError(f"int4 group_size must be 32, 64, 128 or 256 and divide in_features={in_features}; "
-                             f"got {group_size}")
+        check_shape(weight.shape, scheme, group_size)
         self.scheme, self.group_size = scheme, group_size
         self.in_features, self.out_features = in_features, out_features
         # rows are quantised a slice at a time: a float32 copy of a 262k-row head would cost 671 MB
@@ -88,6 +86,17 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme}, group_size={self.group_size}"
+
+
+def check_shape(shape, scheme, group_size=32, name="weight"):
+    """Refuse a weight (out, in) that `scheme`'s kernel cannot hold, before anything is quantised."""
+    out_features, in_features = shape
+    if scheme == "int4" and (group_size not in (32, 64, 128, 256) or in_features % group_size):
+        raise ValueError(f"int4 group_size must be 32, 64, 128 or 256 and divide in_features={in_features}; "
+                         f"got {group_size}")
+    if scheme == "int4" and out_features % 16:  # the CPU kernel packs rows in 16s
+        raise ValueError(f"int4 needs a multiple of 16 output rows; {name} has {out_features} (shape "
+                         f"{tuple(shape)}): use int8 or a ggml type such as 'q4_0'")
 
 
 def _quantize_int8(w):

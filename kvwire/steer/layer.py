@@ -46,7 +46,16 @@ class Steer(Layer):
 
     def forward(self, x):
         """x (B, T, D) -> x + strength * direction."""
+        rows = self.strength.numel()
+        if self.strength.dim() == 1 and rows != x.shape[0]:
+            raise ValueError(f"steering strength has {rows} rows (one per prompt) but the batch has "
+                             f"{x.shape[0]}; steer with a single number for other batch sizes")
         return x + (self.strength.reshape(-1, 1, 1) * self.direction).to(x.dtype)
+
+    def same_inputs(self, other):
+        """Whether `other` reads the same runtime inputs with the same defaults (may share them)."""
+        return self.name == other.name and self.generated_only == other.generated_only \
+            and self.strength.shape == other.strength.shape and torch.equal(self.strength, other.strength)
 
     def forward_cached(self, x, *, positions, **inputs):
         strength, start = inputs[f"{self.name}_strength"], inputs[f"{self.name}_start"]

@@ -5,7 +5,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generate.session import left_pad
-from ..graph import block_calls, tap, with_cache
+from ..graph import numbered_blocks, tap, with_cache
+from ..graph.edit import summarize_indices
 
 METHODS = ("pca_diff", "pca_center", "mean_diff")
 
@@ -83,12 +84,12 @@ class ControlVector:
         _check_pairs(positive, negative)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        blocks = block_calls(lm.backbone)
-        chosen = parse_layers(layers, len(blocks))
+        blocks = numbered_blocks(lm.backbone)
+        chosen = parse_layers(layers, blocks)
         names = [blocks[i] for i in chosen]
         states = last_token_states(lm, list(positive) + list(negative), names, batch_size, progress)
         n = len(positive)
-        directions = {i: _direction(states[name][:n] - states[name][n:], method) for i, name in zip(chosen, names)}
+        directions = {i: _direction(states[name], n, method, i) for i, name in zip(chosen, names)}
         return cls(directions, _family(lm), method)
 
     def save(self, path):
@@ -103,10 +104,13 @@ class ControlVector:
         return load_control_vector(path)
 
 
-def parse_layers(layers, n_blocks):
-    """Block indices from None / "A-B" / ints, checked against n_blocks."""
+def parse_layers(layers, blocks):
+    """Block indices from None / "A-B" / ints, checked against `blocks` (the indices a model has,
+    e.g. `numbered_blocks(backbone)`, or a count n meaning 0..n-1). None means every block but 0
+    (llama.cpp cannot store block 0); a range skips nothing silently: each index must exist."""
+    have = sorted(range(blocks) if isinstance(blocks, int) else blocks)
     if layers is None:
-        chosen = list(range(1, n_blocks)) or [0]
+        chosen = [i for i in have if i > 0] or have[:1]
     elif isinstance(layers, str):
         lo, sep, hi = layers.partition("-")
         if not (lo.strip().isdigit() and (not sep or hi.strip().isdigit())):
@@ -116,9 +120,10 @@ def parse_layers(layers, n_blocks):
         chosen = [int(i) for i in layers]
     if not chosen:
         raise ValueError(f"no layers chosen from {layers!r}")
-    bad = [i for i in chosen if not 0 <= i < n_blocks]
+    bad = [i for i in chosen if i not in have]
     if bad:
-        raise ValueError(f"layer indices {bad} are out of range: the model has blocks 0-{n_blocks - 1}")
+        raise ValueError(f"layer indices {bad} are not blocks of this model: it has blocks "
+                         f"{summarize_indices(have) or 'none'}")
     return sorted(set(chosen))
 
 
@@ -133,6 +138,8 @@ def last_token_states(lm, texts, names, batch_size=8, progress=True):
     with torch.inference_mode():
         for start in tqdm(batches, desc="reading hidden states", disable=not progress, leave=False):
             rows = [lm._encode(t) for t in texts[start:start + batch_size]]
+            for text, row in zip(texts[start:start + batch_size], rows):
+                lm.check_length(len(row), f"prompt {text!r:.40}")
             ids, positions, pads = left_pad(rows)
             cache = cached.init_cache(len(rows), ids.shape[1])
             mask = torch.arange(ids.shape[1])[None] >= pads[:, None]
@@ -142,11 +149,23 @@ def last_token_states(lm, texts, names, batch_size=8, progress=True):
     return {name: torch.cat(parts) for name, parts in out.items()}
 
 
-def _direction(diffs, method):
-    diffs = diffs.double()
+def _direction(states, n, method, block):
+    """The direction of one block from its states (2n, D): positives first, then their negatives."""
+    diffs = (states[:n] - states[n:]).double()
+    scale = states.abs().max().double()  # what "zero" means: relative to the states themselves
+    if not torch.isfinite(scale):
+        raise ValueError(f"hidden states after block {block} are not finite; cannot train a direction")
+    # a principal axis of fewer than two distinct differences (pca_diff) or of all-zero ones is not a
+    # direction of the data, only an artefact of the decomposition (same-text rows of one batch can
+    # differ in the last bits, hence a relative tolerance)
+    centered = diffs - diffs.mean(0) if method == "pca_diff" else diffs
+    if centered.abs().max() <= 1e-5 * float(scale):  # float32 states: equal up to rounding
+        what = "the pairs' differences are all equal (one pair, or identical pairs)" if method == "pca_diff" \
+            else "positive and negative prompts give the same hidden states"
+        raise ValueError(f"cannot train a {method} direction at block {block}: {what}; give at least two "
+                         f"pairs that differ" + ("" if method != "pca_diff" else " (or use method='mean_diff')"))
     if method == "mean_diff":
         return diffs.mean(0).float()
-    centered = diffs - diffs.mean(0) if method == "pca_diff" else diffs
     axis = torch.linalg.svd(centered, full_matrices=False).Vh[0]
     return (axis * (diffs @ axis).mean()).float()
 
