@@ -4,7 +4,8 @@ Each measurement runs in its own subprocess (so peak RSS is per library), all in
 
     python bench/core.py [--new-tokens 64] [--threads 2]
 
-Prints a table and the ratios the core issue targets.
+Prints a table and the ratios the core issue targets. A worker that crashes or raises leaves its
+cells empty ("-") and a line below the table says what happened; the rest is printed.
 """
 import argparse
 import json
@@ -14,7 +15,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import peak_rss_gb, run_worker  # noqa: E402
+from common import crash_if_asked, header, peak_rss_gb, run_worker  # noqa: E402
 
 PROMPT = "The history of the city of Paris begins"
 
@@ -77,6 +78,7 @@ def worker_transformers(args):
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
 
     def generate(n):
+        crash_if_asked("transformers")
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
@@ -92,6 +94,15 @@ def run(worker, args, env=None):
     return run_worker(__file__, argv, env)
 
 
+def cells(ours, theirs, key, digits=2, ratio=None):
+    """kvwire's and transformers' `key` formatted (- where a worker failed), and their ratio."""
+    a, b = (r.value[key] if r.ok else None for r in (ours, theirs))
+    text = "".join(f"{'-' if v is None else f'{v:.{digits}f}':>{w}}" for v, w in ((a, 12), (b, 14)))
+    if ratio and a is not None and b is not None:
+        text += f"{ratio(a, b):8.2f}"
+    return text
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--worker")
@@ -103,21 +114,23 @@ def main():
         fn = {"kvwire": worker_kvwire, "transformers": worker_transformers}[args.worker]
         print(json.dumps(fn(args)))
         return
+    print(header(args.threads), flush=True)
     with tempfile.TemporaryDirectory() as cache:
         first = run("kvwire-load", args, {"KVWIRE_CACHE": cache})
         ours = run("kvwire", args, {"KVWIRE_CACHE": cache})
     theirs = run("transformers", args)
     print(f"{'':28}{'kvwire':>12}{'transformers':>14}{'ratio':>8}")
-    print(f"{'load, first use (s)':28}{first['load_s']:12.2f}{theirs['load_s']:14.2f}")
-    print(f"{'load, cached (s)':28}{ours['load_s']:12.2f}{theirs['load_s']:14.2f}"
-          f"{theirs['load_s'] / ours['load_s']:8.1f}")
-    print(f"{'prefill, 9 tokens (s)':28}{ours['prefill_s']:12.3f}{theirs['prefill_s']:14.3f}"
-          f"{theirs['prefill_s'] / ours['prefill_s']:8.2f}")
-    print(f"{'decode fp32 (tok/s)':28}{ours['decode_tok_s']:12.2f}{theirs['decode_tok_s']:14.2f}"
-          f"{ours['decode_tok_s'] / theirs['decode_tok_s']:8.2f}")
-    print(f"{'peak RSS (GB)':28}{ours['peak_rss_gb']:12.2f}{theirs['peak_rss_gb']:14.2f}")
-    print(f"cache bytes for 8192 tokens: {ours['cache_bytes_8192']:,} "
-          f"(ring-buffer minimum {ours['cache_min_bytes_8192']:,})")
+    print(f"{'load, first use (s)':28}" + cells(first, theirs, "load_s"))
+    print(f"{'load, cached (s)':28}" + cells(ours, theirs, "load_s", ratio=lambda a, b: b / a))
+    print(f"{'prefill, 9 tokens (s)':28}" + cells(ours, theirs, "prefill_s", 3, ratio=lambda a, b: b / a))
+    print(f"{'decode fp32 (tok/s)':28}" + cells(ours, theirs, "decode_tok_s", ratio=lambda a, b: a / b))
+    print(f"{'peak RSS (GB)':28}" + cells(ours, theirs, "peak_rss_gb"))
+    if ours.ok:
+        print(f"cache bytes for 8192 tokens: {ours.value['cache_bytes_8192']:,} "
+              f"(ring-buffer minimum {ours.value['cache_min_bytes_8192']:,})")
+    for name, result in (("kvwire, first load", first), ("kvwire", ours), ("transformers", theirs)):
+        if not result.ok:
+            print(f"{name}: not measured: {result.failure}")
 
 
 if __name__ == "__main__":
