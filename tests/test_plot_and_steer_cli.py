@@ -50,8 +50,8 @@ def folder(tmp_path):
 
 def test_steer_train_generate_and_plot_commands(folder, capsys):
     model = str(folder / "model")
-    (folder / "pos.txt").write_text("the cat sat\nthe theory\n\na tiny cat\n")
-    (folder / "neg.txt").write_text("the mat sat\nthe thing\na tiny mat\n")
+    (folder / "pos.txt").write_text("the cat sat\nthe theory\n\na tiny cat\n\n")  # blank lines pair up
+    (folder / "neg.txt").write_text("the mat sat\nthe thing\n  \na tiny mat\n")
     vec_path = folder / "vec.gguf"
     assert cli.main(["steer", "train", "--positive", str(folder / "pos.txt"), "--negative", str(folder / "neg.txt"),
                      "--layers", "1-3", "-o", str(vec_path), "--model", model]) == 0
@@ -75,9 +75,36 @@ def test_steer_train_command_reports_bad_input(folder, capsys):
     (folder / "neg.txt").write_text("c\n")
     assert cli.main(["steer", "train", "--positive", str(folder / "pos.txt"), "--negative", str(folder / "neg.txt"),
                      "-o", str(folder / "v.gguf"), "--model", model]) == 2
-    assert "got 2 positive and 1 negative" in capsys.readouterr().err
+    assert "pos.txt has 2 lines and " in capsys.readouterr().err
+    (folder / "pos.txt").write_text("a\n\nb\n")  # dropping blanks per file would pair b with c
+    (folder / "neg.txt").write_text("c\nd\ne\n")
+    assert cli.main(["steer", "train", "--positive", str(folder / "pos.txt"), "--negative", str(folder / "neg.txt"),
+                     "-o", str(folder / "v.gguf"), "--model", model]) == 2
+    assert "line 2 is blank in " in capsys.readouterr().err and not (folder / "v.gguf").exists()
     hf = tiny_hf_gpt2(vocab_size=300)
     from .gguf_files import write_gpt2
     write_gpt2(folder / "m.gguf", hf)
     assert cli.main(["generate", "hi", "--model", model, "--control-vector", str(folder / "m.gguf")]) == 2
     assert "is not a control vector" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--top-k", "1", "--top-p", "0.9"], "--top-k, --top-p belong to different samplers and cannot be combined"),
+    (["--sampler", "random", "--top-k", "1"], "--sampler random does not use --top-k; drop it or use --sampler top-k"),
+    (["--sampler", "greedy", "--temperature", "0.5"], "--sampler greedy is deterministic and takes no --temperature"),
+    (["--beams", "2", "--min-p", "0.1"], "--min-p, --beams belong to different samplers"),
+    (["--max-new-tokens", "-3"], "max_new_tokens must be a positive int, got -3"),
+])
+def test_generate_refuses_before_printing_anything(folder, capsys, options, message):
+    assert cli.main(["generate", "the cat", "--model", str(folder / "model"), *options]) == 2
+    out, err = capsys.readouterr()
+    assert message in err and out == ""  # not even the prompt
+
+
+def test_cli_sampler_options_reach_the_sampler():
+    args = cli.parser().parse_args(["generate", "x", "--top-k", "1", "--temperature", "0.5"])
+    assert cli.make_sampler(args) == kw.TopK(1, temperature=0.5)
+    args = cli.parser().parse_args(["generate", "x", "--sampler", "top-p", "--top-p", "0.5"])
+    assert cli.make_sampler(args) == kw.TopP(0.5)
+    args = cli.parser().parse_args(["generate", "x", "--beams", "2", "--repetition-penalty", "1.5"])
+    assert cli.make_sampler(args) == kw.BeamSearch(num_beams=2) and args.repetition_penalty == 1.5
