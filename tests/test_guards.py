@@ -69,6 +69,15 @@ def test_non_finite_logits_raise_naming_step_and_row(tiny_lm):
         late.generate(IDS, max_new_tokens=4, ignore_eos=True, sampler=kw.BeamSearch(num_beams=2))
 
 
+def test_a_broken_weight_raises_instead_of_producing_tokens(family):
+    lm = kw.from_hf(FAMILIES[family]())
+    with torch.no_grad():
+        next(p for n, p in lm.backbone.named_parameters() if p.dim() == 2 and "emb" not in n and "wte" not in n)[0, 0] = \
+            float("nan")
+    with pytest.raises(FloatingPointError, match=r"non-finite logits \(nan\) in row 0 at generation step 0"):
+        lm.generate(IDS, max_new_tokens=3, sampler=kw.TopP(0.9), seed=0)
+
+
 def test_a_tiny_temperature_samples_the_top_token(tiny_lm):
     greedy = tiny_lm.generate(IDS, max_new_tokens=5, ignore_eos=True)[0]
     for sampler in (kw.Random(temperature=1e-45), kw.TopK(5, temperature=1e-45), kw.TopP(0.9, temperature=1e-45)):
