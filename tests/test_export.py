@@ -162,6 +162,24 @@ def test_bad_export_requests(exported, tmp_path):
     assert not (tmp_path / "model.onnx").exists()
 
 
+def test_an_all_logits_export_scores_like_eager(tmp_path):
+    lm = _chat("gpt2")
+    kw.export(lm, tmp_path / "all.onnx", max_length=32, all_logits=True)
+    runtime = kw.load_exported(tmp_path / "all.onnx")
+    ids = torch.tensor([[2, 40, 51, 7, 19, 33]])
+    torch.testing.assert_close(runtime(ids), lm(ids), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runtime.score("Hello there"), lm.score("Hello there"), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="the input has 40 tokens, more than the model's context of 32 tokens"):
+        runtime(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_last_logits_export_refuses_uncached_calls(exported):
+    _, _, runtime, _ = exported
+    with pytest.raises(NotImplementedError, match="exported with the last position's logits only; call generate or "
+                                                  "stream, or export with all_logits=True for lm"):
+        runtime.score("Hello there")
+
+
 def test_an_edit_the_runtime_cannot_represent_is_named(tmp_path):
     from kvwire.layers.base import Layer
 
