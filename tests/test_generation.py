@@ -201,7 +201,7 @@ def test_repetition_penalty_discourages_repeats(chat):
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: kw.Random(temperature=-1.0), "temperature must be a number > 0"),
+    (lambda: kw.Random(temperature=-1.0), "temperature must be a finite number > 0"),
     (lambda: kw.TopP(1.5), r"top_p must lie in \(0, 1\], got 1.5"),
     (lambda: kw.TopP(0.0), r"top_p must lie in \(0, 1\], got 0.0"),
     (lambda: kw.TopK(0), "top_k must be an int >= 1, got 0"),
