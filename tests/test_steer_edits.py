@@ -6,22 +6,14 @@ from torch import nn
 
 import kvwire as kw
 
-from .conftest import FAMILIES
-from .tokenizers_for_tests import char_level
+from .test_steer import _random_vector
+from .test_steer import chat as lm  # noqa: F401  (a fixture: tiny model of each family, char tokenizer)
 
 IDS = torch.tensor([[3, 17, 42, 9, 55, 23]])
 
 
-@pytest.fixture
-def lm(family):
-    model = kw.from_hf(FAMILIES[family](vocab_size=100))
-    model.tokenizer = char_level()
-    return model
-
-
-def _vector(lm, layers, scale=2.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return kw.ControlVector({i: torch.randn(lm.head.weight.shape[1], generator=g) * scale for i in layers})
+def _vector(lm, layers, seed=0):
+    return _random_vector(lm, layers, scale=2.0, seed=seed)
 
 
 def _rollout(lm, ids, n):
