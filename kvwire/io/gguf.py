@@ -1,61 +1,20 @@
 """Reading GGUF files: metadata, and tensors dequantised to float32 by the `gguf` package.
 
-The header is parsed here rather than with `gguf.GGUFReader`, which builds a Python object per
-array element and takes ~24 s on Gemma's 262k-token vocabulary (measured on this machine); this
-reader takes well under a second. Quantisation formats, type tables and dequantisation all come
-from the `gguf` package.
+The header is parsed and checked by `gguf_header` rather than with `gguf.GGUFReader`, which
+builds a Python object per array element and takes ~24 s on Gemma's 262k-token vocabulary
+(measured on this machine); this reader takes well under a second. Quantisation formats, type
+tables and dequantisation all come from the `gguf` package.
 """
-import struct
+import os
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-_SCALARS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
+from .gguf_header import GGUFError, parse, tensor_nbytes
+
 _NUMPY = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
-_HEADER_GUESS = 64 << 20
-
-
-class _Cursor:
-    def __init__(self, buf):
-        self.buf, self.pos = buf, 0
-
-    def unpack(self, fmt):
-        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self):
-        n = self.unpack("<Q")
-        if self.pos + n > len(self.buf):
-            raise struct.error("string runs past the end of the header")
-        s = self.buf[self.pos:self.pos + n].decode("utf-8", errors="replace")
-        self.pos += n
-        return s
-
-    def value(self, kind):
-        kind = GGUFValueType(kind)
-        if kind == GGUFValueType.STRING:
-            return self.string()
-        if kind == GGUFValueType.ARRAY:
-            item, n = GGUFValueType(self.unpack("<I")), self.unpack("<Q")
-            if item in _SCALARS:  # numeric arrays are read in one go
-                dtype = np.dtype(_SCALARS[item])
-                if self.pos + dtype.itemsize * n > len(self.buf):
-                    raise struct.error("array runs past the end of the header")
-                arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
-                self.pos += dtype.itemsize * n
-                return arr.tolist()
-            if item == GGUFValueType.STRING:
-                return [self.string() for _ in range(n)]
-            return [self.value(item) for _ in range(n)]
-        return self.unpack(_SCALARS[kind])
 
 
 class GGUFFile:
@@ -69,40 +28,14 @@ class GGUFFile:
 
     def __init__(self, path):
         self.path = str(path)
+        if os.path.getsize(self.path) == 0:  # np.memmap refuses empty files
+            raise GGUFError(f"{self.path} is not a readable GGUF file: it is empty")
         self.data = np.memmap(self.path, mode="r")
         self._cow = None  # a copy-on-write map for `blocks`, made on first use
-        # Parse from plain bytes (slicing a memmap makes an array per string): the first 64 MiB
-        # hold the header of any model we know; a longer header is retried on the whole file.
-        try:
-            try:
-                self.metadata, self.infos = self._parse(bytes(self.data[:_HEADER_GUESS]))
-            except (struct.error, IndexError):
-                if len(self.data) <= _HEADER_GUESS:
-                    raise
-                self.metadata, self.infos = self._parse(bytes(self.data))
-        except (struct.error, ValueError, UnicodeDecodeError, IndexError) as e:
-            raise ValueError(f"{self.path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
-
-    def _parse(self, header):
-        c = _Cursor(header)
-        if len(header) < 4 or header[:4] != b"GGUF":
-            raise ValueError("bad magic; expected b'GGUF'")
-        c.pos = 4
-        version, n_tensors, n_kv = c.unpack("<I"), c.unpack("<Q"), c.unpack("<Q")
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (expected 2 or 3)")
-        metadata = {}
-        for _ in range(n_kv):
-            key = c.string()
-            metadata[key] = c.value(c.unpack("<I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = c.string()
-            dims = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
-            infos.append((name, dims, c.unpack("<I"), c.unpack("<Q")))
-        align = metadata.get("general.alignment", 32)
-        start = (c.pos + align - 1) // align * align
-        return metadata, [(n, d, t, start + o) for n, d, t, o in infos]
+        try:  # a memoryview slices without copying, so strings cost what they hold
+            self.metadata, self.infos = parse(memoryview(self.data))
+        except GGUFError as e:
+            raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from None
 
     @property
     def architecture(self):
@@ -126,20 +59,17 @@ class GGUFFile:
                     self._cow = np.memmap(self.path, mode="c")
                 qtype, raw = self._raw(tensor, dims, kind, offset, self._cow)
                 return qtype, raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
-        raise KeyError(f"{self.path} has no tensor {name!r}")
+        raise ValueError(f"{self.path} has no tensor {name!r}")
 
     def _raw(self, name, dims, kind, offset, data):
         """(type, the tensor's bytes shaped (*outer dims, row bytes)) for quantised types, or its
         float values shaped as the tensor for float ones."""
-        try:
-            qtype = GGMLQuantizationType(kind)
-        except ValueError:
-            raise ValueError(f"{self.path}: tensor {name!r} has unknown ggml type id {kind}") from None
+        nbytes = tensor_nbytes(name, dims, kind)  # checked against the file when it was opened
+        qtype = GGMLQuantizationType(kind)
         block, size = GGML_QUANT_SIZES[qtype]
         shape = list(reversed(dims))  # GGUF lists the fastest-moving dimension first
-        nbytes = int(np.prod(dims)) // block * size
         if offset + nbytes > len(data):
-            raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
+            raise GGUFError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
         raw = data[offset:offset + nbytes]
         if qtype in _NUMPY:
             return qtype, raw.view(_NUMPY[qtype]).reshape(shape)
