@@ -1,5 +1,7 @@
-"""Shared helpers for model configs: frozen dataclasses built from Hugging Face config dicts."""
+"""Shared helpers for model configs: frozen dataclasses built from Hugging Face config dicts or
+GGUF metadata, with every value checked (type, range) before a backbone is sized by it."""
 import dataclasses
+import math
 
 # Bookkeeping keys of Hugging Face configs that do not change the computation.
 HF_BOOKKEEPING = frozenset("""
@@ -25,13 +27,15 @@ def from_hf_dict(cls, d, *, renames=None, must_be=None):
     keys whose only supported value is fixed. Any other unknown key raises, so nothing a checkpoint
     asks for is silently ignored.
     """
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__}: expected a config dict (a JSON object), got {type(d).__name__}")
     # Every family here ties its head to the embedding: an untied checkpoint must not load as tied.
     renames, must_be = renames or {}, {"tie_word_embeddings": True, **(must_be or {})}
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs, unknown = {}, []
     for key, value in d.items():
         if key in must_be:
-            if value != must_be[key] and value is not None:
+            if value is not None and (type(value) is not type(must_be[key]) or value != must_be[key]):
                 raise ValueError(f"{cls.__name__}: {key}={value!r} is not supported (expected {must_be[key]!r})")
         elif key in fields or key in renames:
             kwargs[renames.get(key, key)] = value
@@ -40,3 +44,96 @@ def from_hf_dict(cls, d, *, renames=None, must_be=None):
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown config fields {sorted(unknown)}")
     return cls(**kwargs)
+
+
+def _is_int(v):
+    return type(v) is int  # bool is an int subclass, and never a size
+
+
+def _is_number(v):
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+_CHECKS = {int: (_is_int, "an integer"), float: (_is_number, "a finite number"),
+           bool: (lambda v: type(v) is bool, "true or false"), str: (lambda v: type(v) is str, "a string")}
+
+
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS; a corrupt count must not build a billion blocks
+
+
+def check_fields(config, positive=(), layers=None):
+    """Raise a ValueError naming the field for a value of the wrong type (a string where an int
+    belongs, a NaN), a `positive` field that is not > 0, a token id that is not an id, or a
+    `layers` count above MAX_LAYERS.
+
+    A field whose default is None may be None; `*_token_id` fields may be None or ids (>= 0)."""
+    name = type(config).__name__
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None and (f.default is None or f.name.endswith("_token_id")):
+            continue
+        if f.name.endswith("_token_id"):
+            ids = value if isinstance(value, (list, tuple)) else [value]
+            if not ids or not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(f"{name}: {f.name}={value!r}; expected a token id (an integer >= 0) or a list of them")
+            continue
+        check, expected = _CHECKS.get(f.type, (None, None))
+        if check is not None and not check(value):
+            raise ValueError(f"{name}: {f.name}={value!r} ({type(value).__name__}); expected {expected}")
+        if f.name in positive and not value > 0:
+            raise ValueError(f"{name}: {f.name}={value!r}; expected a positive value")
+        if f.name == layers and value > MAX_LAYERS:
+            raise ValueError(f"{name}: {f.name}={value}; expected at most {MAX_LAYERS} layers")
+
+
+REQUIRED = object()
+
+
+class GGUFMetadata:
+    """Typed reads of one architecture's GGUF keys, for a family's `config_from_gguf`.
+
+    Errors name the file (`source`) and the key, and say what was found and what was expected.
+    Keys under `<arch>.` that the family does not list in `known` raise, as unknown config.json
+    fields do: a key kvwire does not read may change the computation (or be a corrupt name).
+
+    Example:
+        >>> m = GGUFMetadata(gguf.metadata, "gpt2", {"block_count"}, gguf.path)
+        >>> m.int("block_count")
+        12
+    """
+
+    def __init__(self, meta, arch, known, source="GGUF metadata"):
+        self.meta, self.prefix, self.source = meta, arch + ".", source
+        unknown = sorted(k for k in meta if k.startswith(self.prefix) and k[len(self.prefix):] not in known)
+        if unknown:
+            raise ValueError(f"{source}: unknown metadata {unknown} for a {arch} model (kvwire does not know "
+                             f"what it changes); known: {sorted(known)}")
+
+    def has(self, key):
+        return self.prefix + key in self.meta
+
+    def _get(self, key, default, check, expected):
+        full = self.prefix + key
+        if full not in self.meta:
+            if default is REQUIRED:
+                raise ValueError(f"{self.source} has no {full!r}, which a {self.prefix[:-1]} model needs")
+            return default
+        value = self.meta[full]
+        if not check(value):
+            raise ValueError(f"{self.source}: {full} = {value!r} ({type(value).__name__}); expected {expected}")
+        return value
+
+    def int(self, key, default=REQUIRED, minimum=1):
+        return self._get(key, default, lambda v: _is_int(v) and v >= minimum, f"an integer >= {minimum}")
+
+    def float(self, key, default=REQUIRED, minimum=0.0, strict=True):
+        """A finite number above `minimum` (or equal to it when not `strict`), as a float."""
+        ok = (lambda v: _is_number(v) and v > minimum) if strict else (lambda v: _is_number(v) and v >= minimum)
+        value = self._get(key, default, ok, f"a finite number {'>' if strict else '>='} {minimum}")
+        return value if value is default else float(value)
+
+    def str(self, key, default=REQUIRED):
+        return self._get(key, default, lambda v: type(v) is str, "a string")
+
+    def fail(self, key, message):
+        raise ValueError(f"{self.source}: {self.prefix}{key} {message}")

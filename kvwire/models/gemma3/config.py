@@ -1,9 +1,13 @@
 """Gemma 3 text config, with Hugging Face field names."""
 from dataclasses import dataclass
 
-from ..config import from_hf_dict
+from ..config import check_fields, from_hf_dict
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "query_pre_attn_scalar",
+             "sliding_window", "sliding_window_pattern", "rope_theta", "rope_local_base_freq",
+             "final_logit_softcapping")
 
 
 @dataclass(frozen=True)
@@ -38,20 +42,24 @@ class Gemma3Config:
     pad_token_id: int = 0
 
     def __post_init__(self):
+        check_fields(self, _POSITIVE, layers="num_hidden_layers")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.rms_norm_eps < 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps}; expected a value >= 0")
         types = self.layer_types
         if types is None:
             p = self.sliding_window_pattern
             types = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(self.num_hidden_layers)]
-        types = tuple(types)
-        if len(types) != self.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
-            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}; got {types}")
-        object.__setattr__(self, "layer_types", types)
+        if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers or \
+                not all(isinstance(t, str) and t in LAYER_TYPES for t in types):
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}; got {types!r}")
+        object.__setattr__(self, "layer_types", tuple(types))
         if self.attn_logit_softcapping is not None:  # transformers' Gemma 3 never applies it
             raise ValueError(f"attn_logit_softcapping={self.attn_logit_softcapping} is not part of Gemma 3 "
                              f"(its reference implementation ignores it); expected None")
-        scaling = self.rope_scaling
-        if scaling is not None and (scaling.get("rope_type", scaling.get("type")) not in ("linear", "default")):
-            raise ValueError(f"rope_scaling {scaling!r} is not supported (only linear)")
+        _check_rope_scaling(self.rope_scaling)
 
     @property
     def full_rope_factor(self):
@@ -61,9 +69,13 @@ class Gemma3Config:
     @classmethod
     def from_hf(cls, d):
         """From a Hugging Face config dict (config.json, or `model.config.to_dict()`)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"Gemma3Config: expected a config dict (a JSON object), got {type(d).__name__}")
         d = dict(d)
         d.pop("text_config", None)
         rope = d.pop("rope_parameters", None)
+        if rope is not None and not (isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())):
+            raise ValueError(f"rope_parameters={rope!r}; expected a dict of per-layer-type dicts")
         if rope:  # transformers >= 5 groups rope settings per layer type
             full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
             d.setdefault("rope_theta", full.get("rope_theta", cls.rope_theta))
@@ -74,9 +86,21 @@ class Gemma3Config:
                 raise ValueError(f"rope scaling on sliding layers is not supported: {local}")
         if d.get("sliding_window_pattern", 0) is None:
             d.pop("sliding_window_pattern")
-        if d.get("layer_types") is not None and "sliding_window_pattern" in d:
+        if isinstance(d.get("layer_types"), (list, tuple)) and "sliding_window_pattern" in d:
             pattern = cls(num_hidden_layers=len(d["layer_types"]),
                           sliding_window_pattern=d.pop("sliding_window_pattern")).layer_types
             if tuple(d["layer_types"]) != pattern:
                 raise ValueError(f"layer_types {d['layer_types']} contradict sliding_window_pattern")
         return from_hf_dict(cls, d, must_be={"use_bidirectional_attention": False})
+
+
+def _check_rope_scaling(scaling):
+    """None, or {"rope_type": "linear" (or "default"), "factor": f > 0}: what the blocks implement."""
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind not in ("linear", "default"):
+        raise ValueError(f"rope_scaling {scaling!r} is not supported (only linear)")
+    factor = scaling.get("factor", 1.0)
+    if kind == "linear" and not (type(factor) in (int, float) and 0 < factor < float("inf")):
+        raise ValueError(f"rope_scaling factor {factor!r} must be a finite number > 0")

@@ -5,6 +5,7 @@ are llama.cpp's; llama.cpp also stores Gemma norm weights with the +1 folded in,
 """
 import re
 
+from ..config import GGUFMetadata
 from .config import Gemma3Config
 
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -53,30 +54,59 @@ def state_from_gguf(tensors):
     return out
 
 
-def config_from_gguf(meta, vocab_size):
-    """Gemma3Config from GGUF metadata; fields the file omits take the defaults llama.cpp uses."""
-    a = "gemma3."
-    scaling = None
-    head_dim = meta.get(a + "attention.key_length", 256)
+# the gemma3 keys llama.cpp writes or reads; any other `gemma3.*` key raises (GGUFMetadata)
+_GGUF_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "final_logit_softcapping", "attn_logit_softcapping",
+}
+
+
+def config_from_gguf(meta, vocab_size, source="GGUF metadata"):
+    """Gemma3Config from GGUF metadata. Keys llama.cpp requires are required here too; the others
+    take llama.cpp's defaults. Errors name `source` (the file) and the key."""
+    m = GGUFMetadata(meta, "gemma3", _GGUF_KEYS, source)
+    heads, layers, hidden = m.int("attention.head_count"), m.int("block_count"), m.int("embedding_length")
+    head_dim = m.int("attention.key_length", 256)
+    if m.int("attention.value_length", head_dim) != head_dim:  # one head_dim for keys and values
+        m.fail("attention.value_length", f"= {meta['gemma3.attention.value_length']} differs from "
+               f"attention.key_length = {head_dim}; Gemma 3 uses one head size")
+    if m.int("rope.dimension_count", head_dim) != head_dim:  # rope turns the whole head
+        m.fail("rope.dimension_count", f"= {meta['gemma3.rope.dimension_count']}; expected the head size {head_dim}")
+    if m.int("vocab_size", vocab_size) != vocab_size:
+        m.fail("vocab_size", f"= {meta['gemma3.vocab_size']}, but the tokenizer lists {vocab_size} tokens")
     # The file has no query_pre_attn_scalar; like llama.cpp, use head_dim, except for the 62-layer
     # 27B model, whose scalar is hidden_size / heads.
-    query_scalar = head_dim
-    if meta[a + "block_count"] == 62:
-        query_scalar = meta[a + "embedding_length"] // meta[a + "attention.head_count"]
-    if meta.get(a + "rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(meta[a + "rope.scaling.factor"])}
+    query_scalar = hidden // heads if layers == 62 else head_dim
     return Gemma3Config(
         vocab_size=vocab_size,
-        hidden_size=meta[a + "embedding_length"],
-        intermediate_size=meta[a + "feed_forward_length"],
-        num_hidden_layers=meta[a + "block_count"],
-        num_attention_heads=meta[a + "attention.head_count"],
-        num_key_value_heads=meta.get(a + "attention.head_count_kv", meta[a + "attention.head_count"]),
+        hidden_size=hidden,
+        intermediate_size=m.int("feed_forward_length"),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=m.int("attention.head_count_kv", heads),
         head_dim=head_dim,
         query_pre_attn_scalar=query_scalar,
-        max_position_embeddings=meta.get(a + "context_length", 32_768),
-        rms_norm_eps=meta.get(a + "attention.layer_norm_rms_epsilon", 1e-6),
-        sliding_window=meta.get(a + "attention.sliding_window", 512),
-        rope_theta=meta.get(a + "rope.freq_base", 1_000_000.0),
-        rope_scaling=scaling,
+        max_position_embeddings=m.int("context_length"),
+        rms_norm_eps=m.float("attention.layer_norm_rms_epsilon", strict=False),
+        sliding_window=m.int("attention.sliding_window"),
+        rope_theta=m.float("rope.freq_base", 1_000_000.0),
+        rope_scaling=_rope_scaling(m),
+        final_logit_softcapping=m.float("final_logit_softcapping", None),
+        attn_logit_softcapping=m.float("attn_logit_softcapping", None),
     )
+
+
+def _rope_scaling(m):
+    """llama.cpp's rope.scaling.type: "none" or "linear" (full layers, by rope.scaling.factor; a
+    missing or zero factor means 1, as in llama.cpp). Other types (yarn, longrope) are refused, as
+    `Gemma3Config` refuses them from config.json: loading them unscaled would be a wrong model."""
+    kind = m.str("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        m.fail("rope.scaling.type", f"= {kind!r} is not supported (Gemma 3 implements 'none' and 'linear')")
+    factor = m.float("rope.scaling.factor", 0.0, strict=False)
+    if kind == "none" or factor in (0.0, 1.0):
+        return None
+    return {"rope_type": "linear", "factor": factor}

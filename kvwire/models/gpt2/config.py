@@ -1,7 +1,9 @@
 """GPT-2 config, with Hugging Face field names."""
 from dataclasses import dataclass
 
-from ..config import from_hf_dict
+from ..config import check_fields, from_hf_dict
+
+_POSITIVE = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner")
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,13 @@ class GPT2Config:
     bos_token_id: int = 50_256
     eos_token_id: object = 50_256
     pad_token_id: int = None
+
+    def __post_init__(self):
+        check_fields(self, _POSITIVE, layers="n_layer")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
+        if self.layer_norm_epsilon < 0:
+            raise ValueError(f"layer_norm_epsilon={self.layer_norm_epsilon}; expected a value >= 0")
 
     @property
     def hidden_size(self):

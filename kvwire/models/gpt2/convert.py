@@ -8,6 +8,7 @@ import re
 import numpy as np
 import torch
 
+from ..config import GGUFMetadata
 from .config import GPT2Config
 
 
@@ -29,11 +30,21 @@ def state_from_hf(state):
         prefix, part, proj, kind = m.groups()
         if proj == "c_attn":
             if kind == "weight":
-                _split_qkv(prefix, value.t(), state[f"{prefix}attn.c_attn.bias"], out)
+                bias = f"{prefix}attn.c_attn.bias"
+                _split_qkv(prefix, _matrix(key, value).t(), _partner(state, bias, key, bias), out)
+            elif f"{prefix}attn.c_attn.weight" not in state:
+                raise ValueError(f"GPT-2 checkpoint has {key!r} but no {prefix}attn.c_attn.weight")
             continue
         name = "o_proj" if (part, proj) == ("attn", "c_proj") else proj
-        out[f"{prefix}{part}.{name}.{kind}"] = value.t() if kind == "weight" else value
+        out[f"{prefix}{part}.{name}.{kind}"] = _matrix(key, value).t() if kind == "weight" else value
     return out
+
+
+def _matrix(key, value):
+    """A Conv1D weight, checked to be a matrix before it is transposed."""
+    if value.dim() != 2:
+        raise ValueError(f"GPT-2 checkpoint tensor {key!r} has shape {tuple(value.shape)}; expected a matrix")
+    return value
 
 
 _GGUF_BLOCK = {"attn_norm": "ln_1", "attn_output": "attn.o_proj", "ffn_norm": "ln_2",
@@ -63,15 +74,36 @@ def state_from_gguf(tensors):
             raise ValueError(f"unexpected tensor {name!r} in a gpt2 GGUF file")
     for (i, kind), array in qkv.items():
         if kind == "weight":
+            bias = _partner(qkv, (i, "bias"), f"blk.{i}.attn_qkv.weight", f"blk.{i}.attn_qkv.bias")
             _split_qkv(f"h.{i}.", torch.from_numpy(np.ascontiguousarray(array)),
-                       torch.from_numpy(np.ascontiguousarray(qkv[(i, "bias")])), out)
+                       torch.from_numpy(np.ascontiguousarray(bias)), out)
+        elif (i, "weight") not in qkv:
+            raise ValueError(f"GPT-2 GGUF has blk.{i}.attn_qkv.bias but no blk.{i}.attn_qkv.weight")
     return out
 
 
-def config_from_gguf(meta, vocab_size):
-    a = "gpt2."
+def _partner(tensors, key, have, name):
+    """The bias that goes with a fused q/k/v weight (both are split)."""
+    if key not in tensors:
+        raise ValueError(f"GPT-2 checkpoint has {have!r} but not its fused bias {name!r}")
+    return tensors[key]
+
+
+# the gpt2 keys llama.cpp writes or reads; any other `gpt2.*` key raises (GGUFMetadata)
+_GGUF_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+              "attention.head_count", "attention.head_count_kv", "attention.layer_norm_epsilon"}
+
+
+def config_from_gguf(meta, vocab_size, source="GGUF metadata"):
+    """GPT2Config from GGUF metadata (keys llama.cpp requires are required); errors name `source`."""
+    m = GGUFMetadata(meta, "gpt2", _GGUF_KEYS, source)
+    heads = m.int("attention.head_count")
+    if m.int("attention.head_count_kv", heads) != heads:
+        m.fail("attention.head_count_kv", f"= {meta['gpt2.attention.head_count_kv']}; GPT-2 has one key/value "
+               f"head per query head ({heads})")
+    if m.int("vocab_size", vocab_size) != vocab_size:
+        m.fail("vocab_size", f"= {meta['gpt2.vocab_size']}, but the tokenizer lists {vocab_size} tokens")
     return GPT2Config(
-        vocab_size=vocab_size, n_positions=meta[a + "context_length"], n_embd=meta[a + "embedding_length"],
-        n_layer=meta[a + "block_count"], n_head=meta[a + "attention.head_count"],
-        n_inner=meta.get(a + "feed_forward_length"),
-        layer_norm_epsilon=meta.get(a + "attention.layer_norm_epsilon", 1e-5))
+        vocab_size=vocab_size, n_positions=m.int("context_length"), n_embd=m.int("embedding_length"),
+        n_layer=m.int("block_count"), n_head=heads, n_inner=m.int("feed_forward_length"),
+        layer_norm_epsilon=m.float("attention.layer_norm_epsilon", 1e-5, strict=False))
