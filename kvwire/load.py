@@ -3,7 +3,10 @@ import dataclasses
 import json
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -85,9 +88,15 @@ def _dtype(dtype):
 
 def build(family, config, state, tokenizer=None, dtype=torch.float32):
     """A CausalLM of `family` from a config and a backbone state dict (numpy or torch tensors)."""
-    with torch.device("meta"):
-        backbone = family.backbone(config)
+    try:
+        with torch.device("meta"):
+            backbone = family.backbone(config)
+    except RuntimeError as e:  # shapes only: sizes no tensor can have (a corrupt size in a file)
+        raise ValueError(f"{family.name} config describes sizes torch cannot build: {e}") from e
     tensors = {k: (torch.from_numpy(v) if not isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    for key, value in tensors.items():  # an integer tensor cast to float would be a silently wrong weight
+        if not value.is_floating_point():
+            raise ValueError(f"{family.name} checkpoint tensor {key!r} has dtype {value.dtype}; expected floats")
     tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
     expected = set(backbone.state_dict())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -116,12 +125,14 @@ def load_gguf(path, dtype=torch.float32, progress=True):
         config = family.config_cls(**meta["config"])
         return build(family, config, _cached_weights(entry, dtype), Tokenizer.load(entry), dtype)
     start = time.perf_counter()
-    gguf = GGUFFile(path)
-    family = by_gguf_architecture(gguf.architecture, path)
-    tokenizer = tokenizer_from_gguf(gguf)
-    config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")))
-    state = family.state_from_gguf(gguf.tensors(progress))
-    lm = build(family, config, state, tokenizer, dtype)
+    with _about(path):
+        gguf = GGUFFile(path)
+        family = by_gguf_architecture(gguf.architecture, path)
+        tokenizer = tokenizer_from_gguf(gguf)
+        config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path))
+        state = family.state_from_gguf(gguf.tensors(progress))
+        _check_finite(state)
+        lm = build(family, config, state, tokenizer, dtype)
     try:
         _save_entry(entry, family, config, state, tokenizer)
     except OSError as e:  # a read-only or full disk costs speed next time, not this load
@@ -156,11 +167,34 @@ def _save_entry(entry, family, config, state, tokenizer):
 
 def load_hf_folder(folder, dtype=torch.float32):
     """Load a Hugging Face checkpoint folder: config.json, safetensors (single or sharded), tokenizer."""
-    hf_config = read_config(folder)
-    family = by_hf_model_type(hf_config.get("model_type"))
-    config = family.config_from_hf(hf_config)
-    state = family.state_from_hf(read_state_dict(folder))
-    return build(family, config, state, tokenizer_from_hf_folder(folder, config), dtype)
+    with _about(Path(folder) / "config.json"):
+        hf_config = read_config(folder)
+        family = by_hf_model_type(hf_config.get("model_type"))
+        config = family.config_from_hf(hf_config)
+    with _about(folder):
+        state = family.state_from_hf(read_state_dict(folder))
+        _check_finite(state)
+        return build(family, config, state, tokenizer_from_hf_folder(folder, config), dtype)
+
+
+@contextmanager
+def _about(path):
+    """ValueErrors raised while reading `path` name it (config checks do not know the file)."""
+    try:
+        yield
+    except ValueError as e:
+        if str(path) in str(e):
+            raise
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _check_finite(state):
+    """A NaN or infinite weight is a corrupt file, not a model (checked once, on conversion)."""
+    for key, value in state.items():
+        finite = np.isfinite(value).all() if isinstance(value, np.ndarray) else \
+            (not value.is_floating_point() or bool(torch.isfinite(value).all()))
+        if not finite:
+            raise ValueError(f"tensor {key!r} holds NaN or infinite values")
 
 
 def from_hf(model, tokenizer=None, dtype=None):

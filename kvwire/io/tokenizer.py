@@ -73,32 +73,82 @@ def tokenizer_from_hf_folder(folder, config):
     if not (folder / "tokenizer.json").is_file():
         return None
     settings_path = folder / "tokenizer_config.json"
-    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
-    return Tokenizer.from_file(folder / "tokenizer.json", bos_token_id=config.bos_token_id,
-                               eos_token_ids=eos_list(config.eos_token_id),
-                               add_bos=settings.get("add_bos_token", False))
+    settings = read_json(settings_path) if settings_path.is_file() else {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"{settings_path}: expected a JSON object, got {type(settings).__name__}")
+    add_bos = settings.get("add_bos_token") or False
+    if type(add_bos) is not bool:
+        raise ValueError(f"{settings_path}: add_bos_token = {add_bos!r}; expected true or false")
+    try:  # the tokenizers library raises plain Exceptions on a bad file
+        backend = Backend.from_file(str(folder / "tokenizer.json"))
+    except Exception as e:
+        raise ValueError(f"{folder / 'tokenizer.json'} is not a readable tokenizer: {e}") from e
+    return Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=eos_list(config.eos_token_id),
+                     add_bos=add_bos)
+
+
+def read_json(path):
+    """A JSON file's contents; a ValueError naming the file if it is not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a readable JSON file: {e}") from e
 
 
 def tokenizer_from_gguf(gguf):
-    """Build the tokenizer a GGUF file describes (`tokenizer.ggml.*` metadata)."""
-    kind = gguf.field("tokenizer.ggml.model")
-    tokens = gguf.field("tokenizer.ggml.tokens")
+    """Build the tokenizer a GGUF file describes (`tokenizer.ggml.*` metadata), every field checked
+    first: errors name the file and the key."""
+    path, field = gguf.path, gguf.field
+    kind = field("tokenizer.ggml.model")
+    tokens = field("tokenizer.ggml.tokens")
     if tokens is None:
-        raise ValueError(f"{gguf.path} has no tokenizer metadata (tokenizer.ggml.tokens)")
-    types = gguf.field("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "llama":
-        backend = _sentencepiece_bpe(tokens)
-    elif kind == "gpt2":
-        backend = _byte_level_bpe(tokens, gguf.field("tokenizer.ggml.merges") or [])
-    else:
-        raise ValueError(f"{gguf.path}: tokenizer model {kind!r} is not supported (expected 'llama' or 'gpt2')")
-    _add_special_tokens(backend, tokens, types)
-    bos = gguf.field("tokenizer.ggml.bos_token_id")
-    eos = gguf.field("tokenizer.ggml.eos_token_id")
+        raise ValueError(f"{path} has no tokenizer metadata (tokenizer.ggml.tokens)")
+    _check_list(path, "tokenizer.ggml.tokens", tokens, str, "strings")
+    if not tokens:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens is empty")
+    types = field("tokenizer.ggml.token_type")
+    if types is None:
+        types = [1] * len(tokens)
+    _check_list(path, "tokenizer.ggml.token_type", types, int, "integers", len(tokens))
+    bos, eos = (_token_id(path, field, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("bos", "eos"))
     default_bos = kind == "llama"  # llama.cpp adds BOS to sentencepiece vocabularies unless told not to
-    add_bos = gguf.field("tokenizer.ggml.add_bos_token", default_bos)
+    add_bos = field("tokenizer.ggml.add_bos_token", default_bos)
+    if type(add_bos) is not bool:
+        raise ValueError(f"{path}: tokenizer.ggml.add_bos_token = {add_bos!r}; expected true or false")
+    if add_bos and bos is None and field("tokenizer.ggml.add_bos_token") is not None:
+        raise ValueError(f"{path}: tokenizer.ggml.add_bos_token is true but there is no tokenizer.ggml.bos_token_id")
+    if kind not in ("llama", "gpt2"):
+        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (expected 'llama' or 'gpt2')")
+    merges = field("tokenizer.ggml.merges") if kind == "gpt2" else []
+    if merges is None:  # llama.cpp refuses a BPE vocabulary without them too
+        raise ValueError(f"{path}: a gpt2 tokenizer needs tokenizer.ggml.merges, which the file lacks")
+    _check_list(path, "tokenizer.ggml.merges", merges, str, "strings")
+    bad = [m for m in merges if " " not in m]
+    if bad:
+        raise ValueError(f"{path}: tokenizer.ggml.merges has {bad[0]!r}; expected 'left right' pairs")
+    try:  # the tokenizers library raises plain Exceptions on inconsistent vocabularies
+        backend = _sentencepiece_bpe(tokens) if kind == "llama" else _byte_level_bpe(tokens, merges)
+        _add_special_tokens(backend, tokens, types)
+    except Exception as e:
+        raise ValueError(f"{path}: the tokenizer metadata does not make a tokenizer: {e}") from e
     extra_eos = [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]  # Gemma's chat turn end
     return Tokenizer(backend, bos, [e for e in [eos, *extra_eos] if e is not None], add_bos)
+
+
+def _check_list(path, key, values, kind, what, length=None):
+    if not isinstance(values, list) or not all(type(v) is kind for v in values):
+        got = type(values).__name__ if not isinstance(values, list) else \
+            f"a list holding {sorted({type(v).__name__ for v in values})}"
+        raise ValueError(f"{path}: {key} must be a list of {what}; got {got}")
+    if length is not None and len(values) != length:
+        raise ValueError(f"{path}: {key} has {len(values)} entries; expected one per token ({length})")
+
+
+def _token_id(path, field, key, n_tokens):
+    value = field(key)
+    if value is not None and not (type(value) is int and 0 <= value < n_tokens):
+        raise ValueError(f"{path}: {key} = {value!r} is not a token id (expected an integer in [0, {n_tokens}))")
+    return value
 
 
 def _sentencepiece_bpe(tokens):
