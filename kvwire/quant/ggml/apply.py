@@ -87,13 +87,21 @@ def _row_sources(family, gguf):
 
 
 def _blocks_for(gguf, source, weight, bias):
+    """A GGMLLinear on the rows `source` names, after checking that they are `weight`'s rows: the
+    C kernels read `in_features` weights a row of the type unchecked."""
     name, rows = source
     qtype, blocks = gguf.blocks(name)
-    if len(rows) != weight.shape[0]:
-        raise ValueError(f"GGUF tensor {name!r} gives {len(rows)} rows for a weight of shape {tuple(weight.shape)}")
+    dims = next(d for n, d, _, _ in gguf.infos if n == name)
+    if len(rows) != weight.shape[0] or dims[0] != weight.shape[1] or len(dims) != 2 or \
+            rows.min() < 0 or rows.max() >= blocks.shape[0]:
+        raise ValueError(f"{gguf.path}: GGUF tensor {name!r} of dimensions {dims} gives {len(rows)} rows of "
+                         f"{dims[0]} for a weight of shape {tuple(weight.shape)}")
     whole = len(rows) == blocks.shape[0] and np.array_equal(rows, np.arange(len(rows)))
     picked = torch.from_numpy(blocks if whole else np.ascontiguousarray(blocks[rows]))
-    return GGMLLinear(picked, qtype, weight.shape[1], bias)
+    try:  # GGMLLinear checks the row bytes against ggml's own size for the type
+        return GGMLLinear(picked, qtype, weight.shape[1], bias)
+    except ValueError as e:
+        raise ValueError(f"{gguf.path}: GGUF tensor {name!r}: {e}") from e
 
 
 def _key_of(lm, tensor):
