@@ -143,3 +143,143 @@ def _finish(w):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# --- an independent reader/writer of GGUF layouts, for tests that edit or corrupt files --------
+
+GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+
+
+def encode_value(vtype, value):
+    """The bytes of a GGUF value: a scalar, a str (STRING), or (item type, list) for an ARRAY."""
+    import struct
+
+    if vtype == STRING:
+        raw = value.encode()
+        return struct.pack("<Q", len(raw)) + raw
+    if vtype == ARRAY:
+        item, values = value
+        return struct.pack("<IQ", item, len(values)) + b"".join(encode_value(item, v) for v in values)
+    return struct.pack(GGUF_SCALARS[vtype], value)
+
+
+class GGUFParts:
+    """A GGUF file taken apart: `kvs` [key, type, raw value bytes], `tensors` [name, dims, type id,
+    data bytes], and `regions` [(start, end, section, name)] saying what every header byte is
+    (section: magic, version, counts, key, vtype, value, tname, ndims, dims, ttype, offset, pad, data).
+    `write` lays the tensors out again (llama.cpp's layout) at any alignment."""
+
+    def __init__(self, path):
+        import struct
+
+        data = open(path, "rb").read()
+        self.regions, pos = [], 0
+
+        def take(n, section, name=""):
+            nonlocal pos
+            self.regions.append((pos, pos + n, section, name))
+            pos += n
+            return data[pos - n:pos]
+
+        def skip_value(vtype):
+            nonlocal pos
+            if vtype == STRING:
+                pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+            elif vtype == ARRAY:
+                item, n = struct.unpack_from("<IQ", data, pos)
+                pos += 12
+                for _ in range(n):
+                    skip_value(item)
+            else:
+                pos += struct.calcsize(GGUF_SCALARS[vtype])
+
+        take(4, "magic")
+        self.version = struct.unpack("<I", take(4, "version"))[0]
+        n_tensors, n_kv = struct.unpack("<QQ", take(16, "counts"))
+        self.kvs = []
+        for _ in range(n_kv):
+            n = struct.unpack_from("<Q", data, pos)[0]
+            key = take(8 + n, "key")[8:].decode()
+            self.regions[-1] = self.regions[-1][:3] + (key,)
+            vtype = struct.unpack("<I", take(4, "vtype", key))[0]
+            start = pos
+            skip_value(vtype)
+            pos, end = start, pos
+            self.kvs.append([key, vtype, take(end - start, "value", key)])
+        infos = []
+        for _ in range(n_tensors):
+            n = struct.unpack_from("<Q", data, pos)[0]
+            name = take(8 + n, "tname")[8:].decode()
+            self.regions[-1] = self.regions[-1][:3] + (name,)
+            n_dims = struct.unpack("<I", take(4, "ndims", name))[0]
+            dims = list(struct.unpack(f"<{n_dims}Q", take(8 * n_dims, "dims", name)))
+            kind = struct.unpack("<I", take(4, "ttype", name))[0]
+            infos.append((name, dims, kind, struct.unpack("<Q", take(8, "offset", name))[0]))
+        self.alignment = self.get("general.alignment", 32)
+        start = -(-pos // self.alignment) * self.alignment
+        take(start - pos, "pad")
+        ends = [o for _, _, _, o in infos[1:]] + [len(data) - start]
+        self.tensors = []
+        for (name, dims, kind, offset), end in zip(infos, ends):
+            self.regions.append((start + offset, start + end, "data", name))
+            self.tensors.append([name, dims, kind, data[start + offset:start + end]])
+        self.data = data
+
+    def get(self, key, default=None):
+        import struct
+
+        for k, vtype, raw in self.kvs:
+            if k == key and vtype in GGUF_SCALARS:
+                return struct.unpack(GGUF_SCALARS[vtype], raw)[0]
+            if k == key and vtype == STRING:
+                return raw[8:].decode()
+        return default
+
+    def set(self, key, vtype, value):
+        """Replace (or add) a key's value, with any GGUF type."""
+        raw = encode_value(vtype, value)
+        for kv in self.kvs:
+            if kv[0] == key:
+                kv[1:] = [vtype, raw]
+                return self
+        self.kvs.append([key, vtype, raw])
+        return self
+
+    def drop(self, key):
+        self.kvs = [kv for kv in self.kvs if kv[0] != key]
+        return self
+
+    def region(self, section, name=""):
+        """(start, end) of a header region, e.g. ("value", "gpt2.block_count")."""
+        return next((s, e) for s, e, sec, n in self.regions if sec == section and n == name)
+
+    def to_bytes(self, alignment=None):
+        """The parts as a GGUF file laid out at `alignment` (default: the file's own)."""
+        import struct
+
+        alignment = alignment or self.alignment
+        out = [b"GGUF", struct.pack("<IQQ", self.version, len(self.tensors), len(self.kvs))]
+        for key, vtype, raw in self.kvs:
+            out += [encode_value(STRING, key), struct.pack("<I", vtype), raw]
+        offset, blobs = 0, []
+        for name, dims, kind, blob in self.tensors:
+            out += [encode_value(STRING, name), struct.pack("<I", len(dims)), struct.pack(f"<{len(dims)}Q", *dims),
+                    struct.pack("<IQ", kind, offset)]
+            size = tensor_bytes(dims, kind)
+            blobs.append(blob[:size] + b"\0" * (-size % alignment))
+            offset += len(blobs[-1])
+        header = b"".join(out)
+        return header + b"\0" * (-len(header) % alignment) + b"".join(blobs)
+
+    def write(self, path, alignment=None):
+        open(path, "wb").write(self.to_bytes(alignment))
+        return path
+
+
+def tensor_bytes(dims, kind):
+    """Bytes of a tensor of GGUF `dims` in ggml type `kind`."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    return int(np.prod(dims)) // block * size

@@ -161,3 +161,13 @@ def test_a_ggml_model_is_not_exported(tmp_path):
     with pytest.raises(ValueError, match="quantize='gguf'"):
         kw.export(lm, tmp_path / "model.onnx")
     assert not (tmp_path / "model.onnx").exists()
+
+
+def test_gguf_blocks_of_another_shape_are_refused_before_the_kernels_read_them(tmp_path):
+    from kvwire.quant.ggml import use_gguf_blocks
+
+    write_gpt2(tmp_path / "wide.gguf", tiny_hf_gpt2(vocab_size=300, n_embd=64), Q.Q8_0)
+    lm = kw.from_hf(tiny_hf_gpt2(vocab_size=300))  # n_embd 32: the file's rows are twice as long
+    with pytest.raises(ValueError, match=r"wide.gguf: GGUF tensor 'blk.0.attn_qkv.weight' of dimensions \[64, 192\] "
+                                         r"gives 64 rows of 64 for a weight of shape \(32, 32\)"):
+        use_gguf_blocks(lm, tmp_path / "wide.gguf")

@@ -1,4 +1,6 @@
 """GGUF loading: layouts, dequantisation, tokenizers, and clear errors on bad files."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -7,9 +9,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 import kvwire as kw
 
 from .conftest import tiny_hf_gemma3, tiny_hf_gpt2
-from .gguf_files import write_gemma3, write_gpt2
+from .gguf_files import STRING, GGUFParts, write_gemma3, write_gpt2
 
 QUANTS = [GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0]
+UINT32, INT32, FLOAT32 = 4, 5, 6  # GGUF value types
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +115,100 @@ def test_cached_weights_per_dtype(tmp_path):
         assert half.head.weight.dtype == torch.bfloat16
         torch.testing.assert_close(again(ids), half(ids), atol=0, rtol=0)
         torch.testing.assert_close(half(ids).float(), full(ids), atol=0.5, rtol=0.05)
+
+
+@pytest.mark.parametrize("alignment, message", [
+    (0, "general.alignment = 0 is not a positive power of two"),
+    (48, "general.alignment = 48 is not a positive power of two"),
+    (1 << 31, "general.alignment = 2147483648 puts the tensor data at 2147483648, past the end of the file"),
+])
+def test_bad_alignment_is_a_clear_error(tmp_path, alignment, message):
+    write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))
+    GGUFParts(tmp_path / "g.gguf").set("general.alignment", UINT32, alignment).write(tmp_path / "a.gguf")
+    with pytest.raises(ValueError, match=f"a.gguf is not a readable GGUF file: {message}"):
+        kw.load(tmp_path / "a.gguf", progress=False)
+
+
+def test_any_power_of_two_alignment_loads(tmp_path):
+    hf = tiny_hf_gpt2(vocab_size=300)
+    stored = write_gpt2(tmp_path / "g.gguf", hf)
+    for alignment in (1, 64, 4096):
+        path = GGUFParts(tmp_path / "g.gguf").set("general.alignment", UINT32, alignment) \
+            .write(tmp_path / f"a{alignment}.gguf", alignment=alignment)
+        _logits_match(kw.load(path, progress=False), hf, stored)
+
+
+@pytest.mark.parametrize("writer, make, arch", [(write_gemma3, tiny_hf_gemma3, "gemma3"),
+                                                (write_gpt2, tiny_hf_gpt2, "gpt2")], ids=["gemma3", "gpt2"])
+def test_missing_context_length_names_the_file_and_key(tmp_path, writer, make, arch):
+    writer(tmp_path / "g.gguf", make(vocab_size=300))
+    GGUFParts(tmp_path / "g.gguf").drop(f"{arch}.context_length").write(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=f"m.gguf has no '{arch}.context_length', which a {arch} model needs"):
+        kw.load(tmp_path / "m.gguf", progress=False)
+
+
+def test_gguf_rope_scaling_gemma3_does_not_implement_is_refused(tmp_path):
+    write_gemma3(tmp_path / "g.gguf", tiny_hf_gemma3(vocab_size=300))
+    parts = GGUFParts(tmp_path / "g.gguf").set("gemma3.rope.scaling.factor", FLOAT32, 4.0)
+    parts.set("gemma3.rope.scaling.type", STRING, "yarn").write(tmp_path / "yarn.gguf")
+    with pytest.raises(ValueError, match=r"yarn.gguf: gemma3.rope.scaling.type = 'yarn' is not supported "
+                                         r"\(Gemma 3 implements 'none' and 'linear'\)"):
+        kw.load(tmp_path / "yarn.gguf", progress=False)
+    with pytest.raises(ValueError, match="rope_scaling .*yarn.* is not supported"):  # as config.json's
+        kw.models.gemma3.Gemma3Config.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    parts.set("gemma3.rope.scaling.type", STRING, "linear").write(tmp_path / "linear.gguf")
+    assert kw.load(tmp_path / "linear.gguf", progress=False).config.full_rope_factor == 4.0
+
+
+def test_a_rewritten_gguf_does_not_load_a_stale_cache_entry(tmp_path):
+    path = tmp_path / "g.gguf"
+    write_gpt2(path, tiny_hf_gpt2(seed=0, vocab_size=300))
+    kw.load(path, progress=False)  # cached
+    before = path.stat()
+    hf = tiny_hf_gpt2(seed=1, vocab_size=300)
+    stored = write_gpt2(path, hf)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # a rewrite within the clock's granularity
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    _logits_match(kw.load(path, progress=False), hf, stored)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: p.set("gpt2.attention.head_count", STRING, "4"),
+     r"gpt2.attention.head_count = '4' \(str\); expected an integer >= 1"),
+    (lambda p: p.set("gpt2.attention.head_count", INT32, -4), "gpt2.attention.head_count = -4 .*expected an integer"),
+    (lambda p: p.set("gpt2.attention.head_count", UINT32, 5), "n_embd=32 is not a multiple of n_head=5"),
+    (lambda p: p.set("gpt2.attention.layer_norm_epsilon", FLOAT32, float("nan")),
+     "gpt2.attention.layer_norm_epsilon = nan .*expected a finite number"),
+    (lambda p: p.set("gpt2.attention.head_countx", UINT32, 4), r"unknown metadata \['gpt2.attention.head_countx'\]"),
+    (lambda p: p.set("tokenizer.ggml.bos_token_id", UINT32, 300),
+     r"tokenizer.ggml.bos_token_id = 300 is not a token id \(expected an integer in \[0, 300\)\)"),
+    (lambda p: p.set("tokenizer.ggml.tokens", 9, (INT32, [1, 2])), "tokenizer.ggml.tokens must be a list of strings"),
+])
+def test_corrupt_metadata_is_named(tmp_path, edit, message):
+    write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))
+    edit(GGUFParts(tmp_path / "g.gguf")).write(tmp_path / "bad.gguf")
+    with pytest.raises(ValueError, match=f"bad.gguf.*{message}"):
+        kw.load(tmp_path / "bad.gguf", progress=False)
+
+
+def test_a_lowered_tensor_count_is_caught(tmp_path):
+    """One tensor fewer in the header, its bytes still in the file (a corrupt count)."""
+    write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))
+    parts = GGUFParts(tmp_path / "g.gguf")
+    dropped = parts.tensors.pop()
+    (tmp_path / "bad.gguf").write_bytes(parts.to_bytes() + dropped[3])
+    with pytest.raises(ValueError, match="bad.gguf is not a readable GGUF file: 128 bytes follow the last tensor"):
+        kw.load(tmp_path / "bad.gguf", progress=False)
+
+
+def test_a_tensor_type_rewritten_in_the_padding_slack_is_caught(tmp_path):
+    """An 8-value F32 norm (32 bytes) read as F16 keeps the layout (16 bytes pad to 32): the
+    padding, now holding half the float values, gives it away."""
+    write_gemma3(tmp_path / "g.gguf", tiny_hf_gemma3(vocab_size=300))
+    parts = GGUFParts(tmp_path / "g.gguf")
+    start, _ = parts.region("ttype", "blk.0.attn_q_norm.weight")
+    data = bytearray((tmp_path / "g.gguf").read_bytes())
+    data[start:start + 4] = (1).to_bytes(4, "little")  # F32 -> F16
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="the padding after tensor 'blk.0.attn_q_norm.weight' .* is not zero"):
+        kw.load(tmp_path / "bad.gguf", progress=False)

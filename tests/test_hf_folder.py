@@ -97,3 +97,39 @@ def test_cli_sampler_choice():
     assert cli.make_sampler(parse(["generate", "p", "--top-p", "0.8", "--temperature", "0.7"])) == kw.TopP(0.8, 0.7)
     assert cli.make_sampler(parse(["generate", "p", "--beams", "4"])) == kw.BeamSearch(num_beams=4)
     assert cli.make_sampler(parse(["generate", "p", "--sampler", "min-p"])) == kw.MinP(0.1)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda f: _set_config(f, n_embd="32"), r"config.json: GPT2Config: n_embd='32' \(str\); expected an integer"),
+    (lambda f: _set_config(f, n_head=5), "config.json: n_embd=32 is not a multiple of n_head=5"),
+    (lambda f: _set_config(f, layer_norm_epsilon=float("nan")), "layer_norm_epsilon=nan .*expected a finite number"),
+    (lambda f: _set_config(f, n_layer=10 ** 6), "n_layer=1000000; expected at most 512 layers"),
+    (lambda f: (f / "config.json").write_text("{"), "config.json is not a readable JSON file"),
+    (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:1000]),
+     "model.safetensors is not a readable safetensors file"),
+    (lambda f: _set_weight(f, "transformer.h.0.ln_1.weight", torch.full((32,), float("nan"))),
+     r"tensor 'h.0.ln_1.weight' holds NaN or infinite values"),
+    (lambda f: _set_weight(f, "transformer.h.0.ln_1.weight", torch.ones(32, dtype=torch.int32)),
+     r"tensor 'h.0.ln_1.weight' has dtype torch.int32; expected floats"),
+    (lambda f: _set_weight(f, "transformer.h.0.ln_1.weight", torch.ones(33)),
+     r"tensor 'h.0.ln_1.weight' has shape \(33,\), expected \(32,\)"),
+])
+def test_a_corrupt_folder_is_a_clear_error_naming_the_file(tmp_path, edit, message):
+    tiny_hf_gpt2().save_pretrained(tmp_path)
+    edit(tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path}.*{message}"):
+        kw.load(tmp_path)
+
+
+def _set_config(folder, **values):
+    import json
+
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+def _set_weight(folder, name, value):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({**state, name: value}, str(folder / "model.safetensors"), metadata={"format": "pt"})
