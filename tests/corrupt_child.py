@@ -9,6 +9,7 @@ capped, so a huge allocation is a MemoryError (a failure) rather than trouble fo
 """
 import hashlib
 import json
+import os
 import resource
 import sys
 
@@ -46,6 +47,8 @@ def main(cases_path):
     torch.set_num_threads(1)  # bitwise-reproducible logits: digests compare across processes
     for case in json.loads(open(cases_path).read()):
         emit({"event": "start", "id": case["id"]})
+        if case.get("signal"):  # the harness's own test: a child that dies mid-case
+            os.kill(os.getpid(), case["signal"])
         result = {"event": "done", "id": case["id"], **outcome(lambda: kw.load(case["path"], progress=False))}
         if case["gguf"] and result["outcome"] == "loaded":
             result["gguf"] = outcome(lambda: kw.load(case["path"], progress=False, quantize="gguf"))

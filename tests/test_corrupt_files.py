@@ -9,6 +9,7 @@ import json
 import os
 import re
 import selectors
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -23,10 +24,22 @@ from .gguf_files import write_gemma3, write_gpt2
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_TIMEOUT, STARTUP_TIMEOUT = 20, 120  # seconds a case, and an import of torch on a busy machine
-HAS_GGML = importlib.util.find_spec("llama_cpp") is not None
 
 
-def _make_cases(tmp_path):
+def _ggml_bridge():
+    """The folder of the ggml bridge this machine has built (building takes ~15 s), or None
+    without ggml: then no case runs quantize="gguf"."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from kvwire.quant.ggml.lib import GGMLUnavailable, library
+
+    try:
+        return Path(library()._name).parent.parent
+    except GGMLUnavailable:
+        return None
+
+
+def _make_cases(tmp_path, with_ggml):
     cases = Cases(tmp_path / "cases")
     valid = tmp_path / "valid"
     valid.mkdir()
@@ -41,7 +54,7 @@ def _make_cases(tmp_path):
         if family == "gpt2":
             _tokenizer_json(folder)
         hf_cases(cases, family, folder)
-    if not HAS_GGML:
+    if not with_ggml:
         for case in cases.items:
             case["gguf"] = False
     return cases.items
@@ -56,15 +69,12 @@ def _tokenizer_json(folder):
     tok.save(str(folder / "tokenizer.json"))
 
 
-def _child_env(tmp_path):
-    """A private weights cache (no case can meet another file's entry), sharing the ggml bridge
-    this machine has built already (building it takes ~15 s)."""
+def _child_env(tmp_path, bridge):
+    """A private weights cache (no case can meet another file's entry) sharing the ggml bridge."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    if HAS_GGML:
-        from kvwire.quant.ggml.lib import library
-
-        (cache / "ggml").symlink_to(Path(library()._name).parent.parent, target_is_directory=True)
+    if bridge is not None:
+        (cache / "ggml").symlink_to(bridge, target_is_directory=True)
     return {**os.environ, "KVWIRE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
 
 
@@ -98,9 +108,9 @@ def _batch(spec, stderr, env):
     return results
 
 
-def _run(cases, tmp_path):
+def _run(cases, tmp_path, bridge):
     """{case id: result} for every case, and how many children that took."""
-    env, results, pending = _child_env(tmp_path), {}, list(cases)
+    env, results, pending = _child_env(tmp_path, bridge), {}, list(cases)
     children = 0
     while pending:
         children += 1
@@ -133,8 +143,9 @@ def _judge(case, got, reference):
 
 
 def test_corrupt_files_end_in_clear_errors(tmp_path):
-    cases = _make_cases(tmp_path)
-    results, children = _run(cases, tmp_path)
+    bridge = _ggml_bridge()
+    cases = _make_cases(tmp_path, with_ggml=bridge is not None)
+    results, children = _run(cases, tmp_path, bridge)
     problems, outcomes = [], Counter()
     for case in cases:
         got = results[case["id"]]
@@ -150,3 +161,14 @@ def test_corrupt_files_end_in_clear_errors(tmp_path):
                 problems.append(f"{case['id']} ({case['what']}){how}: {problem}")
     print(f"\n{len(cases)} corrupt-file cases in {children} child process(es): {dict(outcomes)}")
     assert not problems, f"{len(problems)} of {len(cases)} cases:\n" + "\n".join(problems[:40])
+    assert bridge is None or outcomes["gguf loaded"] > 0  # ggml's kernels did run on the files' blocks
+
+
+def test_a_child_that_dies_is_reported_and_the_rest_still_run(tmp_path):
+    write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))
+    case = dict(path=str(tmp_path / "g.gguf"), gguf=False)
+    cases = [dict(case, id="before"), dict(case, id="crash", signal=signal.SIGSEGV), dict(case, id="after")]
+    results, children = _run(cases, tmp_path, None)
+    assert children == 2
+    assert results["crash"] == {"outcome": "died", "returncode": -signal.SIGSEGV}
+    assert results["before"]["outcome"] == results["after"]["outcome"] == "loaded"
