@@ -7,7 +7,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-
 import torch
 from safetensors.torch import load_file, save_file
 

@@ -8,7 +8,8 @@ class Family:
     """Everything kvwire needs to build and load one model family.
 
     config_from_hf(dict) -> config; backbone(config) -> nn.Module; head(backbone) -> head module;
-    state_from_hf(state) / state_from_gguf(pairs) -> backbone state dict; config_from_gguf(meta, vocab).
+    state_from_hf(state) / state_from_gguf(pairs) -> backbone state dict; config_from_gguf(meta, vocab,
+    source) -> config, its errors naming `source` (the file).
     """
 
     name: str
