@@ -183,6 +183,9 @@ def test_a_rewritten_gguf_does_not_load_a_stale_cache_entry(tmp_path):
     (lambda p: p.set("tokenizer.ggml.bos_token_id", UINT32, 300),
      r"tokenizer.ggml.bos_token_id = 300 is not a token id \(expected an integer in \[0, 300\)\)"),
     (lambda p: p.set("tokenizer.ggml.tokens", 9, (INT32, [1, 2])), "tokenizer.ggml.tokens must be a list of strings"),
+    (lambda p: p.set("tokenizer.ggml.model", STRING, "llama")  # sentencepiece merges from a hostile vocabulary
+     .set("tokenizer.ggml.tokens", 9, (STRING, ["<pad>", "a" * 10_000] + [f"t{i}" for i in range(298)])),
+     "tokenizer.ggml.tokens are too long to derive merges from"),
 ])
 def test_corrupt_metadata_is_named(tmp_path, edit, message):
     write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))

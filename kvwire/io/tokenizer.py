@@ -6,6 +6,9 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
+# deriving sentencepiece merges costs the sum of squared token lengths: Gemma 3's 262k tokens sum
+# to 1.1e7 (~2 s); a hostile vocabulary of long tokens must not take hours
+_MERGE_WORK = 5e7
 
 
 class Tokenizer:
@@ -126,6 +129,10 @@ def tokenizer_from_gguf(gguf):
     bad = [m for m in merges if " " not in m]
     if bad:
         raise ValueError(f"{path}: tokenizer.ggml.merges has {bad[0]!r}; expected 'left right' pairs")
+    work = sum(len(t) ** 2 for t in tokens) if kind == "llama" else 0
+    if work > _MERGE_WORK:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens are too long to derive merges from (the sum of their "
+                         f"squared lengths is {work}; kvwire allows {_MERGE_WORK:.0e}, Gemma 3 needs 1.1e7)")
     try:  # the tokenizers library raises plain Exceptions on inconsistent vocabularies
         backend = _sentencepiece_bpe(tokens) if kind == "llama" else _byte_level_bpe(tokens, merges)
         _add_special_tokens(backend, tokens, types)
