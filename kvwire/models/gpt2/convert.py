@@ -13,6 +13,9 @@ from .config import GPT2Config
 
 
 def _split_qkv(prefix, weight, bias, out):
+    if weight.dim() != 2 or weight.shape[0] % 3 or tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"GPT-2 fused q/k/v of block {prefix[:-1]!r}: weight {tuple(weight.shape)} and bias "
+                         f"{tuple(bias.shape)} do not split into three equal parts")
     for name, w, b in zip(("q_proj", "k_proj", "v_proj"), weight.chunk(3, 0), bias.chunk(3, 0)):
         out[f"{prefix}attn.{name}.weight"], out[f"{prefix}attn.{name}.bias"] = w, b
 
