@@ -121,11 +121,23 @@ def main():
     print(f"{args.model} loaded in {time.perf_counter() - start:.1f} s; {args.calls} calls, batch 1-8, "
           f"prompts 1-{max_words} words, 1-{max_new} new tokens", flush=True)
     print(f"{'call':>6}{'RSS MB':>10}{'peak MB':>10}{'kept caches MB':>16}{'objects':>10}{'s/call':>8}", flush=True)
-    kinds, curve, last = {}, [], time.perf_counter()
+    kinds, curve = {}, []
+    try:
+        run(lm, steered, rng, args, max_words, max_new, kinds, curve)
+    except KeyboardInterrupt:  # a long run stopped by hand still gets its verdict
+        print(f"interrupted after call {curve[-1][0] if curve else 0}")
+    print("calls by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+    print(f"kept caches at the end: batch sizes {sorted(lm._caches)} (model), {sorted(steered._caches)} (steered)")
+    if len(curve) > 1:
+        print(verdict(curve, args.calls))
+
+
+def run(lm, steered, rng, args, max_words, max_new, kinds, curve):
+    """The calls; appends (call index, RSS MB, peak MB) to `curve` every `args.every` calls."""
+    last = time.perf_counter()
     for index in range(1, args.calls + 1):
         call, kind = draw_call(rng, max_words, max_new)
-        model = steered if "inputs" in call else lm
-        model.generate(**call)
+        (steered if "inputs" in call else lm).generate(**call)
         kinds[kind] = kinds.get(kind, 0) + 1
         if index % args.every == 0 or index == 1:
             current, peak = rss_mb()
@@ -135,15 +147,16 @@ def main():
             print(f"{index:6d}{current:10.1f}{peak:10.1f}{kept_cache_mb(lm, steered):16.2f}"
                   f"{len(gc.get_objects()):10d}{per_call:8.3f}", flush=True)
             last = now
-    print("calls by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
-    print(f"kept caches at the end: batch sizes {sorted(lm._caches)} (model), {sorted(steered._caches)} (steered)")
-    base = min(curve, key=lambda c: abs(c[0] - args.calls // 10))
+
+
+def verdict(curve, calls):
+    """RSS growth from the sample nearest call calls/10 to the last sample."""
+    base = min(curve, key=lambda c: abs(c[0] - calls // 10))
     end = curve[-1]
     growth = end[1] - base[1]
-    print(f"verdict: RSS {base[1]:.1f} MB at call {base[0]} -> {end[1]:.1f} MB at call {end[0]}: "
-          f"{growth:+.1f} MB ({growth / base[1]:+.1%}, {growth * 1e3 / max(1, end[0] - base[0]):+.1f} kB/call); "
-          f"peak {end[2]:.1f} MB")
-
+    return (f"verdict: RSS {base[1]:.1f} MB at call {base[0]} -> {end[1]:.1f} MB at call {end[0]}: "
+            f"{growth:+.1f} MB ({growth / base[1]:+.1%}, {growth * 1e3 / max(1, end[0] - base[0]):+.1f} kB/call); "
+            f"peak {end[2]:.1f} MB")
 
 if __name__ == "__main__":
     main()
