@@ -54,7 +54,8 @@ class Gemma3Config:
             types = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(self.num_hidden_layers)]
         if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers or \
                 not all(isinstance(t, str) and t in LAYER_TYPES for t in types):
-            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}; got {types!r}")
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}; "
+                             f"got {types!r}")
         object.__setattr__(self, "layer_types", tuple(types))
         if self.attn_logit_softcapping is not None:  # transformers' Gemma 3 never applies it
             raise ValueError(f"attn_logit_softcapping={self.attn_logit_softcapping} is not part of Gemma 3 "
