@@ -1,0 +1,284 @@
+"""Strategies and memoised builders for the property tests (tests/test_properties*.py).
+
+A drawn model is a hashable spec: (family, config fields, edits). Building it takes a few ms, but
+the same spec recurs often (the space is kept modest), so `model(spec)` builds each one once per
+process and keeps it, with its traced cached graph (`lm.cached`) and the caches `generate` keeps
+between calls (later cases then run on stale caches, which the masks must hide).
+"""
+import contextlib
+import functools
+import zlib
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from torch import nn
+
+import kvwire as kw
+from kvwire.generate import CausalLM
+from kvwire.graph.trace import layer_calls, trace
+from kvwire.layers.base import Block, Layer
+from kvwire.models import FAMILIES
+from kvwire.models.gemma3 import Gemma3Config
+from kvwire.models.gpt2 import GPT2Config
+
+MAX_POSITIONS = 128
+EOS = 1  # both families' tiny configs end rows at id 1 unless told to ignore it
+
+# Cached and uncached forwards differ only in float32 summation order: attention over [cache, chunk]
+# blocks (merged by log-sum-exp on the flash path) against one block, W @ x^T against x @ W^T. On
+# logits up to ~30 (float32 eps 1.2e-7, relative) the largest difference seen in 400 cases was
+# 6.4e-6; 1e-4 absolute (on logits and log-probabilities) leaves ~15x headroom and still catches a
+# wrong key, position, mask or ring slot (>= 1e-2 in every seeded bug tried).
+ATOL = 1e-4
+
+
+def examples(weight):
+    """This test's share of the profile's cases (conftest: "ci" >= 1,000 in all, "local" 10x)."""
+    return max(1, round(weight * settings.default.max_examples))
+
+
+@st.composite
+def configs(draw):
+    """(family, frozen config fields): 1-3 layers, width 16 or 32, vocabulary twice the width;
+    Gemma 3 with a random sliding/full pattern and a window of 2, 3 or 5 (rings of 1, 2, 4 slots)."""
+    family = draw(st.sampled_from(["gpt2", "gemma3"]))
+    layers, width = draw(st.integers(1, 3)), draw(st.sampled_from([16, 32]))
+    if family == "gpt2":
+        fields = dict(vocab_size=2 * width, n_embd=width, n_layer=layers, n_head=draw(st.sampled_from([2, 4])),
+                      n_positions=MAX_POSITIONS, bos_token_id=0, eos_token_id=EOS)
+    else:
+        sliding = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
+        heads, kv_heads, head_dim = draw(st.sampled_from([(2, 1, 8), (4, 2, 4)]))
+        fields = dict(vocab_size=2 * width, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      sliding_window=draw(st.sampled_from([2, 3, 5])), query_pre_attn_scalar=head_dim,
+                      layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                      max_position_embeddings=MAX_POSITIONS, bos_token_id=2, eos_token_id=EOS, pad_token_id=0)
+    return family, tuple(sorted(fields.items()))
+
+
+# An edit: (kind, target index, new module kind, seed). Targets are indices into the current layer
+# calls (inserted modules included), taken modulo their number when the edit is applied.
+NEW = ("add", "scale", "linear", "positions", "block")
+
+
+@st.composite
+def edits(draw, kinds=("after", "before", "replace", "skip"), max_edits=2):
+    out = []
+    for _ in range(draw(st.integers(0, max_edits))):
+        kind = draw(st.sampled_from(kinds))
+        new = None if kind == "skip" else draw(st.sampled_from(NEW if kind == "replace" else NEW[:4]))
+        out.append((kind, draw(st.integers(0, 7)), new, draw(st.integers(0, 1))))
+    return tuple(out)
+
+
+@st.composite
+def specs(draw, **edit_options):
+    return (*draw(configs()), draw(edits(**edit_options)))
+
+
+@functools.lru_cache(maxsize=None)
+def base_model(family, fields):
+    """A tiny kvwire CausalLM built from a kvwire config (no transformers: faster), float32."""
+    fam = FAMILIES[family]
+    config = (GPT2Config if family == "gpt2" else Gemma3Config)(**dict(fields))
+    torch.manual_seed(zlib.crc32(repr(fields).encode()))  # same weights in every process
+    backbone = fam.backbone(config).eval()
+    with torch.no_grad():  # weights large enough that attention is far from uniform (as conftest)
+        for p in backbone.parameters():
+            p.normal_(0.0, 0.3 if p.dim() > 1 else 0.2)
+    return CausalLM(backbone, fam.head(backbone), None, config).eval()
+
+
+_MODELS = {}  # (family, fields, resolved edits...) -> (lm, its layer calls, its block calls)
+
+
+def model(spec):
+    """The model a spec describes: the base model with its edits applied one after the other.
+    Each edit is first resolved against the current calls, so equal models share one entry."""
+    family, fields, edit_list = spec
+    key = (family, fields)
+    if key not in _MODELS:
+        _MODELS[key] = _entry(base_model(family, fields))
+    for i, edit in enumerate(edit_list):
+        lm, calls, blocks = _MODELS[key]
+        key += (_resolve(*edit, calls, blocks, i),)
+        if key not in _MODELS:
+            _MODELS[key] = _entry(lm.edit(_edit(lm, *key[-1])))
+    return _MODELS[key][0]
+
+
+def _entry(lm):
+    calls = [n.target for n in layer_calls(trace(lm.backbone))]
+    return lm, calls, [n for n in calls if isinstance(lm.backbone.get_submodule(n), Block)]
+
+
+def _resolve(kind, target, new, seed, calls, blocks, i):
+    """(kind, call name, new module kind or the block to call again, seed)."""
+    if kind in ("replace", "skip"):  # only blocks: an embedding's input is token ids
+        picks = blocks or calls[-1:]
+    elif kind == "before":  # not before the first call (token ids again)
+        picks = calls[1:]
+    else:
+        picks = calls
+    where = picks[target % len(picks)]
+    if kind == "skip":
+        return ("skip", where, None, None) if blocks else ("after", where, "identity", None)
+    if new == "block" and blocks:  # call a block again: its attention gets a second cache slot ("#2")
+        return kind, where, blocks[(target + 1 + seed) % len(blocks)], None
+    return kind, where, "add" if new == "block" else new, seed * 10 + i
+
+
+def _edit(lm, kind, where, new, seed):
+    if kind == "skip":
+        return kw.skip(where)
+    if new in NEW:
+        module = _new_module(new, lm.head.weight.shape[1], torch.Generator().manual_seed(seed))
+    else:
+        module = nn.Identity() if new == "identity" else lm.backbone.get_submodule(new)
+    return {"after": kw.insert_after, "before": kw.insert_before, "replace": kw.replace}[kind](where, module)
+
+
+def _new_module(kind, width, g):
+    if kind == "add":
+        return AddVector(torch.randn(width, generator=g))
+    if kind == "scale":
+        return Scale(1.0 + 0.5 * torch.randn(width, generator=g))
+    if kind == "positions":
+        return PositionBias(0.5 * torch.randn(MAX_POSITIONS, width, generator=g))
+    linear = nn.Linear(width, width)
+    with torch.no_grad():
+        linear.weight.copy_(torch.eye(width) + torch.randn(width, width, generator=g) / width**0.5)
+        linear.bias.normal_(0.0, 0.3, generator=g)
+    return linear
+
+
+class AddVector(nn.Module):
+    """A plain module (not a kvwire Layer): x + v; the cache pass must trace through it."""
+
+    def __init__(self, v):
+        super().__init__()
+        self.register_buffer("v", v)
+
+    def forward(self, x):
+        return x + self.v
+
+
+class Scale(nn.Module):
+    """A plain module: x * s per channel."""
+
+    def __init__(self, s):
+        super().__init__()
+        self.register_buffer("s", s)
+
+    def forward(self, x):
+        return x * self.s
+
+
+class PositionBias(Layer):
+    """A kvwire Layer reading positions: x + table[position]; plainly positions 0..T-1."""
+
+    uses_positions = True
+
+    def __init__(self, table):
+        super().__init__()
+        self.register_buffer("table", table)
+
+    def forward(self, x):
+        return x + self.table[: x.shape[1]]
+
+    def forward_cached(self, x, *, positions):
+        return x + self.table[positions]
+
+
+def token_rows(vocab, max_rows=3, max_len=24):
+    """Prompts of 1..max_rows rows of different lengths (a left-padded batch)."""
+    # the length drawn first: hypothesis's own list sizes stay short, and long rows matter (the
+    # fused attention kernel takes chunks of >= 32 tokens)
+    row = st.integers(1, max_len).flatmap(lambda n: st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    return st.lists(row, min_size=1, max_size=max_rows)
+
+
+def block_names(spec):
+    """The decoder-block calls of model(spec), in order."""
+    model(spec)
+    return _MODELS[_key(spec)][2]
+
+
+def _key(spec):
+    family, fields, edit_list = spec
+    key = (family, fields)
+    for i, edit in enumerate(edit_list):
+        key += (_resolve(*edit, *_MODELS[key][1:], i),)
+    return key
+
+
+@contextlib.contextmanager
+def shifted_blocks(lm, names, shifts):
+    """Within the block, lm's uncached forward adds each (D,) shift in `shifts` ([(block index,
+    shift)], applied in order) to that block's output: forward hooks on the block modules, the
+    plain reference for what a control vector does."""
+    handles = [lm.backbone.get_submodule(names[i]).register_forward_hook(lambda m, args, out, v=v: out + v)
+               for i, v in shifts]
+    try:
+        yield lm
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def uncached_logprobs(lm, row):
+    """log_softmax of the uncached logits of one row (T, V)."""
+    return torch.log_softmax(lm(torch.tensor([row])), -1)[0]
+
+
+def check_greedy(lm, prompt, tokens, logprobs, limit, stops=(), penalty=None):
+    """Cached greedy output `tokens` (with the chosen `logprobs`) against the uncached argmax rollout
+    of `prompt`: equal token by token until the rollout picks a stop id (`stops`: not returned) or
+    reaches `limit` tokens; with a repetition `penalty`, the argmax of the penalised logits
+    (transformers' rule, over the prompt and the tokens so far). Up to the first difference the
+    rollout is prompt + tokens, so one uncached forward of that gives every step. A float32
+    near-tie (the chosen token within ATOL of the uncached best) may flip a pick; the rest is then
+    not comparable, so the check stops there."""
+    seq = list(prompt) + list(tokens)
+    with torch.no_grad():
+        logits = lm(torch.tensor([seq]))[0, len(prompt) - 1:]  # (len(tokens) + 1, V)
+    logp = torch.log_softmax(logits, -1)
+    for k, token in enumerate(list(tokens) + [None]):
+        scores = logits[k]
+        if penalty is not None:
+            seen = torch.zeros_like(scores, dtype=torch.bool)
+            seen[seq[:len(prompt) + k]] = True
+            scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+        best = int(scores.argmax())
+        if token is None:  # the output ended: at a stop id or at the limit
+            stop_gap = float(scores[best] - scores[list(stops)].max()) if stops else float("inf")
+            assert k == limit or stop_gap <= ATOL, \
+                f"output stopped after {k} tokens; the rollout continues with {best} (limit {limit}, stops {stops})"
+            return
+        assert token not in stops, f"token {k}: stop id {token} was returned"
+        gap = float(scores[best] - scores[token])
+        if token != best:
+            assert gap <= ATOL, f"token {k}: cached {token}, uncached argmax {best} (score gap {gap:.3g})"
+            return
+        assert abs(logprobs[k] - float(logp[k, token])) <= ATOL, \
+            f"token {k}: log-prob {logprobs[k]} != uncached {float(logp[k, token])}"
+
+
+def check_logprobs(lm, prompt, tokens, logprobs):
+    """Each returned log-probability equals the uncached one of that token after its prefix;
+    returns the uncached sum over `tokens`."""
+    if not tokens:
+        return 0.0
+    logp = uncached_logprobs(lm, list(prompt) + list(tokens)[:-1])[len(prompt) - 1:]
+    want = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]  # (len(tokens),)
+    torch.testing.assert_close(torch.tensor(logprobs), want, atol=ATOL, rtol=0)
+    return float(want.sum())
+
+
+def sequence_logprob(lm, prompt, tokens):
+    """Uncached sum of the log-probabilities of `tokens` after `prompt`."""
+    logp = uncached_logprobs(lm, list(prompt) + list(tokens)[:-1])[len(prompt) - 1:]
+    return float(logp.gather(1, torch.tensor(tokens)[:, None]).sum()) if tokens else 0.0
