@@ -78,6 +78,26 @@ def test_a_broken_weight_raises_instead_of_producing_tokens(family):
         lm.generate(IDS, max_new_tokens=3, sampler=kw.TopP(0.9), seed=0)
 
 
+def test_gemma3_float16_keeps_a_float32_residual_past_float16s_range():
+    hf = FAMILIES["gemma3"]()
+    with torch.no_grad():
+        # embeddings of +-6.2e4 (float16 holds up to 65504) to which every block adds up to ~1e4:
+        # the residual leaves float16's range while every layer's own output stays inside it
+        emb = hf.model.embed_tokens.weight
+        emb.copy_(torch.sign(torch.randn(emb.shape, generator=torch.Generator().manual_seed(0))) * 1.1e4)
+        for layer in hf.model.layers:
+            layer.post_feedforward_layernorm.weight.fill_(2e3)
+        hf.model.norm.weight.fill_(-0.99)  # (1 + w) = 0.01: tied-head logits stay small
+    full, half = kw.from_hf(hf), kw.from_hf(hf, dtype=torch.float16)
+    want = full(IDS)
+    assert want.isfinite().all() and next(half.parameters()).dtype == torch.float16
+    got = half(IDS)
+    assert got.dtype == torch.float16 and got.isfinite().all()
+    torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02 * want.abs().max().item())
+    gen = half.generate(IDS, max_new_tokens=4, ignore_eos=True)[0].tolist()
+    assert gen == _rollout(half, IDS, 4)  # the cached graph keeps the float32 residual too
+
+
 def test_a_tiny_temperature_samples_the_top_token(tiny_lm):
     greedy = tiny_lm.generate(IDS, max_new_tokens=5, ignore_eos=True)[0]
     for sampler in (kw.Random(temperature=1e-45), kw.TopK(5, temperature=1e-45), kw.TopP(0.9, temperature=1e-45)):

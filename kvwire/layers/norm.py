@@ -32,7 +32,9 @@ class RMSNorm(Layer):
     def forward(self, x):
         h = nn.functional.rms_norm(as_float32(x), x.shape[-1:], None, self.eps)
         h = torch.addcmul(h, h, as_float32(self.weight))  # h * (1 + w) in one op
-        return h if h.dtype == x.dtype else h.to(x.dtype)
+        # the weights' dtype: a float32 residual stream feeds float16 layers (Gemma's float16 path)
+        dtype = self.weight.dtype
+        return h if h.dtype == dtype else h.to(dtype)
 
 
 def as_float32(t):

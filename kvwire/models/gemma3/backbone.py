@@ -1,6 +1,7 @@
 """Gemma 3 backbone, written once and without cache code. Module names follow the HF checkpoint."""
 from functools import partial
 
+import torch
 from torch import nn
 
 from ...layers import Attention, Block, GatedMLP, RMSNorm, Rotary, TokenEmbedding
@@ -50,6 +51,10 @@ class Gemma3Backbone(nn.Module):
 
     def forward(self, token_ids):
         x = self.embed_tokens(token_ids)
+        if next(self.embed_tokens.parameters()).dtype == torch.float16:  # a plain tensor under fx: static
+            # Gemma's residual stream outgrows float16 (65504 after block 7 of the 270M model):
+            # it stays float32 between blocks, the layers compute in float16 (norms hand them their dtype)
+            x = x.float()
         for block in self.layers:
             x = block(x)
         return self.norm(x)
