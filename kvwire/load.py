@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .dtypes import weights_dtype
 from .generate import CausalLM
 from .io import weights_cache
 from .io.gguf import GGUFFile
@@ -21,7 +22,6 @@ from .quant import SCHEMES
 from .quant import quantize as quantize_lm
 from .quant.ggml import qtype_of, use_gguf_blocks
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None):
@@ -43,7 +43,7 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         >>> lm = kw.load("gemma3-270m")
         >>> lm.generate("Once upon a time", max_new_tokens=16)
     """
-    dtype = _dtype(dtype)
+    dtype = weights_dtype(dtype)
     if quantize is not None and quantize != "gguf" and quantize not in SCHEMES and not _is_ggml_type(quantize):
         raise ValueError(f"unknown quantize={quantize!r}; expected None, 'gguf', a ggml type such as 'q8_0' "
                          f"or 'q4_k', or one of {SCHEMES}")
@@ -73,16 +73,6 @@ def _load(name_or_path, dtype, progress):
         return load_gguf(path, dtype, progress)
     raise ValueError(f"unknown model {str(name_or_path)!r}: not a preset ({sorted(PRESETS)}), "
                      f"a GGUF file or a Hugging Face checkpoint folder")
-
-
-def _dtype(dtype):
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
-    if dtype not in DTYPES.values():
-        raise ValueError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPES)}")
-    return dtype
 
 
 def build(family, config, state, tokenizer=None, dtype=torch.float32):
@@ -202,7 +192,7 @@ def from_hf(model, tokenizer=None, dtype=None):
     Args:
         model: e.g. `transformers.GPT2LMHeadModel` or `Gemma3ForCausalLM`.
         tokenizer: optional transformers tokenizer (its fast backend is reused).
-        dtype: weights dtype (default: the model's).
+        dtype: weights dtype, a torch dtype or its name (default: the model's).
 
     Example:
         >>> lm = kw.from_hf(transformers.AutoModelForCausalLM.from_pretrained(folder))
@@ -211,7 +201,7 @@ def from_hf(model, tokenizer=None, dtype=None):
     family = by_hf_model_type(hf_config.get("model_type"))
     config = family.config_from_hf(hf_config)
     state = {k: v.detach() for k, v in family.state_from_hf(model.state_dict()).items()}
-    dtype = dtype or next(model.parameters()).dtype
+    dtype = next(model.parameters()).dtype if dtype is None else weights_dtype(dtype)
     wrapped = None
     if tokenizer is not None:
         wrapped = Tokenizer(tokenizer.backend_tokenizer, config.bos_token_id, eos_list(config.eos_token_id),
