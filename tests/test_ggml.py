@@ -171,3 +171,11 @@ def test_gguf_blocks_of_another_shape_are_refused_before_the_kernels_read_them(t
     with pytest.raises(ValueError, match=r"wide.gguf: GGUF tensor 'blk.0.attn_qkv.weight' of dimensions \[64, 192\] "
                                          r"gives 64 rows of 64 for a weight of shape \(32, 32\)"):
         use_gguf_blocks(lm, tmp_path / "wide.gguf")
+
+
+def test_ggml_quantize_refuses_before_changing_anything():
+    lm = kw.from_hf(tiny_hf_gpt2(n_embd=48, n_head=4))  # 48 inputs: not whole 32-weight blocks
+    before = {n: type(m) for n, m in lm.named_modules()}
+    with pytest.raises(ValueError, match="Q8_0 packs 32 weights a block; a weight with 48 inputs is not a multiple of 32"):
+        kw.quantize(lm, "q8_0")
+    assert {n: type(m) for n, m in lm.named_modules()} == before and lm.head.quantized is None

@@ -26,10 +26,15 @@ def quantize_ggml(lm, qtype, head=True, layers=True):
             kind = qtype_of(_FALLBACK[qtype.name])
         return GGMLLinear.quantize(weight, kind, bias)
 
-    for parent, name, child in linears(lm) if layers else ():
-        setattr(parent, name, make(child.weight, child.bias))
+    swaps = linears(lm) if layers else []
+    target = quantizable_head(lm) if head else None
+    # every weight is quantised before the model changes: a failure leaves it as it was
+    new = [make(child.weight, child.bias) for _, _, child in swaps]
+    head_weights = make(lm.head.weight, None) if head else None
+    for (parent, name, _), module in zip(swaps, new):
+        setattr(parent, name, module)
     if head:
-        quantizable_head(lm).quantized = make(lm.head.weight, None)
+        target.quantized = head_weights
     lm.reset_caches()
     return lm
 

@@ -99,7 +99,7 @@ def _check_width(qtype, in_features):
     block = library().kvw_block_size(int(qtype))
     if in_features % block:
         raise ValueError(f"{qtype.name} packs {block} weights a block; a weight with {in_features} inputs "
-                         f"is not a multiple")
+                         f"is not a multiple of {block}")
 
 
 # the operators' kernels are C++ (op.cpp, loaded by `library()`); their schemas and shapes live here
