@@ -1,13 +1,16 @@
 """Long runs: does memory stay flat over many `generate` calls of changing shape and options?
 
     python bench/long_run.py [--calls 1000] [--every 20] [--model tiny|gemma3-270m] [--threads N]
+                             [--steer-each-call]
 
 Runs `--calls` consecutive `generate` calls in one process. Each draws a batch size (1..8), prompt
 lengths, max_new_tokens, a sampler (greedy, random, top-k, top-p, min-p, beam search), sometimes
 stop strings and a repetition penalty, and runs the model or a steered copy of it with one strength
-per row (`inputs={"steer_strength": ...}`). Every `--every` calls it records the current RSS
-(/proc/self/statm), the peak RSS, the bytes of the caches the models keep between calls and the
-number of Python objects; it prints that curve and the growth from call calls/10 (when every
+per row (`inputs={"steer_strength": ...}`); `--steer-each-call` builds that steered copy anew for
+each steered call (`lm.steer(...)`, as a server steering per request might). Every `--every` calls
+it records the current RSS (/proc/self/statm), the peak RSS, the bytes of the caches the models
+keep between calls, the number of Python objects and the kB of generated source torch.fx keeps
+(one entry per traced or recompiled graph, never freed); it prints that curve and the growth from call calls/10 (when every
 shape has been seen once) to the last. A leak shows as steady growth per call; a bounded pool
 (one kept cache per batch size) shows as early growth that stops.
 
@@ -95,6 +98,14 @@ def draw_call(rng, max_words, max_new):
     return call, label + (" steered" if steered else "")
 
 
+def fx_source_kb():
+    """kB of generated forward code torch.fx keeps for tracebacks (its private eval cache)."""
+    from torch.fx import graph_module
+
+    loader = getattr(graph_module, "_loader", None)
+    return sum(len(src) for src in getattr(loader, "eval_cache", {}).values()) / 1e3
+
+
 def kept_cache_mb(*lms):
     """MB of the caches the models keep for their next calls (one per batch size)."""
     return sum(t.numel() * t.element_size() for lm in lms for _, cache in lm._caches.values()
@@ -109,6 +120,7 @@ def main():
     p.add_argument("--threads", type=int, help="default: 1 for tiny (its matmuls are too small to "
                    "share; two threads on a busy 2-core machine made calls ~7x slower), 2 for gemma3-270m")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steer-each-call", action="store_true", help="a new lm.steer(...) copy for every steered call")
     args = p.parse_args()
     args.threads = args.threads or (1 if args.model == "tiny" else 2)
     torch.set_num_threads(args.threads)
@@ -120,7 +132,7 @@ def main():
     rng = random.Random(args.seed)
     print(f"{args.model} loaded in {time.perf_counter() - start:.1f} s; {args.calls} calls, batch 1-8, "
           f"prompts 1-{max_words} words, 1-{max_new} new tokens", flush=True)
-    print(f"{'call':>6}{'RSS MB':>10}{'peak MB':>10}{'kept caches MB':>16}{'objects':>10}{'s/call':>8}", flush=True)
+    print(f"{'call':>6}{'RSS MB':>10}{'peak MB':>10}{'kept caches MB':>16}{'objects':>10}{'fx code kB':>12}{'s/call':>8}", flush=True)
     kinds, curve = {}, []
     try:
         run(lm, steered, rng, args, max_words, max_new, kinds, curve)
@@ -137,6 +149,8 @@ def run(lm, steered, rng, args, max_words, max_new, kinds, curve):
     last = time.perf_counter()
     for index in range(1, args.calls + 1):
         call, kind = draw_call(rng, max_words, max_new)
+        if "inputs" in call and args.steer_each_call:
+            steered = steered_copy(lm, seed=index)
         (steered if "inputs" in call else lm).generate(**call)
         kinds[kind] = kinds.get(kind, 0) + 1
         if index % args.every == 0 or index == 1:
@@ -145,7 +159,7 @@ def run(lm, steered, rng, args, max_words, max_new, kinds, curve):
             per_call = (now - last) / (args.every if index > 1 else 1)
             curve.append((index, current, peak))
             print(f"{index:6d}{current:10.1f}{peak:10.1f}{kept_cache_mb(lm, steered):16.2f}"
-                  f"{len(gc.get_objects()):10d}{per_call:8.3f}", flush=True)
+                  f"{len(gc.get_objects()):10d}{fx_source_kb():12.1f}{per_call:8.3f}", flush=True)
             last = now
 
 
