@@ -10,8 +10,13 @@ printing export time and file sizes; then runs the same kvwire generation loop o
 onnxruntime and the ExecuTorch runtime, and llama.cpp on the GGUF when llama-cpp-python is
 installed, interleaved, best of 3 (see bench/generate.py). Prints decode tokens/s (batch 1 and 4)
 and prefill tokens/s (32 and 512 tokens) with ratios.
+
+The runtimes are timed in a child process, each probed first in its own (load + 2 tokens): one
+that is missing, raises or crashes gets a line saying so and is left out; if the timed child still
+dies with peers in it, it is re-run with kvwire eager alone (see bench/generate.py).
 """
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -19,7 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from generate import kvwire_runner, llama_cpp_runner, measure  # noqa: E402
+from common import crash_if_asked, header, probe_peers, run_worker, with_fallback  # noqa: E402
+from generate import PROBE_IDS, kvwire_runner, llama_cpp_runner, measure  # noqa: E402
 
 
 JOBS = {  # --formats name: (runner label, file name, kw.export options)
@@ -45,13 +51,51 @@ def size_mb(path):
     return sum(f.stat().st_size for f in files + ([data] if data.is_file() else [])) / 1e6
 
 
+def runner(name, files, threads):
+    """generate(ids, n) of a peer: an exported file on its runtime, or llama.cpp on the GGUF."""
+    import kvwire as kw
+
+    if name == "llama.cpp":
+        return llama_cpp_runner(threads)
+    generate = kvwire_runner(kw.load_exported(files[name], threads=threads))
+
+    def crashable(ids, n):
+        crash_if_asked(name)
+        generate(ids, n)
+    return crashable
+
+
+def child(args, files):
+    """--probe NAME: load it, generate 2 tokens; --timed: kvwire eager and --peers, interleaved."""
+    import torch
+
+    import kvwire as kw
+
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    if args.probe:
+        runner(args.probe, files, args.threads)(torch.tensor(PROBE_IDS), 2)
+        return {"probed": args.probe}
+    lm = kw.load("gemma3-270m", progress=False)
+    runners = {"kvwire eager": kvwire_runner(lm), **{name: runner(name, files, args.threads) for name in args.peers}}
+    return measure(runners, lm.tokenizer.encode, args.new_tokens)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--formats", nargs="+", default=list(JOBS), choices=list(JOBS))
+    p.add_argument("--probe", help=argparse.SUPPRESS)  # child process modes
+    p.add_argument("--timed", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--files", nargs="*", default=[], help=argparse.SUPPRESS)  # NAME=PATH
     args = p.parse_args()
+    if args.probe or args.timed:
+        print(json.dumps(child(args, dict(f.split("=", 1) for f in args.files))))
+        return
+    print(header(args.threads), flush=True)
     import torch
 
     import kvwire as kw
@@ -59,7 +103,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     lm = kw.load("gemma3-270m", progress=False)
-    runners, exported = {"kvwire eager": kvwire_runner(lm)}, {}
+    exported = {}
     with tempfile.TemporaryDirectory() as tmp:
         print("| export | seconds | MB |\n|---|---:|---:|")
         for name, file, options in (JOBS[f] for f in args.formats):
@@ -68,16 +112,24 @@ def main():
             kw.export(lm, path, max_length=args.max_length, **options)
             print(f"| {name} | {time.perf_counter() - start:.0f} | {size_mb(path):.0f} |", flush=True)
             if path.suffix in (".onnx", ".pte"):
-                runners[name] = kvwire_runner(kw.load_exported(path, threads=args.threads))
                 exported[name] = path
-        try:
-            import llama_cpp  # noqa: F401
-            runners["llama.cpp"] = llama_cpp_runner(args.threads)
-        except ImportError:
-            print("llama-cpp-python is not installed: llama.cpp is not measured")
-        results = measure(runners, lm.tokenizer.encode, args.new_tokens)
-        agreement = {name: same_greedy_tokens(lm, kw.load_exported(tmp_path))
-                     for name, tmp_path in exported.items()}
+        common = ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+                  "--files", *(f"{name}={path}" for name, path in exported.items())]
+        probes = probe_peers(__file__, [*exported, "llama.cpp"], common)
+        failed = {name: r.failure for name, r in probes.items() if not r.ok}
+        timed = [name for name in probes if name not in failed]
+        result, note = with_fallback(
+            lambda peers: run_worker(__file__, ["--timed", "--peers", *peers, *common]), timed)
+        results = result.value or {}
+        agreement = {name: same_greedy_tokens(lm, kw.load_exported(path))
+                     for name, path in exported.items() if name in results}
+    for name, failure in failed.items():
+        print(f"{name}: not timed: {failure} (probe: load + 2 tokens)")
+    if note:
+        print(note)
+    if not result.ok:
+        print(f"kvwire eager: not timed: {result.failure}")
+        return
     keys = list(next(iter(results.values())))
     print("\n| tokens/s | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys))
     for lib, row in results.items():
