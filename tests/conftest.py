@@ -72,10 +72,10 @@ def default_lm():
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
 
-_hypothesis_settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, database=None,
+_hypothesis_settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True, database=None,
                                       print_blob=True)
 # the local profile keeps failing examples for the next run outside the tree (ci keeps none)
-_hypothesis_settings.register_profile("local", max_examples=1000, deadline=None, print_blob=True,
+_hypothesis_settings.register_profile("local", max_examples=1500, deadline=None, print_blob=True,
                                       database=DirectoryBasedExampleDatabase(
                                           os.path.join(os.path.expanduser("~"), ".cache", "kvwire-hypothesis")))
 _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -16,6 +16,7 @@ from torch import nn
 
 import kvwire as kw
 from kvwire.generate import CausalLM
+from kvwire.graph import numbered_blocks
 from kvwire.graph.trace import layer_calls, trace
 from kvwire.layers.base import Block, Layer
 from kvwire.models import FAMILIES
@@ -60,7 +61,7 @@ def configs(draw):
 
 # An edit: (kind, target index, new module kind, seed). Targets are indices into the current layer
 # calls (inserted modules included), taken modulo their number when the edit is applied.
-NEW = ("add", "scale", "linear", "positions", "block")
+NEW = ("add", "scale", "linear", "positions", "plain positions", "block")
 
 
 @st.composite
@@ -68,7 +69,7 @@ def edits(draw, kinds=("after", "before", "replace", "skip"), max_edits=2):
     out = []
     for _ in range(draw(st.integers(0, max_edits))):
         kind = draw(st.sampled_from(kinds))
-        new = None if kind == "skip" else draw(st.sampled_from(NEW if kind == "replace" else NEW[:4]))
+        new = None if kind == "skip" else draw(st.sampled_from(NEW if kind == "replace" else NEW[:-1]))
         out.append((kind, draw(st.integers(0, 7)), new, draw(st.integers(0, 1))))
     return tuple(out)
 
@@ -147,6 +148,8 @@ def _new_module(kind, width, g):
         return Scale(1.0 + 0.5 * torch.randn(width, generator=g))
     if kind == "positions":
         return PositionBias(0.5 * torch.randn(MAX_POSITIONS, width, generator=g))
+    if kind == "plain positions":
+        return PlainPositionBias(0.5 * torch.randn(MAX_POSITIONS, width, generator=g))
     linear = nn.Linear(width, width)
     with torch.no_grad():
         linear.weight.copy_(torch.eye(width) + torch.randn(width, width, generator=g) / width**0.5)
@@ -192,6 +195,17 @@ class PositionBias(Layer):
         return x + self.table[positions]
 
 
+class PlainPositionBias(nn.Module):
+    """PositionBias as a plain nn.Module speaking the position protocol (no kvwire base class)."""
+
+    uses_positions = True
+    forward, forward_cached = PositionBias.forward, PositionBias.forward_cached
+
+    def __init__(self, table):
+        super().__init__()
+        self.register_buffer("table", table)
+
+
 def token_rows(vocab, max_rows=3, max_len=24):
     """Prompts of 1..max_rows rows of different lengths (a left-padded batch)."""
     # the length drawn first: hypothesis's own list sizes stay short, and long rows matter (the
@@ -200,10 +214,18 @@ def token_rows(vocab, max_rows=3, max_len=24):
     return st.lists(row, min_size=1, max_size=max_rows)
 
 
-def block_names(spec):
-    """The decoder-block calls of model(spec), in order."""
+def numbered(spec):
+    """{block number: call name} of model(spec) (`kw.graph.numbered_blocks`: checkpoint numbers,
+    kept by edits), which is how control vectors address blocks. {} when no block is left
+    (numbered_blocks itself raises there: its block_calls finds no Block)."""
+    lm = model(spec)
+    return numbered_blocks(lm.backbone) if _MODELS[_key(spec)][2] else {}
+
+
+def layer_call_names(spec):
+    """The layer calls of model(spec) (blocks, embeddings, norms, inserted modules), in order."""
     model(spec)
-    return _MODELS[_key(spec)][2]
+    return _MODELS[_key(spec)][1]
 
 
 def _key(spec):
@@ -214,13 +236,35 @@ def _key(spec):
     return key
 
 
+def control_vector(lm, layers, seed):
+    """A random ControlVector on block indices `layers`."""
+    g = torch.Generator().manual_seed(seed)
+    return kw.ControlVector({i: torch.randn(lm.head.weight.shape[1], generator=g) for i in layers})
+
+
+@functools.lru_cache(maxsize=None)
+def steered(spec, layers, seed, generated_only=False, second_name=None):
+    """(model(spec) steered by control_vector(layers, seed) and by -0.5 times it under
+    `second_name` (None: steer's default, "steer2"), both at strength 1, the vector); memoised:
+    strengths come as `inputs=`."""
+    lm = model(spec)
+    vector = control_vector(lm, layers, seed)
+    both = lm.steer(vector, 1.0, generated_only=generated_only)
+    return both.steer(vector * -0.5, 1.0, generated_only=generated_only, name=second_name), vector
+
+
 @contextlib.contextmanager
-def shifted_blocks(lm, names, shifts):
-    """Within the block, lm's uncached forward adds each (D,) shift in `shifts` ([(block index,
-    shift)], applied in order) to that block's output: forward hooks on the block modules, the
-    plain reference for what a control vector does."""
-    handles = [lm.backbone.get_submodule(names[i]).register_forward_hook(lambda m, args, out, v=v: out + v)
-               for i, v in shifts]
+def shifted_blocks(spec, vector, first, second=0.0, start=0):
+    """model(spec) whose uncached forward adds first * d and then second * -0.5 * d after block
+    number i (direction d of `vector`), at positions >= start: forward hooks on the block modules,
+    the plain reference for what the two control vectors of `steered` do."""
+    lm, names = model(spec), numbered(spec)
+
+    def hook(v):
+        return lambda module, args, out: out + v * (torch.arange(out.shape[1]) >= start)[:, None]
+
+    shifts = [(i, s * d) for s in (first, second * -0.5) for i, d in vector.directions.items()]
+    handles = [lm.backbone.get_submodule(names[i]).register_forward_hook(hook(v)) for i, v in shifts]
     try:
         yield lm
     finally:
@@ -234,11 +278,12 @@ def uncached_logprobs(lm, row):
     return torch.log_softmax(lm(torch.tensor([row])), -1)[0]
 
 
-def check_greedy(lm, prompt, tokens, logprobs, limit, stops=(), penalty=None):
+def check_greedy(lm, prompt, tokens, logprobs, limit, stops=(), penalty=None, on_logprobs=False):
     """Cached greedy output `tokens` (with the chosen `logprobs`) against the uncached argmax rollout
     of `prompt`: equal token by token until the rollout picks a stop id (`stops`: not returned) or
     reaches `limit` tokens; with a repetition `penalty`, the argmax of the penalised logits
-    (transformers' rule, over the prompt and the tokens so far). Up to the first difference the
+    (transformers' rule, over the prompt and the tokens so far), applied to the log-probabilities
+    instead with `on_logprobs` (what beam search ranks, as transformers' processors). Up to the first difference the
     rollout is prompt + tokens, so one uncached forward of that gives every step. A float32
     near-tie (the chosen token within ATOL of the uncached best) may flip a pick; the rest is then
     not comparable, so the check stops there."""
@@ -247,7 +292,7 @@ def check_greedy(lm, prompt, tokens, logprobs, limit, stops=(), penalty=None):
         logits = lm(torch.tensor([seq]))[0, len(prompt) - 1:]  # (len(tokens) + 1, V)
     logp = torch.log_softmax(logits, -1)
     for k, token in enumerate(list(tokens) + [None]):
-        scores = logits[k]
+        scores = logp[k] if on_logprobs else logits[k]
         if penalty is not None:
             seen = torch.zeros_like(scores, dtype=torch.bool)
             seen[seq[:len(prompt) + k]] = True
