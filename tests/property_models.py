@@ -42,7 +42,8 @@ def examples(weight):
 @st.composite
 def configs(draw):
     """(family, frozen config fields): 1-3 layers, width 16 or 32, vocabulary twice the width;
-    Gemma 3 with a random sliding/full pattern and a window of 2, 3 or 5 (rings of 1, 2, 4 slots)."""
+    Gemma 3 with a random sliding/full pattern, a window of 2, 3 or 5 (rings of 1, 2, 4 slots),
+    MQA/GQA/MHA and linear rope scaling of the full layers or none."""
     family = draw(st.sampled_from(["gpt2", "gemma3"]))
     layers, width = draw(st.integers(1, 3)), draw(st.sampled_from([16, 32]))
     if family == "gpt2":
@@ -50,12 +51,13 @@ def configs(draw):
                       n_positions=MAX_POSITIONS, bos_token_id=0, eos_token_id=EOS)
     else:
         sliding = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
-        heads, kv_heads, head_dim = draw(st.sampled_from([(2, 1, 8), (4, 2, 4)]))
+        heads, kv_heads, head_dim = draw(st.sampled_from([(2, 1, 8), (4, 2, 4), (2, 2, 8)]))  # MQA, GQA, MHA
         fields = dict(vocab_size=2 * width, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       sliding_window=draw(st.sampled_from([2, 3, 5])), query_pre_attn_scalar=head_dim,
                       layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
-                      max_position_embeddings=MAX_POSITIONS, bos_token_id=2, eos_token_id=EOS, pad_token_id=0)
+                      max_position_embeddings=MAX_POSITIONS, bos_token_id=2, eos_token_id=EOS, pad_token_id=0,
+                      rope_scaling=draw(st.sampled_from([None, (("factor", 4.0), ("rope_type", "linear"))])))
     return family, tuple(sorted(fields.items()))
 
 
@@ -69,7 +71,7 @@ def edits(draw, kinds=("after", "before", "replace", "skip"), max_edits=2):
     out = []
     for _ in range(draw(st.integers(0, max_edits))):
         kind = draw(st.sampled_from(kinds))
-        new = None if kind == "skip" else draw(st.sampled_from(NEW if kind == "replace" else NEW[:-1]))
+        new = None if kind == "skip" else draw(st.sampled_from(NEW))
         out.append((kind, draw(st.integers(0, 7)), new, draw(st.integers(0, 1))))
     return tuple(out)
 
@@ -83,7 +85,8 @@ def specs(draw, **edit_options):
 def base_model(family, fields):
     """A tiny kvwire CausalLM built from a kvwire config (no transformers: faster), float32."""
     fam = FAMILIES[family]
-    config = (GPT2Config if family == "gpt2" else Gemma3Config)(**dict(fields))
+    fields = {k: dict(v) if k == "rope_scaling" and v else v for k, v in fields}  # a dict, kept hashable in the spec
+    config = (GPT2Config if family == "gpt2" else Gemma3Config)(**fields)
     torch.manual_seed(zlib.crc32(repr(fields).encode()))  # same weights in every process
     backbone = fam.backbone(config).eval()
     with torch.no_grad():  # weights large enough that attention is far from uniform (as conftest)
