@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from ..layers.shared import per_call
+from .release import recompile
 from .trace import trace
 
 CACHE_DTYPE = torch.float32  # attention computes in float32; caches keep its keys and values
@@ -247,5 +248,5 @@ def with_cache(module):
     """
     gm = trace(module, depth="layer")
     slots, runtime_inputs, readers = _rewire(gm)
-    gm.recompile()
+    recompile(gm)
     return CachedGraph(gm, slots, runtime_inputs, readers)

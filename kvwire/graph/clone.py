@@ -4,6 +4,7 @@ import contextvars
 import torch
 from torch import fx
 
+from .release import owned
 from .trace import LayerTracer, layer_calls, trace
 
 _CALL = contextvars.ContextVar("kvwire_call", default=None)
@@ -97,6 +98,6 @@ def clone(module, fn=None, *, depth="block"):
     tracer = LayerTracer(depth)
     root = _replay_root(gm, lambda *args: _Replayer(root, gm.graph, fn, tracer).run(*args))
     graph = tracer.trace(root)
-    result = fx.GraphModule(root, graph, class_name=type(gm).__name__)
+    result = owned(fx.GraphModule(root, graph, class_name=type(gm).__name__))
     result.meta["kvwire_inserted"] = list(tracer.added)
     return result

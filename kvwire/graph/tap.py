@@ -1,5 +1,6 @@
 """`kw.tap`: read the outputs of chosen layer calls in the same forward that computes the result."""
 from .edit import _resolve
+from .release import recompile
 from .trace import layer_calls, trace
 
 
@@ -28,5 +29,5 @@ def tap(module, where, depth="block"):
             taps[node.target if count == 1 else f"{node.target}#{count}"] = node
     output = next(n for n in gm.graph.nodes if n.op == "output")
     output.args = ((output.args[0], taps),)
-    gm.recompile()
+    recompile(gm)
     return gm

@@ -3,6 +3,7 @@ import torch
 from torch import fx
 
 from ..layers.base import Block, Layer
+from .release import owned
 
 DEPTHS = ("block", "layer")
 
@@ -87,7 +88,7 @@ def trace(module, depth="block"):
         raise TypeError(f"trace expects an nn.Module, got {type(module).__name__}")
     tracer = LayerTracer(depth)
     graph = tracer.trace(module)
-    return fx.GraphModule(module, graph, class_name=type(module).__name__)
+    return owned(fx.GraphModule(module, graph, class_name=type(module).__name__))
 
 
 def layer_calls(gm):
