@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 import kvwire as kw
 
-from .property_models import (ATOL, EOS, check_greedy, control_vector, examples, layer_call_names, model, numbered,
-                              shifted_blocks, specs, steered, token_rows)
+from .property_checks import ATOL, check_greedy
+from .property_models import (EOS, control_vector, examples, layer_call_names, model, numbered, shifted_blocks, specs,
+                              steered, token_rows)
 
 
 def _chunks(data, n, pieces=6):
@@ -56,7 +57,8 @@ def _chunked_run(data, lm, cached):
     outs, start = [], 0
     with torch.no_grad():
         for size in chunks:
-            out, cache = cached(ids[:, start:start + size], positions[:, start:start + size], offset + start, mask, cache)
+            chunk = slice(start, start + size)
+            out, cache = cached(ids[:, chunk], positions[:, chunk], offset + start, mask, cache)
             outs.append(out)
             start += size
     return ids, pads, outs
@@ -114,8 +116,8 @@ def test_cached_greedy_equals_uncached_rollout(spec, data):
     as_tensor = data.draw(st.booleans(), label="stop ids as a tensor")
     penalty = data.draw(st.none() | st.sampled_from([0.2, 0.5, 1.5, 3.0]), label="repetition_penalty")
     prompts = [torch.tensor(r) for r in rows]
-    options = dict(ignore_eos=ignore_eos, stop_token_ids=torch.tensor(stop_ids, dtype=torch.long) if as_tensor else stop_ids,
-                   repetition_penalty=penalty)
+    stop_token_ids = torch.tensor(stop_ids, dtype=torch.long) if as_tensor else stop_ids
+    options = dict(ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, repetition_penalty=penalty)
     if data.draw(st.booleans(), label="by max_length"):
         gen = lm.generate_ids(prompts, max_length=max(map(len, rows)) + new, **options)
     else:

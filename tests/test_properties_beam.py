@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import kvwire as kw
 
-from .property_models import (ATOL, EOS, check_greedy, check_logprobs, examples, model, numbered, sequence_logprob,
-                              shifted_blocks, specs, steered, token_rows)
+from .property_checks import ATOL, check_greedy, check_logprobs, sequence_logprob
+from .property_models import EOS, examples, model, numbered, shifted_blocks, specs, steered, token_rows
 
 
 def _prompts(data, lm, max_rows=3):
