@@ -117,5 +117,12 @@ def test_float16_generates_the_float32_tokens(ours):
     ids = torch.tensor([ours.tokenizer.encode(PROMPTS[0])])
     logits = half(ids).float()
     assert logits.isfinite().all()
-    assert (logits - ours(ids)).abs().max() < 0.2  # measured 0.034 of logits up to 26.6
-    assert half.generate(PROMPTS[0], max_new_tokens=12) == ours.generate(PROMPTS[0], max_new_tokens=12)
+    assert (logits - ours(ids)).abs().max() < 0.2  # measured 0.029-0.039 of logits up to 26.6
+    want = ours.generate(ids, max_new_tokens=16, ignore_eos=True, return_logprobs=True)
+    got = half.generate(ids, max_new_tokens=16, ignore_eos=True)[0].tolist()
+    # float16 rounding makes near-ties flip eventually (first difference seen at token 11 with one
+    # thread, none in 16 with two): the first 8 agree, and float16 scores float32's continuation alike
+    assert got[:8] == want.tokens[0][:8]
+    full = torch.cat([ids, torch.tensor([want.tokens[0]])], dim=1)
+    scores = torch.log_softmax(half(full).float()[0, :-1], -1).gather(1, full[0, 1:, None])[ids.shape[1] - 1:, 0]
+    assert abs(float(scores.mean()) - sum(want.logprobs[0]) / 16) < 0.01  # measured 0.0005
