@@ -65,9 +65,10 @@ def default_lm():
 
 
 # Property tests (tests/test_properties*.py, hypothesis) under a profile chosen by HYPOTHESIS_PROFILE:
-# "ci" (default) runs >= 1,000 cases in all (each test takes its share of max_examples, see
-# tests/property_models.examples), derandomized: the same cases every run (seeded from each test's
-# name), so a CI failure reproduces as it is; "local" runs 10x as many with a fresh random seed.
+# "ci" (default) runs ~2,000 cases in all (each test takes its share of max_examples, see
+# tests/property_models.examples; ~50 s on one core), derandomized: the same cases every run (seeded
+# from each test's name), so a CI failure reproduces as it is; "local" runs 10x as many, with a
+# fresh random seed each run.
 # A failure prints its minimal ("Falsifying") example and, print_blob, the @reproduce_failure line.
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402

@@ -28,7 +28,7 @@ EOS = 1  # both families' tiny configs end rows at id 1 unless told to ignore it
 
 
 def examples(weight):
-    """This test's share of the profile's cases (conftest: "ci" >= 1,000 in all, "local" 10x)."""
+    """This test's share of the profile's cases: weight x max_examples (conftest: "ci" 150, "local" 1,500)."""
     return max(1, round(weight * settings.default.max_examples))
 
 
