@@ -212,10 +212,8 @@ def token_rows(vocab, max_rows=3, max_len=24):
 
 def numbered(spec):
     """{block number: call name} of model(spec) (`kw.graph.numbered_blocks`: checkpoint numbers,
-    kept by edits), which is how control vectors address blocks. {} when no block is left
-    (numbered_blocks itself raises there: its block_calls finds no Block)."""
-    lm = model(spec)
-    return numbered_blocks(lm.backbone) if _MODELS[_key(spec)][2] else {}
+    kept by edits), which is how control vectors address blocks; {} when no block is left."""
+    return numbered_blocks(model(spec).backbone)
 
 
 def layer_call_names(spec):

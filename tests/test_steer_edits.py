@@ -6,6 +6,7 @@ from torch import nn
 
 import kvwire as kw
 
+from .conftest import FAMILIES
 from .test_steer import _random_vector
 from .test_steer import chat as lm  # noqa: F401  (a fixture: tiny model of each family, char tokenizer)
 
@@ -154,3 +155,11 @@ def test_a_plain_module_without_forward_cached_is_refused(lm):
     with pytest.raises(TypeError, match="NoCachedForward sets runtime_inputs but has no forward_cached or "
                                         "runtime_defaults"):
         lm.edit(kw.insert_after("*.1", NoCachedForward()))
+
+
+def test_a_model_with_every_block_skipped_has_none_to_steer():
+    lm = kw.from_hf(FAMILIES["gpt2"](n_layer=1))
+    empty = lm.edit(kw.skip("h.0"))
+    assert kw.graph.numbered_blocks(empty.backbone) == {}
+    with pytest.raises(ValueError, match=r"control vector steers blocks \[0\], but this model has blocks none"):
+        empty.steer(kw.ControlVector({0: torch.randn(lm.head.weight.shape[1])}))

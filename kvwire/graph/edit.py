@@ -52,8 +52,9 @@ def numbered_blocks(module):
         >>> numbered_blocks(lm.edit(kw.skip("layers.1")).backbone)
         {0: 'layers.0', 2: 'layers.2', 3: 'layers.3'}
     """
+    gm = trace(module)
     out = {}
-    for name in block_calls(module):
+    for name in [n.target for n in layer_calls(gm) if isinstance(gm.get_submodule(n.target), Block)]:
         tail = name.rpartition(".")[2]
         if tail.isdigit():
             out.setdefault(int(tail), name)
