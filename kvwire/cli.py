@@ -65,12 +65,13 @@ def _load_model(args, quantize=None):
 
 
 def _generate(args):
+    sampler = make_sampler(args)  # refuse contradicting options before loading anything
     lm = _load_model(args, args.quantize)
     if args.compile:
         if args.runtime != "eager":
             raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
         lm.compile()
-    options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=make_sampler(args),
+    options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=sampler,
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:
         options["inputs"] = {"steer_strength": torch.tensor([args.strength])}

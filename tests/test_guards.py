@@ -1,6 +1,7 @@
 """Inputs that used to give silently wrong output or an unhelpful error: each fixed, each pinned."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,8 @@ def test_stop_token_ids_of_any_integer_form_stop(tiny_lm):
     free = _rollout(tiny_lm, IDS, 6)
     target = free[3]
     first = free.index(target)
-    forms = [torch.tensor(target), torch.tensor([target]), [torch.tensor(target)], target, [target]]
+    forms = [torch.tensor(target), torch.tensor([target]), [torch.tensor(target)], target, [target],
+             np.int64(target), np.array([target]), [np.int32(target)]]
     for stop in forms:  # one model for every form: its cached graph is built once
         got = tiny_lm.generate(IDS[0], max_new_tokens=6, ignore_eos=True, stop_token_ids=stop)
         assert got.tolist() == free[:first], stop
@@ -40,6 +42,8 @@ def test_bad_stop_token_ids(tiny_lm):
         tiny_lm.generate(IDS, stop_token_ids=["7"])
     with pytest.raises(ValueError, match=r"stop token id 500 is outside the vocabulary \[0, 96\)"):
         tiny_lm.generate(IDS, stop_token_ids=[500])
+    with pytest.raises(TypeError, match="stop_token_ids must be an int, a list of ints or an integer tensor; got bool"):
+        tiny_lm.generate(IDS, stop_token_ids=True)
 
 
 def test_repetition_penalty_changes_beam_search_as_in_transformers(family):
@@ -63,10 +67,12 @@ def test_non_finite_logits_raise_naming_step_and_row(tiny_lm):
                                                  r"\(after the prompt\)"):
         huge.generate(IDS.repeat(2, 1), max_new_tokens=4, ignore_eos=True)
     late = tiny_lm.steer(kw.ControlVector({1: torch.full((width,), 1e38)}), 1e10, generated_only=True)
-    with pytest.raises(FloatingPointError, match=r"in row 0 at generation step 1 \(after 1 generated tokens\)"):
+    with pytest.raises(FloatingPointError, match=r"in row 0 at generation step 1 \(after 1 generated token\)"):
         late.generate(IDS, max_new_tokens=4, ignore_eos=True)
-    with pytest.raises(FloatingPointError, match="in row 0 at generation step 1"):
-        late.generate(IDS, max_new_tokens=4, ignore_eos=True, sampler=kw.BeamSearch(num_beams=2))
+    second = tiny_lm.steer(kw.ControlVector({1: torch.full((width,), 1e38)}), torch.tensor([0.0, 1e10]),
+                           generated_only=True)
+    with pytest.raises(FloatingPointError, match=r"in row 1 \(beam 0\) at generation step 1"):  # the prompt, not b*n+k
+        second.generate(IDS.repeat(2, 1), max_new_tokens=4, ignore_eos=True, sampler=kw.BeamSearch(num_beams=3))
 
 
 def test_a_broken_weight_raises_instead_of_producing_tokens(family):
@@ -96,6 +102,10 @@ def test_gemma3_float16_keeps_a_float32_residual_past_float16s_range():
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02 * want.abs().max().item())
     gen = half.generate(IDS, max_new_tokens=4, ignore_eos=True)[0].tolist()
     assert gen == _rollout(half, IDS, 4)  # the cached graph keeps the float32 residual too
+    later = kw.from_hf(hf).edit(kw.skip("layers.1"))
+    later.cached  # traced in float32, then converted: the residual still stays float32
+    later.half()
+    assert later(IDS).isfinite().all() and later.generate(IDS, max_new_tokens=2, ignore_eos=True)[0].shape == (2,)
 
 
 def test_a_tiny_temperature_samples_the_top_token(tiny_lm):
@@ -111,6 +121,10 @@ def test_beam_early_stopping_settings():
         kw.BeamSearch(early_stopping="nevr")
     with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'.*got 1"):
         kw.BeamSearch(early_stopping=1)
+    with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
+        kw.BeamSearch(early_stopping=np.bool_(True))  # would have run as False
+    with pytest.raises(ValueError, match="length_penalty must be a finite number, got True"):
+        kw.BeamSearch(length_penalty=True)
 
 
 @pytest.mark.parametrize("setting", [True, False, "never"])

@@ -115,6 +115,9 @@ def test_per_row_strengths_fit_their_batch_only(lm):
         mixed.score("Some text")
     with pytest.raises(ValueError, match="steering strength has 2 rows but the batch has 3"):
         mixed.generate(["a", "b", "c"], max_new_tokens=2)
+    one = lm.steer(_vector(lm, [1]), torch.tensor([1.5]))  # a (1,) strength fits any batch, cached or not
+    assert one(IDS.repeat(2, 1)).shape[0] == 2
+    torch.testing.assert_close(one(IDS.repeat(2, 1)), lm.steer(_vector(lm, [1]), 1.5)(IDS.repeat(2, 1)))
 
 
 class PlainShift(nn.Module):

@@ -1,4 +1,7 @@
 """`CausalLM`: a backbone, a head and a tokenizer; generation runs the backbone's cached graph."""
+import operator
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -392,24 +395,46 @@ def _visible(text, stops):
 
 
 def _token_id_list(ids, vocab_size):
-    """stop_token_ids as a tuple of ints: ints, a list of them, or an integer tensor (0-d or 1-D)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() > 1:
-            raise TypeError(f"stop_token_ids must be integer ids (0-d or 1-D), got a {ids.dtype} tensor "
-                            f"of shape {tuple(ids.shape)}")
+    """stop_token_ids as a tuple of ints: an int (Python or NumPy), a list of them, or an integer
+    tensor or array (0-d or 1-D)."""
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        if ids.dtype in (torch.bool, np.bool_) or ids.ndim > 1 or not _integer_dtype(ids.dtype):
+            raise TypeError(f"stop_token_ids must be integer ids (0-d or 1-D), got a {ids.dtype} "
+                            f"{type(ids).__name__} of shape {tuple(ids.shape)}")
         ids = ids.reshape(-1).tolist()
-    elif isinstance(ids, int) and not isinstance(ids, bool):
+    elif _as_int(ids) is not None:
         ids = [ids]
+    elif not isinstance(ids, (list, tuple, set, frozenset)):
+        raise TypeError(f"stop_token_ids must be an int, a list of ints or an integer tensor; got "
+                        f"{type(ids).__name__}")
     out = []
-    for i in ids:
-        if isinstance(i, torch.Tensor) and i.dim() == 0 and not i.is_floating_point() and i.dtype != torch.bool:
-            i = int(i)
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise TypeError(f"stop_token_ids must be integer token ids, got {i!r} ({type(i).__name__})")
+    for item in ids:
+        i = _as_int(item)
+        if i is None:
+            raise TypeError(f"stop_token_ids must be integer token ids, got {item!r} ({type(item).__name__})")
         if not 0 <= i < vocab_size:
             raise ValueError(f"stop token id {i} is outside the vocabulary [0, {vocab_size})")
         out.append(i)
     return tuple(out)
+
+
+def _integer_dtype(dtype):
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex
+    return np.issubdtype(dtype, np.integer)
+
+
+def _as_int(value):
+    """value as a Python int if it is an integer (int, NumPy integer, 0-d integer tensor), not a
+    bool; else None."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        return int(value) if value.dim() == 0 and _integer_dtype(value.dtype) else None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _is_id_row(p):

@@ -146,9 +146,9 @@ class BeamSearch:
     def __post_init__(self):
         if not isinstance(self.num_beams, int) or isinstance(self.num_beams, bool) or self.num_beams < 1:
             raise ValueError(f"num_beams must be an int >= 1, got {self.num_beams!r}")
-        if self.early_stopping not in (True, False, "never") or isinstance(self.early_stopping, (int, float)) \
-                and not isinstance(self.early_stopping, bool):
+        if not (type(self.early_stopping) is bool or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be True, False or 'never' (as transformers), "
                              f"got {self.early_stopping!r}")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) \
+                or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

@@ -10,20 +10,25 @@ from .base import Layer
 class TokenEmbedding(Layer):
     """Token ids (B, T) -> vectors (B, T, D), multiplied by `scale` (Gemma: sqrt(D)).
 
-    The scale is rounded to the weight dtype first, as Gemma's reference does.
+    The scale is rounded to the weight dtype first, as Gemma's reference does. With
+    `float32_for_float16`, float16 weights give float32 vectors: a model whose residual stream
+    outgrows float16 (Gemma) keeps it float32, decided per call, so traced graphs follow `.half()`.
     """
 
-    def __init__(self, vocab_size, dim, scale=None):
+    def __init__(self, vocab_size, dim, scale=None, float32_for_float16=False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim))
         self.scale = scale
+        self.float32_for_float16 = float32_for_float16
         _init_normal(self.weight, 0.02)
 
     def forward(self, token_ids):
         x = nn.functional.embedding(token_ids, self.weight)
-        if self.scale is None:
-            return x
-        return x * torch.tensor(self.scale, dtype=self.weight.dtype)
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=self.weight.dtype)
+        if self.float32_for_float16 and x.dtype == torch.float16:
+            x = x.float()
+        return x
 
 
 class PositionEmbedding(Layer):

@@ -47,7 +47,7 @@ class Steer(Layer):
     def forward(self, x):
         """x (B, T, D) -> x + strength * direction."""
         rows = self.strength.numel()
-        if self.strength.dim() == 1 and rows != x.shape[0]:
+        if self.strength.dim() == 1 and rows not in (1, x.shape[0]):  # as runtime_defaults: (1,) fits any
             raise ValueError(f"steering strength has {rows} rows (one per prompt) but the batch has "
                              f"{x.shape[0]}; steer with a single number for other batch sizes")
         return x + (self.strength.reshape(-1, 1, 1) * self.direction).to(x.dtype)

@@ -1,7 +1,6 @@
 """Gemma 3 backbone, written once and without cache code. Module names follow the HF checkpoint."""
 from functools import partial
 
-import torch
 from torch import nn
 
 from ...layers import Attention, Block, GatedMLP, RMSNorm, Rotary, TokenEmbedding
@@ -44,17 +43,15 @@ class Gemma3Backbone(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
+        # Gemma's residual stream outgrows float16 (65504 after block 7 of the 270M model): with
+        # float16 weights it stays float32 between blocks; norms hand the layers their own dtype
         self.embed_tokens = TokenEmbedding(config.vocab_size, config.hidden_size,
-                                           scale=gemma_embed_scale(config.hidden_size))
+                                           scale=gemma_embed_scale(config.hidden_size), float32_for_float16=True)
         self.layers = nn.ModuleList(Gemma3Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, token_ids):
         x = self.embed_tokens(token_ids)
-        if next(self.embed_tokens.parameters()).dtype == torch.float16:  # a plain tensor under fx: static
-            # Gemma's residual stream outgrows float16 (65504 after block 7 of the 270M model):
-            # it stays float32 between blocks, the layers compute in float16 (norms hand them their dtype)
-            x = x.float()
         for block in self.layers:
             x = block(x)
         return self.norm(x)
