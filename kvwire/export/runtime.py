@@ -156,11 +156,8 @@ class ExportedLM(CausalLM):
         if not self.meta.get("all_logits"):
             raise NotImplementedError("this model was exported with the last position's logits only; call "
                                       "generate or stream, or export with all_logits=True for lm(ids) and score")
-        self.check_ids(token_ids)
-        if token_ids.dim() != 2:
-            raise ValueError(f"lm(token_ids) expects a (B, T) tensor, got shape {tuple(token_ids.shape)}")
+        self.check_uncached_input(token_ids)
         B, T = token_ids.shape
-        self.check_length(T, "the input")
         cache = self.cached.init_cache(B, self.meta["max_length"])
         mask = torch.ones(B, self.meta["max_length"], dtype=torch.bool)
         positions = torch.arange(T)[None].expand(B, T)

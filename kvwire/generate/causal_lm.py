@@ -100,12 +100,16 @@ class CausalLM(nn.Module):
 
     def forward(self, token_ids):
         """Uncached logits: token_ids (B, T) int -> (B, T, V)."""
+        self.check_uncached_input(token_ids)
+        return self.head(self.backbone(token_ids))
+
+    def check_uncached_input(self, token_ids):
+        """What `lm(token_ids)` accepts: (B, T) ids in the vocabulary, T within the context."""
         self.check_ids(token_ids)
         if token_ids.dim() != 2:
             raise ValueError(f"lm(token_ids) expects a (B, T) tensor, got shape {tuple(token_ids.shape)}"
                              + ("; use ids[None] for one row" if token_ids.dim() == 1 else ""))
         self.check_length(token_ids.shape[1], "the input")
-        return self.head(self.backbone(token_ids))
 
     def check_length(self, length, what="the prompt"):
         """Refuse `length` tokens past the model's context (positions it has no embedding or rotary

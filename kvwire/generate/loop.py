@@ -86,8 +86,9 @@ def check_finite(logits, step, live=None, beams=1):
 def _seen_tokens(session, vocab_size):
     """(B, V) bools: which tokens occur in each row's prompt (left padding excluded)."""
     seen = torch.zeros(session.ids.shape[0], vocab_size, dtype=torch.bool)
-    valid = torch.arange(session.prompt_length)[None] >= session.pads[:, None]
-    return seen.scatter_(1, session.ids * valid, valid)
+    rows, cols = (torch.arange(session.prompt_length)[None] >= session.pads[:, None]).nonzero(as_tuple=True)
+    seen[rows, session.ids[rows, cols]] = True  # only real tokens are written (no pad writes to race)
+    return seen
 
 
 def _penalize(logits, seen, penalty):

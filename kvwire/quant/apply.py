@@ -37,7 +37,8 @@ def quantize(lm, scheme="int4", group_size=32, head=True, layers=True):
     swaps = linears(lm) if layers else []
     target = quantizable_head(lm) if head else None
     # every shape is checked, then every weight quantised, before the model changes: a failure
-    # leaves it as it was
+    # leaves it as it was (at the price of holding every quantised copy and the float weights at
+    # once: about 1.25x the float model for int4, 1.5x for int8, instead of one layer at a time)
     paths = {child: path for path, child in lm.backbone.named_modules()}
     for _, _, child in swaps:
         check_shape(child.weight.shape, scheme, group_size, name=f"layer {paths[child]!r}")
