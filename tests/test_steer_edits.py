@@ -7,6 +7,7 @@ from torch import nn
 import kvwire as kw
 
 from .conftest import FAMILIES
+from .test_guards import _rollout
 from .test_steer import _random_vector
 from .test_steer import chat as lm  # noqa: F401  (a fixture: tiny model of each family, char tokenizer)
 
@@ -15,13 +16,6 @@ IDS = torch.tensor([[3, 17, 42, 9, 55, 23]])
 
 def _vector(lm, layers, seed=0):
     return _random_vector(lm, layers, scale=2.0, seed=seed)
-
-
-def _rollout(lm, ids, n):
-    seq = ids
-    for _ in range(n):
-        seq = torch.cat([seq, lm(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return seq[0, ids.shape[1]:].tolist()
 
 
 def test_stacked_vectors_keep_their_own_strengths(lm):
