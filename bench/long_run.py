@@ -100,10 +100,9 @@ def draw_call(rng, max_words, max_new):
 
 def fx_source_kb():
     """kB of generated forward code torch.fx keeps for tracebacks (its private eval cache)."""
-    from torch.fx import graph_module
+    from kvwire.graph.release import kept_source_bytes
 
-    loader = getattr(graph_module, "_loader", None)
-    return sum(len(src) for src in getattr(loader, "eval_cache", {}).values()) / 1e3
+    return kept_source_bytes() / 1e3
 
 
 def kept_cache_mb(*lms):

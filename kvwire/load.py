@@ -23,7 +23,6 @@ from .quant import quantize as quantize_lm
 from .quant.ggml import qtype_of, use_gguf_blocks
 
 
-
 def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None):
     """Load a model: a preset name, a GGUF file or a Hugging Face checkpoint folder.
 
