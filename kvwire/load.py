@@ -117,8 +117,9 @@ def load_gguf(path, dtype=torch.float32, progress=True):
         gguf = GGUFFile(path)
         family = by_gguf_architecture(gguf.architecture, path)
         tokenizer = tokenizer_from_gguf(gguf)
-        config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path))
-        state = family.state_from_gguf(gguf.tensors(progress))
+        config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path),
+                                         [info[0] for info in gguf.infos])
+        state = family.state_from_gguf(gguf.tensors(progress), config)
         _check_finite(state)
         lm = build(family, config, state, tokenizer, dtype)
     try:
@@ -160,7 +161,7 @@ def load_hf_folder(folder, dtype=torch.float32):
         family = by_hf_model_type(hf_config.get("model_type"))
         config = family.config_from_hf(hf_config)
     with _about(folder):
-        state = family.state_from_hf(read_state_dict(folder))
+        state = family.state_from_hf(read_state_dict(folder), config)
         _check_finite(state)
         return build(family, config, state, tokenizer_from_hf_folder(folder, config), dtype)
 
@@ -199,7 +200,7 @@ def from_hf(model, tokenizer=None, dtype=None):
     hf_config = model.config.to_dict()
     family = by_hf_model_type(hf_config.get("model_type"))
     config = family.config_from_hf(hf_config)
-    state = {k: v.detach() for k, v in family.state_from_hf(model.state_dict()).items()}
+    state = {k: v.detach() for k, v in family.state_from_hf(model.state_dict(), config).items()}
     dtype = next(model.parameters()).dtype if dtype is None else weights_dtype(dtype)
     wrapped = None
     if tokenizer is not None:

@@ -2,10 +2,10 @@
 from .attention import Attention
 from .base import Block, Layer
 from .embedding import PositionEmbedding, TokenEmbedding
-from .head import TiedHead
+from .head import OutputWeight, TiedHead
 from .mlp import MLP, GatedMLP
 from .norm import LayerNorm, RMSNorm
 from .rotary import Rotary
 
 __all__ = ["Attention", "Block", "Layer", "PositionEmbedding", "TokenEmbedding", "MLP", "GatedMLP",
-           "LayerNorm", "RMSNorm", "Rotary", "TiedHead"]
+           "LayerNorm", "RMSNorm", "OutputWeight", "Rotary", "TiedHead"]

@@ -25,8 +25,10 @@ class Attention(Layer):
     Args:
         dim: model width D. num_heads / num_kv_heads: query and key/value heads (GQA when fewer).
         head_dim: size of one head. scale: multiplier of q.k (default head_dim ** -0.5).
-        bias: biases on q/k/v/o projections. rotary: a `Rotary` or None (learned positions).
-        qk_norm: a factory `f(head_dim)` for per-head query/key norms, or None.
+        bias: biases on the q/k/v projections; o_bias: on the output projection (default: `bias`;
+            Qwen 2 has q/k/v biases and none on o). rotary: a `Rotary` or None (learned positions).
+        qk_norm: a factory `f(width)` for query/key norms, or None; qk_norm_width "head" normalises
+            each head (Qwen 3, Gemma 3), "full" the whole projection before the head split (OLMo 2).
         sliding_window: tokens a query may see, itself included (None = unlimited).
         softcap: tanh soft-capping of attention logits, or None.
 
@@ -42,8 +44,8 @@ class Attention(Layer):
 
     uses_positions = True
 
-    def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, scale=None, bias=False,
-                 rotary=None, qk_norm=None, sliding_window=None, softcap=None):
+    def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, scale=None, bias=False, o_bias=None,
+                 rotary=None, qk_norm=None, qk_norm_width="head", sliding_window=None, softcap=None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -53,10 +55,14 @@ class Attention(Layer):
         self.q_proj = Linear(dim, num_heads * head_dim, bias=bias)
         self.k_proj = Linear(dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(dim, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = Linear(num_heads * head_dim, dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, dim, bias=bias if o_bias is None else o_bias)
         self.rotary = rotary
-        self.q_norm = qk_norm(head_dim) if qk_norm else None
-        self.k_norm = qk_norm(head_dim) if qk_norm else None
+        if qk_norm_width not in ("head", "full"):
+            raise ValueError(f"qk_norm_width={qk_norm_width!r}; expected 'head' or 'full'")
+        self.qk_norm_full = qk_norm_width == "full"
+        full = self.qk_norm_full
+        self.q_norm = qk_norm(num_heads * head_dim if full else head_dim) if qk_norm else None
+        self.k_norm = qk_norm(num_kv_heads * head_dim if full else head_dim) if qk_norm else None
 
     def cache_slots(self, max_length):
         """Cache length: a ring of window - 1 past tokens (the current one comes from the chunk)."""
@@ -101,10 +107,13 @@ class Attention(Layer):
 
     def _project(self, x, positions):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.qk_norm_full:  # over all heads at once (OLMo 2)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         # Attention runs in float32 whatever the weights: reduced-precision batched matmuls are slow
         # on CPUs without native bf16, and the cache keeps full precision (no-ops for float32).

@@ -1,4 +1,4 @@
-"""Feed-forward layers: GPT-2's MLP and the gated MLP (GeGLU) of Gemma."""
+"""Feed-forward layers: GPT-2's MLP and the gated MLP (SwiGLU of Llama, GeGLU of Gemma)."""
 from torch import nn
 
 from .base import Layer
@@ -9,6 +9,8 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
     "gelu": nn.functional.gelu,
     "silu": nn.functional.silu,
+    "swish": nn.functional.silu,
+    "relu": nn.functional.relu,
 }
 
 
@@ -33,13 +35,14 @@ class MLP(Layer):
 
 
 class GatedMLP(Layer):
-    """Gated feed-forward: down_proj(act(gate_proj(x)) * up_proj(x)). x (B, T, D) -> (B, T, D)."""
+    """Gated feed-forward: down_proj(act(gate_proj(x)) * up_proj(x)). x (B, T, D) -> (B, T, D).
+    `bias`: biases on all three projections (Llama's `mlp_bias`)."""
 
-    def __init__(self, dim, hidden, act="gelu_pytorch_tanh"):
+    def __init__(self, dim, hidden, act="gelu_pytorch_tanh", bias=False):
         super().__init__()
-        self.gate_proj = Linear(dim, hidden, bias=False)
-        self.up_proj = Linear(dim, hidden, bias=False)
-        self.down_proj = Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=bias)
+        self.up_proj = Linear(dim, hidden, bias=bias)
+        self.down_proj = Linear(hidden, dim, bias=bias)
         self.act = activation(act)
 
     def forward(self, x):

@@ -1,4 +1,5 @@
-"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm with a (1 + weight) scale (Gemma)."""
+"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm, scaled by its weight (Llama) or by
+(1 + weight) (Gemma)."""
 import torch
 from torch import nn
 
@@ -19,19 +20,27 @@ class LayerNorm(Layer):
 
 
 class RMSNorm(Layer):
-    """Gemma's RMSNorm: computed in float32, scaled by (1 + weight). x (..., D) -> (..., D).
+    """RMSNorm computed in float32: x (..., D) -> (..., D), scaled by `weight` (Llama, Qwen, OLMo)
+    or, with `offset` (Gemma), by (1 + weight).
 
-    The checkpoint stores `weight` with the 1 removed (zeros means identity), as transformers does.
+    With `offset` the checkpoint stores `weight` with the 1 removed (zeros means identity), as
+    transformers does; without it, ones mean identity.
+
+    Example:
+        >>> RMSNorm(8, 1e-6, offset=False)(torch.randn(2, 3, 8)).shape
+        torch.Size([2, 3, 8])
     """
 
-    def __init__(self, dim, eps=1e-6):
+    def __init__(self, dim, eps=1e-6, offset=True):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
         h = nn.functional.rms_norm(as_float32(x), x.shape[-1:], None, self.eps)
-        h = torch.addcmul(h, h, as_float32(self.weight))  # h * (1 + w) in one op
+        w = as_float32(self.weight)
+        h = torch.addcmul(h, h, w) if self.offset else h * w  # h * (1 + w) in one op
         # the weights' dtype: a float32 residual stream feeds float16 layers (Gemma's float16 path)
         dtype = self.weight.dtype
         return h if h.dtype == dtype else h.to(dtype)

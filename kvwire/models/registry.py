@@ -8,8 +8,9 @@ class Family:
     """Everything kvwire needs to build and load one model family.
 
     config_from_hf(dict) -> config; backbone(config) -> nn.Module; head(backbone) -> head module;
-    state_from_hf(state) / state_from_gguf(pairs) -> backbone state dict; config_from_gguf(meta, vocab,
-    source) -> config, its errors naming `source` (the file).
+    state_from_hf(state, config) / state_from_gguf(pairs, config) -> backbone state dict;
+    config_from_gguf(meta, vocab, source, tensor_names) -> config, its errors naming `source` (the file).
+    `gguf_architecture` is None for a family llama.cpp writes no files of.
     """
 
     name: str
@@ -42,8 +43,8 @@ def by_hf_model_type(model_type):
 
 def by_gguf_architecture(arch, path=""):
     for family in FAMILIES.values():
-        if family.gguf_architecture == arch:
+        if family.gguf_architecture is not None and family.gguf_architecture == arch:
             return family
-    known = sorted(f.gguf_architecture for f in FAMILIES.values())
+    known = sorted(f.gguf_architecture for f in FAMILIES.values() if f.gguf_architecture)
     raise ValueError(f"GGUF {path} has architecture {arch!r}, which kvwire does not support; supported: {known}")
 

@@ -1,7 +1,6 @@
-"""Gemma 3 (text): config, backbone, converters."""
-from ...layers import TiedHead
+"""Gemma 3 (text): its config and converters, on the shared decoder."""
+from ..decoder import DecoderBackbone, decoder_head
 from ..registry import Family, register
-from .backbone import Gemma3Backbone, Gemma3Block
 from .config import Gemma3Config
 from .convert import config_from_gguf, state_from_gguf, state_from_hf
 
@@ -11,11 +10,11 @@ FAMILY = register(Family(
     gguf_architecture="gemma3",
     config_cls=Gemma3Config,
     config_from_hf=Gemma3Config.from_hf,
-    backbone=Gemma3Backbone,
-    head=lambda b: TiedHead(b.embed_tokens, b.config.final_logit_softcapping),
+    backbone=lambda config: DecoderBackbone(config.decoder()),
+    head=decoder_head,
     state_from_hf=state_from_hf,
     state_from_gguf=state_from_gguf,
     config_from_gguf=config_from_gguf,
 ))
 
-__all__ = ["Gemma3Backbone", "Gemma3Block", "Gemma3Config", "FAMILY"]
+__all__ = ["Gemma3Config", "FAMILY"]

@@ -1,7 +1,9 @@
-"""Gemma 3 text config, with Hugging Face field names."""
+"""Gemma 3 text config, with Hugging Face field names, and its mapping onto the shared decoder."""
+import math
 from dataclasses import dataclass
 
 from ..config import check_fields, from_hf_dict
+from ..decoder import DecoderConfig
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -66,6 +68,23 @@ class Gemma3Config:
     def full_rope_factor(self):
         s = self.rope_scaling or {}
         return float(s.get("factor", 1.0)) if s.get("rope_type", s.get("type")) == "linear" else 1.0
+
+    def decoder(self):
+        """The shared decoder's config: sandwich norms with Gemma's (1 + w) offset, per-head QK-norm,
+        sqrt(hidden) embedding scale, sliding layers on `rope_local_base_freq` unscaled."""
+        c = self
+        return DecoderConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_act=c.hidden_activation,
+            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+            norm_placement="sandwich", norm_offset=True, attention_bias=c.attention_bias, qk_norm="head",
+            rope_theta=c.rope_theta, local_rope_theta=c.rope_local_base_freq,
+            rope_scaling=None if c.full_rope_factor == 1.0 else {"rope_type": "linear", "factor": c.full_rope_factor},
+            layer_types=c.layer_types, sliding_window=c.sliding_window,
+            final_logit_softcapping=c.final_logit_softcapping, query_scale=c.query_pre_attn_scalar**-0.5,
+            embedding_scale=math.sqrt(c.hidden_size), float32_residual=True,
+            bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id)
 
     @classmethod
     def from_hf(cls, d):

@@ -1,57 +1,26 @@
-"""Gemma 3 converters: Hugging Face state dicts and GGUF files -> kvwire names.
+"""Gemma 3 converters: Hugging Face state dicts and GGUF files -> the shared decoder's names.
 
 Module names already follow the HF checkpoint, so HF conversion only strips prefixes. GGUF names
 are llama.cpp's; llama.cpp also stores Gemma norm weights with the +1 folded in, which we undo.
 """
-import re
-
 from ..config import GGUFMetadata
+from ..decoder import convert
 from .config import Gemma3Config
 
-_HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-_HF_SKIP = ("lm_head.weight",)  # tied to the embedding
+
+def state_from_hf(state, config=None):
+    """HF Gemma3ForCausalLM/Gemma3TextModel state dict -> backbone state dict (names are the
+    shared decoder's already; the head is tied)."""
+    return convert.state_from_hf(state, _TIED)
 
 
-def state_from_hf(state):
-    """HF Gemma3ForCausalLM/Gemma3TextModel state dict -> backbone state dict."""
-    out = {}
-    for key, value in state.items():
-        if key in _HF_SKIP or key.endswith("embed_scale") or key.endswith("rotary_emb.inv_freq"):
-            continue
-        for prefix in _HF_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix):]
-                break
-        out[key] = value
-    return out
-
-
-_GGUF_BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
-
-
-def state_from_gguf(tensors):
+def state_from_gguf(tensors, config=None):
     """(gguf name, numpy array) pairs -> backbone state dict of numpy arrays."""
-    out = {}
-    for name, array in tensors:
-        if name == "output.weight":  # an untied copy of the embedding some files carry
-            continue
-        key = _GGUF_TOP.get(name)
-        if key is None:
-            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-            if not m or m.group(2) not in _GGUF_BLOCK:
-                raise ValueError(f"unexpected tensor {name!r} in a gemma3 GGUF file")
-            key = f"layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
-        if key.endswith("norm.weight"):
-            array = array - 1.0
-        out[key] = array
-    return out
+    return convert.state_from_gguf(tensors, "gemma3", _TIED, norm_offset=True)
+
+
+class _TIED:  # Gemma 3 always ties its head: an untied copy some files carry is dropped
+    tie_word_embeddings = True
 
 
 # the gemma3 keys llama.cpp writes or reads; any other `gemma3.*` key raises (GGUFMetadata)
@@ -64,7 +33,7 @@ _GGUF_KEYS = {
 }
 
 
-def config_from_gguf(meta, vocab_size, source="GGUF metadata"):
+def config_from_gguf(meta, vocab_size, source="GGUF metadata", tensor_names=()):
     """Gemma3Config from GGUF metadata. Keys llama.cpp requires are required here too; the others
     take llama.cpp's defaults. Errors name `source` (the file) and the key."""
     m = GGUFMetadata(meta, "gemma3", _GGUF_KEYS, source)

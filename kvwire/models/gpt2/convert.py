@@ -20,7 +20,7 @@ def _split_qkv(prefix, weight, bias, out):
         out[f"{prefix}attn.{name}.weight"], out[f"{prefix}attn.{name}.bias"] = w, b
 
 
-def state_from_hf(state):
+def state_from_hf(state, config=None):
     """HF GPT2LMHeadModel/GPT2Model state dict -> backbone state dict."""
     state = {k.removeprefix("transformer."): v for k, v in state.items()
              if k != "lm_head.weight" and not re.search(r"\.attn\.(masked_)?bias$", k)}
@@ -56,7 +56,7 @@ _GGUF_TOP = {"token_embd.weight": "wte.weight", "position_embd.weight": "wpe.wei
              "output_norm.weight": "ln_f.weight", "output_norm.bias": "ln_f.bias"}
 
 
-def state_from_gguf(tensors):
+def state_from_gguf(tensors, config=None):
     """(gguf name, numpy array) pairs -> backbone state dict (GGUF stores (out, in) already)."""
     out, qkv = {}, {}
     for name, array in tensors:
@@ -97,7 +97,7 @@ _GGUF_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward
               "attention.head_count", "attention.head_count_kv", "attention.layer_norm_epsilon"}
 
 
-def config_from_gguf(meta, vocab_size, source="GGUF metadata"):
+def config_from_gguf(meta, vocab_size, source="GGUF metadata", tensor_names=()):
     """GPT2Config from GGUF metadata (keys llama.cpp requires are required); errors name `source`."""
     m = GGUFMetadata(meta, "gpt2", _GGUF_KEYS, source)
     heads = m.int("attention.head_count")

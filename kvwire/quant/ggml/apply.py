@@ -51,7 +51,7 @@ def use_gguf_blocks(lm, path):
 
     gguf = GGUFFile(path)
     family = by_gguf_architecture(gguf.architecture, path)
-    sources = _row_sources(family, gguf)
+    sources = _row_sources(family, gguf, lm.config)
     swapped = 0
     for parent, name, child in linears(lm):
         key = _key_of(lm, child.weight)
@@ -68,7 +68,7 @@ def use_gguf_blocks(lm, path):
     return lm
 
 
-def _row_sources(family, gguf):
+def _row_sources(family, gguf, config):
     """{backbone key: (tensor name, row numbers)} for every quantised 2-D tensor of the file."""
     quantised = {i for i, (_, dims, kind, _) in enumerate(gguf.infos) if len(dims) == 2 and kind not in FLOAT_TYPES}
 
@@ -80,7 +80,7 @@ def _row_sources(family, gguf):
             else:
                 yield name, np.broadcast_to(np.float32(0), shape)  # costs no memory
     sources = {}
-    for key, value in family.state_from_gguf(stand_ins()).items():
+    for key, value in family.state_from_gguf(stand_ins(), config).items():
         value = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         if value.dtype != np.int64 or value.ndim != 2 or value.shape[1] != 1:
             continue

@@ -1,0 +1,150 @@
+"""Checkpoint names -> the shared decoder's names, for Hugging Face state dicts and GGUF files.
+
+The tables below are the whole list of renames; the real transforms are few, each a function:
+splitting fused projections (Phi-3), llama.cpp's Q/K row permutation (undone for `llama` files),
+and Gemma's norm offset (llama.cpp stores the weight with the 1 folded in).
+"""
+import re
+
+import numpy as np
+
+from ..config import GGUFMetadata
+
+_HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+# Llama-style checkpoints call their pre-MLP norm post_attention_layernorm (see backbone.py)
+PRE_NORM_RENAMES = {"post_attention_layernorm": "pre_feedforward_layernorm"}
+
+
+def state_from_hf(state, config, renames=None, split=None):
+    """HF state dict -> `DecoderBackbone` state dict.
+
+    `renames` maps a block's module names (the part after `layers.N.`, first dotted component(s))
+    to kvwire's; `split(key, value) -> {key: value}` handles fused tensors (None: none). A tied
+    model's `lm_head.weight` (a copy of the embedding) is dropped; an untied one is kept.
+    """
+    out = {}
+    for key, value in state.items():
+        if key.endswith("rotary_emb.inv_freq") or key.endswith("embed_scale"):
+            continue
+        for prefix in _HF_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+                break
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        m = re.fullmatch(r"(layers\.\d+\.)([\w.]+?)\.(weight|bias)", key)
+        if m and renames and m.group(2) in renames:
+            key = f"{m.group(1)}{renames[m.group(2)]}.{m.group(3)}"
+        out.update(split(key, value) if split else {key: value})
+    return out
+
+
+def split_rows(key, value, parts, sizes):
+    """Rows of a fused weight or bias (out, ...) split into `parts` of `sizes` rows each."""
+    if value.shape[0] != sum(sizes):
+        raise ValueError(f"fused tensor {key!r} has {value.shape[0]} rows; expected {sum(sizes)} "
+                         f"({' + '.join(map(str, sizes))} for {', '.join(parts)})")
+    out, start = {}, 0
+    for part, n in zip(parts, sizes):
+        out[part] = value[start:start + n]
+        start += n
+    return out
+
+
+_GGUF_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "lm_head.weight"}
+
+
+def state_from_gguf(tensors, arch, config, *, permuted_qk=False, norm_offset=False, split=None):
+    """(GGUF name, numpy array) pairs -> `DecoderBackbone` state dict of numpy arrays.
+
+    permuted_qk: undo llama.cpp's Q/K row permutation (its `llama` converter interleaves each
+    head's rotary halves for its NORM rope; transformers' GGUF loader undoes it the same way).
+    norm_offset: subtract the 1 that llama.cpp folds into Gemma's norm weights.
+    split(key, array) -> {key: array}: fused tensors (Phi-3's attn_qkv, ffn_up).
+    """
+    out = {}
+    for name, array in tensors:
+        key = _GGUF_TOP.get(name)
+        if name == "output.weight" and config.tie_word_embeddings:
+            continue  # some tied files carry a copy of the embedding
+        if key is None:
+            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+            if not m or m.group(2) not in _GGUF_BLOCK and not (split and m.group(2) in ("attn_qkv",)):
+                raise ValueError(f"unexpected tensor {name!r} in a {arch} GGUF file")
+            part = _GGUF_BLOCK.get(m.group(2), m.group(2))
+            key = f"layers.{m.group(1)}.{part}.{m.group(3)}"
+            if permuted_qk and m.group(2) in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
+                array = unpermute_qk(array, heads, name)
+        if norm_offset and key.endswith("norm.weight"):
+            array = array - 1.0
+        out.update(split(key, array) if split else {key: array})
+    return out
+
+
+def unpermute_qk(rows, heads, name="tensor"):
+    """Undo llama.cpp's `permute`: per head, its rows were reordered from [first half, second half]
+    (rotate-half) to interleaved pairs. rows (out, ...) with out = heads * head_dim -> same shape.
+    Only whole rows move, so this also maps row numbers (see quant.ggml's `use_gguf_blocks`)."""
+    out = rows.shape[0]
+    if out % (2 * heads):
+        raise ValueError(f"GGUF tensor {name!r} has {out} rows, which do not split into {heads} heads of even size")
+    return np.ascontiguousarray(rows.reshape(heads, out // heads // 2, 2, *rows.shape[1:])
+                                .swapaxes(1, 2).reshape(rows.shape))
+
+
+# the keys llama.cpp writes for these architectures; any other `<arch>.*` key raises (GGUFMetadata)
+GGUF_KEYS = frozenset("""
+context_length embedding_length block_count feed_forward_length vocab_size attention.head_count
+attention.head_count_kv attention.key_length attention.value_length attention.layer_norm_rms_epsilon
+rope.freq_base rope.dimension_count rope.scaling.type rope.scaling.factor rope.scaling.original_context_length
+rope.scaling.finetuned
+""".split())
+
+
+def config_from_gguf(meta, arch, vocab_size, source, tensor_names, *, keys=(), **fields):
+    """The `DecoderConfig` fields every llama-like GGUF file gives, plus `fields` from the family.
+    Keys llama.cpp requires are required; the others take llama.cpp's defaults. `keys`: more
+    `<arch>.*` keys the family reads itself (through the returned `GGUFMetadata`).
+
+    Returns (fields dict for DecoderConfig, the GGUFMetadata)."""
+    m = GGUFMetadata(meta, arch, GGUF_KEYS | set(keys), source)
+    heads, hidden = m.int("attention.head_count"), m.int("embedding_length")
+    head_dim = m.int("attention.key_length", hidden // heads)
+    if m.int("attention.value_length", head_dim) != head_dim:
+        m.fail("attention.value_length", f"= {meta[f'{arch}.attention.value_length']} differs from the key "
+               f"length {head_dim}; kvwire uses one head size")
+    rotary = m.int("rope.dimension_count", head_dim)
+    if m.int("vocab_size", vocab_size) != vocab_size:
+        m.fail("vocab_size", f"= {meta[f'{arch}.vocab_size']}, but the tokenizer lists {vocab_size} tokens")
+    if "rope_freqs.weight" in tensor_names:  # Llama 3.1's frequency factors, stored as a tensor
+        raise ValueError(f"{source}: rope_freqs.weight (rope frequency factors) is not supported yet")
+    return dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=m.int("feed_forward_length"),
+        num_hidden_layers=m.int("block_count"), num_attention_heads=heads,
+        num_key_value_heads=m.int("attention.head_count_kv", heads), head_dim=head_dim,
+        max_position_embeddings=m.int("context_length"),
+        rms_norm_eps=m.float("attention.layer_norm_rms_epsilon", strict=False),
+        rope_theta=m.float("rope.freq_base", 10_000.0), rope_scaling=_rope_scaling(m),
+        partial_rotary_factor=rotary / head_dim, tie_word_embeddings="output.weight" not in tensor_names,
+        **fields), m
+
+
+def _rope_scaling(m):
+    """llama.cpp's rope.scaling.type "none" or "linear" (a missing or zero factor means 1, as in
+    llama.cpp); other types are refused: loading them unscaled would be a wrong model."""
+    kind = m.str("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        m.fail("rope.scaling.type", f"= {kind!r} is not supported in GGUF files yet (kvwire reads 'none' and 'linear')")
+    factor = m.float("rope.scaling.factor", 0.0, strict=False)
+    if kind == "none" or factor in (0.0, 1.0):
+        return None
+    return {"rope_type": "linear", "factor": factor}
