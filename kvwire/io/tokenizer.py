@@ -2,10 +2,10 @@
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
+from .tokenizer_gguf import PRE_TOKENIZER_SPLITS, add_special_tokens, byte_level_bpe, sentencepiece_bpe
+
 # deriving sentencepiece merges costs the sum of squared token lengths: Gemma 3's 262k tokens sum
 # to 1.1e7 (~2 s); a hostile vocabulary of long tokens must not take hours
 _MERGE_WORK = 5e7
@@ -114,7 +114,9 @@ def tokenizer_from_gguf(gguf):
         types = [1] * len(tokens)
     _check_list(path, "tokenizer.ggml.token_type", types, int, "integers", len(tokens))
     bos, eos = (_token_id(path, field, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("bos", "eos"))
-    default_bos = kind == "llama"  # llama.cpp adds BOS to sentencepiece vocabularies unless told not to
+    # llama.cpp adds BOS to sentencepiece vocabularies unless told not to (and to byte-level ones whose
+    # pre is in the llama3 group or tekken, where transformers, followed here, adds none)
+    default_bos = kind == "llama"
     add_bos = field("tokenizer.ggml.add_bos_token", default_bos)
     if type(add_bos) is not bool:
         raise ValueError(f"{path}: tokenizer.ggml.add_bos_token = {add_bos!r}; expected true or false")
@@ -122,6 +124,11 @@ def tokenizer_from_gguf(gguf):
         raise ValueError(f"{path}: tokenizer.ggml.add_bos_token is true but there is no tokenizer.ggml.bos_token_id")
     if kind not in ("llama", "gpt2"):
         raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (expected 'llama' or 'gpt2')")
+    add_eos = field("tokenizer.ggml.add_eos_token", False)
+    if add_eos is not False:  # transformers would append EOS; kvwire's Tokenizer (and export sidecar) cannot
+        raise ValueError(f"{path}: tokenizer.ggml.add_eos_token = {add_eos!r}; kvwire never appends EOS to "
+                         f"encoded text, so it expects false or no such key")
+    pre = _pre_tokenizer(path, field) if kind == "gpt2" else None
     merges = field("tokenizer.ggml.merges") if kind == "gpt2" else []
     if merges is None:  # llama.cpp refuses a BPE vocabulary without them too
         raise ValueError(f"{path}: a gpt2 tokenizer needs tokenizer.ggml.merges, which the file lacks")
@@ -133,13 +140,31 @@ def tokenizer_from_gguf(gguf):
     if work > _MERGE_WORK:
         raise ValueError(f"{path}: tokenizer.ggml.tokens are too long to derive merges from (the sum of their "
                          f"squared lengths is {work}; kvwire allows {_MERGE_WORK:.0e}, Gemma 3 needs 1.1e7)")
+    named = [_token_id(path, field, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("unknown", "padding")]
+    named = list(dict.fromkeys(i for i in [bos, eos, *named] if i is not None))
     try:  # the tokenizers library raises plain Exceptions on inconsistent vocabularies
-        backend = _sentencepiece_bpe(tokens) if kind == "llama" else _byte_level_bpe(tokens, merges)
-        _add_special_tokens(backend, tokens, types)
+        backend = sentencepiece_bpe(tokens) if kind == "llama" else byte_level_bpe(tokens, merges, pre)
+        unspelled = add_special_tokens(backend, tokens, types, named, byte_level=kind == "gpt2")
     except Exception as e:
         raise ValueError(f"{path}: the tokenizer metadata does not make a tokenizer: {e}") from e
+    if unspelled:  # the model could not embed the new id past the vocabulary transformers would give it
+        raise ValueError(f"{path}: special token {unspelled[0]!r} (a bos/eos/unknown/padding token id) is not "
+                         f"spelled in the byte-level alphabet, so transformers would give it an id past the "
+                         f"vocabulary; expected byte-alphabet characters only")
     extra_eos = [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]  # Gemma's chat turn end
     return Tokenizer(backend, bos, [e for e in [eos, *extra_eos] if e is not None], add_bos)
+
+
+def _pre_tokenizer(path, field):
+    """The checked `tokenizer.ggml.pre` of a gpt2 vocabulary; a file without one (or with '') reads
+    as 'default', as in llama.cpp (which warns) and transformers."""
+    pre = field("tokenizer.ggml.pre")
+    if pre is None or pre == "":
+        return "default"
+    if type(pre) is not str or pre not in PRE_TOKENIZER_SPLITS:
+        raise ValueError(f"{path}: tokenizer.ggml.pre = {pre!r} is not a pre-tokenizer kvwire knows; "
+                         f"supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}")
+    return pre
 
 
 def _check_list(path, key, values, kind, what, length=None):
@@ -156,52 +181,3 @@ def _token_id(path, field, key, n_tokens):
     if value is not None and not (type(value) is int and 0 <= value < n_tokens):
         raise ValueError(f"{path}: {key} = {value!r} is not a token id (expected an integer in [0, {n_tokens}))")
     return value
-
-
-def _sentencepiece_bpe(tokens):
-    """SentencePiece-style BPE with byte fallback and no prefix space (Gemma).
-
-    GGUF stores runs of spaces as real spaces, while the model sees them as '\u2581'; and it lists
-    no merges, so they are derived from the vocabulary: every split of a token into two tokens,
-    ranked by the merged token's position in the file (Gemma's file order is its merge order).
-    """
-    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
-    merges = []
-    for rank, token in enumerate(vocab):
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                merges.append((vocab[token], -len(left), -len(right), left, right))
-    merges.sort()
-    model = models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token="<unk>",
-                       fuse_unk=True, byte_fallback=True)
-    backend = Backend(model)
-    backend.normalizer = normalizers.Replace(" ", "\u2581")
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    return backend
-
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-
-def _byte_level_bpe(tokens, merges):
-    """GPT-2's byte-level BPE; GGUF tokens are already spelled in the byte alphabet."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    model = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
-    backend = Backend(model)
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _add_special_tokens(backend, tokens, types):
-    """Control tokens become special tokens; user-defined ones are matched whole (as llama.cpp does)."""
-    vocab = backend.get_vocab()
-    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
-    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
-            if k == _USER_DEFINED and t in vocab]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
