@@ -86,11 +86,11 @@ def test_not_a_gguf_file(tmp_path):
 def test_unsupported_architecture_is_named(tmp_path):
     from gguf import GGUFWriter
 
-    path = tmp_path / "llama.gguf"
-    w = GGUFWriter(str(path), "llama")
+    path = tmp_path / "mamba.gguf"
+    w = GGUFWriter(str(path), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match="architecture 'llama'.*supported: \\['gemma3', 'gpt2'\\]"):
+    with pytest.raises(ValueError, match="architecture 'mamba'.*supported: \\['gemma2', 'gemma3', 'gpt2', 'llama', 'phi3', 'qwen2', 'qwen3'\\]"):
         kw.load(path, progress=False)
 
 

@@ -1,5 +1,5 @@
 """Model families. Importing this package registers every family."""
-from . import gemma3, gpt2
+from . import gemma, gemma2, gemma3, gpt2, granite, llama, mistral, olmo2, phi3, qwen2, qwen3
 from .registry import FAMILIES, by_gguf_architecture, by_hf_model_type
 
-__all__ = ["FAMILIES", "by_gguf_architecture", "by_hf_model_type", "gemma3", "gpt2"]
+__all__ = ["FAMILIES", "by_gguf_architecture", "by_hf_model_type"]

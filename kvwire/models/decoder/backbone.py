@@ -51,11 +51,7 @@ class DecoderBlock(Block):
 def _rotary(c, sliding):
     """Sliding layers use `local_rope_theta` unscaled when the config sets it (Gemma 3)."""
     if sliding and c.local_rope_theta is not None:
-        return Rotary(c.head_dim, c.local_rope_theta)
-    if c.rope_scaling is None and c.rotary_dim == c.head_dim:  # TEMP until Rotary takes scaling dicts
-        return Rotary(c.head_dim, c.rope_theta)
-    if c.rope_scaling.get("rope_type") == "linear" and c.rotary_dim == c.head_dim:
-        return Rotary(c.head_dim, c.rope_theta, c.rope_scaling["factor"])
+        return Rotary(c.head_dim, c.local_rope_theta, rotary_dim=c.rotary_dim)
     return Rotary(c.head_dim, c.rope_theta, c.rope_scaling, rotary_dim=c.rotary_dim,
                   max_position_embeddings=c.max_position_embeddings)
 

@@ -6,6 +6,7 @@ the backbone reads nothing else.
 from dataclasses import dataclass
 
 from ...layers.mlp import activation
+from ...layers.rope_scaling import check_rope_scaling
 from ..config import check_fields
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -111,11 +112,7 @@ class DecoderConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} rotates {self.rotary_dim} of "
                              f"{self.head_dim} head dims; expected an even number > 0 and a factor in (0, 1]")
-        try:  # TEMP until rope_scaling lands
-            from ...layers.rope_scaling import check_rope_scaling
-        except ImportError:
-            check_rope_scaling = lambda s: s  # noqa: E731
-        set_("rope_scaling", check_rope_scaling(self.rope_scaling))
+        set_("rope_scaling", check_rope_scaling(self.rope_scaling, rotary_dim=self.rotary_dim))
 
     @property
     def rotary_dim(self):

@@ -18,8 +18,8 @@ PRE_NORM_RENAMES = {"post_attention_layernorm": "pre_feedforward_layernorm"}
 def state_from_hf(state, config, renames=None, split=None):
     """HF state dict -> `DecoderBackbone` state dict.
 
-    `renames` maps a block's module names (the part after `layers.N.`, first dotted component(s))
-    to kvwire's; `split(key, value) -> {key: value}` handles fused tensors (None: none). A tied
+    `renames` maps a block's module names (the part after `layers.N.`) to kvwire's;
+    `split(key, value, config) -> {key: value}` handles fused tensors (None: none). A tied
     model's `lm_head.weight` (a copy of the embedding) is dropped; an untied one is kept.
     """
     out = {}
@@ -35,12 +35,12 @@ def state_from_hf(state, config, renames=None, split=None):
         m = re.fullmatch(r"(layers\.\d+\.)([\w.]+?)\.(weight|bias)", key)
         if m and renames and m.group(2) in renames:
             key = f"{m.group(1)}{renames[m.group(2)]}.{m.group(3)}"
-        out.update(split(key, value) if split else {key: value})
+        out.update(split(key, value, config) if split else {key: value})
     return out
 
 
 def split_rows(key, value, parts, sizes):
-    """Rows of a fused weight or bias (out, ...) split into `parts` of `sizes` rows each."""
+    """Rows of a fused weight or bias (out, ...) split into `parts` of `sizes` rows each: {part: rows}."""
     if value.shape[0] != sum(sizes):
         raise ValueError(f"fused tensor {key!r} has {value.shape[0]} rows; expected {sum(sizes)} "
                          f"({' + '.join(map(str, sizes))} for {', '.join(parts)})")
@@ -68,7 +68,7 @@ def state_from_gguf(tensors, arch, config, *, permuted_qk=False, norm_offset=Fal
     permuted_qk: undo llama.cpp's Q/K row permutation (its `llama` converter interleaves each
     head's rotary halves for its NORM rope; transformers' GGUF loader undoes it the same way).
     norm_offset: subtract the 1 that llama.cpp folds into Gemma's norm weights.
-    split(key, array) -> {key: array}: fused tensors (Phi-3's attn_qkv, ffn_up).
+    split(key, array, config) -> {key: array}: fused tensors (Phi-3's attn_qkv, ffn_up).
     """
     out = {}
     for name, array in tensors:
@@ -86,7 +86,7 @@ def state_from_gguf(tensors, arch, config, *, permuted_qk=False, norm_offset=Fal
                 array = unpermute_qk(array, heads, name)
         if norm_offset and key.endswith("norm.weight"):
             array = array - 1.0
-        out.update(split(key, array) if split else {key: array})
+        out.update(split(key, array, config) if split else {key: array})
     return out
 
 
@@ -135,6 +135,7 @@ def config_from_gguf(meta, arch, vocab_size, source, tensor_names, *, keys=(), *
         rms_norm_eps=m.float("attention.layer_norm_rms_epsilon", strict=False),
         rope_theta=m.float("rope.freq_base", 10_000.0), rope_scaling=_rope_scaling(m),
         partial_rotary_factor=rotary / head_dim, tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         **fields), m
 
 

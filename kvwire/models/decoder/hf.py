@@ -4,6 +4,7 @@ A family says which HF keys it reads beyond the common ones, which keys have a s
 value, and the decoder fields that are fixed for it (its norm placement, biases, ...). Any other key
 raises: a key kvwire does not read may change the computation.
 """
+from ...layers.rope_scaling import rope_from_hf
 from ..config import HF_BOOKKEEPING
 from .config import DecoderConfig
 
@@ -31,9 +32,7 @@ def decoder_config(d, family, *, keys=(), renames=None, must_be=None, defaults=N
     """
     if not isinstance(d, dict):
         raise ValueError(f"{family} config: expected a config dict (a JSON object), got {type(d).__name__}")
-    from ...layers.rope_scaling import rope_from_hf
-
-    d = {**(defaults or {}), **{k: v for k, v in d.items() if not (k in (defaults or {}) and v is None)}}
+    d = {**(defaults or {}), **d}  # a key given as None stays None (Gemma 2: no soft-cap)
     theta, scaling, partial = rope_from_hf(d)  # pops the rope keys of either form
     renames, must_be = renames or {}, {**MUST_BE, **(must_be or {})}
     kwargs, unknown = {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial}, []
