@@ -118,8 +118,7 @@ def load_gguf(path, dtype=torch.float32, progress=True):
         gguf = GGUFFile(path)
         family = by_gguf_architecture(gguf.architecture, path)
         tokenizer = tokenizer_from_gguf(gguf)
-        config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path),
-                                         [info[0] for info in gguf.infos])
+        config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path), gguf)
         state = family.state_from_gguf(gguf.tensors(progress), config)
         _check_finite(state)
         lm = build(family, config, state, tokenizer, dtype)

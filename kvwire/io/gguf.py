@@ -44,6 +44,17 @@ class GGUFFile:
     def field(self, name, default=None):
         return self.metadata.get(name, default)
 
+    @property
+    def tensor_names(self):
+        return [info[0] for info in self.infos]
+
+    def tensor(self, name):
+        """One tensor as a float32 numpy array (e.g. rope frequency factors a config reads)."""
+        for info in self.infos:
+            if info[0] == name:
+                return self._tensor(*info)
+        raise ValueError(f"{self.path} has no tensor {name!r}")
+
     def tensors(self, progress=True):
         """Yield (name, float32 numpy array in row-major (out, in) layout) for every tensor."""
         for name, dims, kind, offset in tqdm(self.infos, desc=f"dequantising {len(self.infos)} tensors",

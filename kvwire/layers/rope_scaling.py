@@ -46,6 +46,7 @@ _CHECKS = {
     "truncate": (lambda v: isinstance(v, bool), "True or False"),
     "short_factor": (_is_factor_list, "a list of finite numbers > 0, one per rotated frequency"),
     "long_factor": (_is_factor_list, "a list of finite numbers > 0, one per rotated frequency"),
+    "frequency_factors": (_is_factor_list, "a list of finite numbers > 0, one per rotated frequency"),
 }
 
 
@@ -103,9 +104,9 @@ def check_rope_scaling(scaling, *, rotary_dim=None):
     if kind == "llama3" and s["high_freq_factor"] <= s["low_freq_factor"]:
         raise ValueError(f"rope_scaling llama3: high_freq_factor={s['high_freq_factor']} must be greater than "
                          f"low_freq_factor={s['low_freq_factor']} (the smoothing divides by their difference)")
-    for name in ("short_factor", "long_factor"):
+    for name in ("short_factor", "long_factor", "frequency_factors"):
         if name in s and rotary_dim is not None and len(s[name]) != rotary_dim // 2:
-            raise ValueError(f"rope_scaling longrope: {name} has {len(s[name])} entries; expected "
+            raise ValueError(f"rope_scaling {kind}: {name} has {len(s[name])} entries; expected "
                              f"rotary_dim / 2 = {rotary_dim // 2} (one per rotated frequency)")
     if kind == "default":
         return None
@@ -155,6 +156,12 @@ def _default(p, base, dim):
 
 def _linear(p, base, dim):  # _compute_linear_scaling_rope_parameters
     return {"inv_freq": 1.0 / (base ** _exponents(dim)) / p["factor"]}
+
+
+def _frequency_factors(p, base, dim):
+    """llama.cpp's `rope_freqs` tensor (Llama 3.x GGUF files): the default frequencies divided by
+    per-frequency factors, which its converter computes from the llama3 parameters."""
+    return {"inv_freq": 1.0 / (base ** _exponents(dim)) / torch.tensor(p["frequency_factors"], dtype=torch.float32, device="cpu")}
 
 
 def _dynamic_defaults(p, dim, max_position_embeddings):
@@ -268,6 +275,8 @@ ROPE_TYPES = {
                                     "mscale_all_dim", "truncate"), _yarn, _yarn_defaults),
     "longrope": _RopeType(("short_factor", "long_factor"), ("factor", _ORIGINAL, "attention_factor"),
                           _longrope, _longrope_defaults, _longrope_call),
+    # kvwire's own, not transformers': what a GGUF file stores instead of llama3's parameters
+    "frequency_factors": _RopeType(("frequency_factors",), (), _frequency_factors),
 }
 
 

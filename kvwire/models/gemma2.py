@@ -31,15 +31,15 @@ def _scale(scalar):
 _KEYS = ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
 
 
-def config_from_gguf(meta, vocab_size, source, tensor_names):
-    fields, m = gguf_fields(meta, "gemma2", vocab_size, source, tensor_names, keys=_KEYS, **_GEMMA)
+def config_from_gguf(meta, vocab_size, source, file):
+    fields, m = gguf_fields(meta, "gemma2", vocab_size, source, file, keys=_KEYS, **_GEMMA)
     n, hidden, heads = fields["num_hidden_layers"], fields["hidden_size"], fields["num_attention_heads"]
     # no query_pre_attn_scalar in the file: like llama.cpp, head_dim, but hidden / heads for the
     # 46-layer 27B model
     scalar = hidden // heads if n == 46 else fields["head_dim"]
     fields["tie_word_embeddings"] = True  # Gemma ties its head; a file's output.weight is a copy
     return DecoderConfig(
-        **fields, query_scale=scalar**-0.5, embedding_scale=math.sqrt(hidden),
+        **fields, hidden_act="gelu_pytorch_tanh", query_scale=scalar**-0.5, embedding_scale=math.sqrt(hidden),
         sliding_window=m.int("attention.sliding_window"),
         layer_types=tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)),
         attn_logit_softcapping=m.float("attn_logit_softcapping", None),

@@ -10,9 +10,9 @@ def config_from_hf(d):
     return decoder_config(d, "llama", keys=("attention_bias", "mlp_bias"), defaults={"tie_word_embeddings": False})
 
 
-def config_from_gguf(meta, vocab_size, source, tensor_names):
-    fields, _ = gguf_fields(meta, "llama", vocab_size, source, tensor_names,
-                            attention_bias="blk.0.attn_q.bias" in tensor_names)
+def config_from_gguf(meta, vocab_size, source, file):
+    fields, _ = gguf_fields(meta, "llama", vocab_size, source, file,
+                            attention_bias="blk.0.attn_q.bias" in file.tensor_names)
     return DecoderConfig(**fields)
 
 

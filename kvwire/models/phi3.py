@@ -1,5 +1,7 @@
 """Phi-3: fused `qkv_proj` and `gate_up_proj` (split on load), partial rotary, longrope with
 `original_max_position_embeddings`, an optional window on every layer."""
+import re
+
 from .decoder import DecoderConfig, decoder_config, decoder_family, gguf_fields
 from .decoder.convert import split_rows
 
@@ -19,26 +21,34 @@ def config_from_hf(d):
 def split(key, value, config):
     """Fused rows: qkv_proj (GGUF attn_qkv) -> q, k, v; gate_up_proj (GGUF: an ffn_up twice the
     MLP width) -> gate, up."""
-    c, (prefix, _, rest) = config, key.partition(".self_attn.") if ".self_attn." in key else key.rpartition(".mlp.")
-    kind = key.rsplit(".", 1)[1]
-    if rest.startswith("qkv_proj.") or key.endswith((".attn_qkv.weight", ".attn_qkv.bias")):
-        prefix = prefix.removesuffix(".attn_qkv." + kind)
+    c = config
+    m = re.fullmatch(r"(layers\.\d+)\.(self_attn\.qkv_proj|attn_qkv|mlp\.gate_up_proj|mlp\.up_proj)\.(weight|bias)", key)
+    if m is None:
+        return {key: value}
+    layer, part, kind = m.groups()
+    if part in ("self_attn.qkv_proj", "attn_qkv"):
         kv = c.num_key_value_heads * c.head_dim
-        return split_rows(key, value, [f"{prefix}.self_attn.{p}_proj.{kind}" for p in "qkv"],
+        return split_rows(key, value, [f"{layer}.self_attn.{p}_proj.{kind}" for p in "qkv"],
                           (c.num_attention_heads * c.head_dim, kv, kv))
-    if rest == "gate_up_proj.weight" or (rest == "up_proj.weight" and value.shape[0] == 2 * c.intermediate_size):
-        return split_rows(key, value, [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up")],
+    if part == "mlp.gate_up_proj" or value.shape[0] == 2 * c.intermediate_size:
+        return split_rows(key, value, [f"{layer}.mlp.{p}_proj.{kind}" for p in ("gate", "up")],
                           (c.intermediate_size, c.intermediate_size))
     return {key: value}
 
 
-def config_from_gguf(meta, vocab_size, source, tensor_names):
-    if any(n.startswith("rope_factors_") for n in tensor_names):
-        raise ValueError(f"{source}: longrope factors (rope_factors_long/short tensors) are not supported in "
-                         f"GGUF files yet; load the Hugging Face folder instead")
-    fields, m = gguf_fields(meta, "phi3", vocab_size, source, tensor_names, keys=("attention.sliding_window",),
-                            attention_bias="blk.0.attn_qkv.bias" in tensor_names)
-    window = m.int("attention.sliding_window", None)  # as config.json's: every layer slides
+_KEYS = ("attention.sliding_window", "rope.scaling.attn_factor")
+
+
+def config_from_gguf(meta, vocab_size, source, file):
+    fields, m = gguf_fields(meta, "phi3", vocab_size, source, file, keys=_KEYS,
+                            attention_bias="blk.0.attn_qkv.bias" in file.tensor_names)
+    if "rope_factors_long.weight" in file.tensor_names:  # longrope: its factors are tensors
+        fields["rope_scaling"] = {
+            "rope_type": "longrope", "long_factor": file.tensor("rope_factors_long.weight").tolist(),
+            "short_factor": file.tensor("rope_factors_short.weight").tolist(),
+            "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
+            "attention_factor": m.float("rope.scaling.attn_factor", None)}
+    window = m.int("attention.sliding_window", None, minimum=0) or None  # 0: none; else every layer slides
     types = None if window is None else ("sliding_attention",) * fields["num_hidden_layers"]
     return DecoderConfig(**fields, sliding_window=window, layer_types=types)
 

@@ -20,9 +20,9 @@ def config_from_hf(d):
                           attention_bias=True, attention_out_bias=False)
 
 
-def config_from_gguf(meta, vocab_size, source, tensor_names):
+def config_from_gguf(meta, vocab_size, source, file):
     # llama.cpp's qwen2 reads no window: every layer full
-    fields, _ = gguf_fields(meta, "qwen2", vocab_size, source, tensor_names, attention_bias=True,
+    fields, _ = gguf_fields(meta, "qwen2", vocab_size, source, file, attention_bias=True,
                             attention_out_bias=False)
     return DecoderConfig(**fields)
 

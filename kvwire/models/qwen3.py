@@ -9,9 +9,9 @@ def config_from_hf(d):
                           defaults={"tie_word_embeddings": False}, qk_norm="head")
 
 
-def config_from_gguf(meta, vocab_size, source, tensor_names):
-    fields, _ = gguf_fields(meta, "qwen3", vocab_size, source, tensor_names, qk_norm="head",
-                            attention_bias="blk.0.attn_q.bias" in tensor_names)
+def config_from_gguf(meta, vocab_size, source, file):
+    fields, _ = gguf_fields(meta, "qwen3", vocab_size, source, file, qk_norm="head",
+                            attention_bias="blk.0.attn_q.bias" in file.tensor_names)
     return DecoderConfig(**fields)
 
 

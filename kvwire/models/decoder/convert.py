@@ -58,6 +58,7 @@ _GGUF_BLOCK = {
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GGUF_TOP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
              "output.weight": "lm_head.weight"}
 
@@ -72,6 +73,8 @@ def state_from_gguf(tensors, arch, config, *, permuted_qk=False, norm_offset=Fal
     """
     out = {}
     for name, array in tensors:
+        if name in _ROPE_TENSORS:  # read into the config's rope scaling, not weights
+            continue
         key = _GGUF_TOP.get(name)
         if name == "output.weight" and config.tie_word_embeddings:
             continue  # some tied files carry a copy of the embedding
@@ -106,14 +109,16 @@ GGUF_KEYS = frozenset("""
 context_length embedding_length block_count feed_forward_length vocab_size attention.head_count
 attention.head_count_kv attention.key_length attention.value_length attention.layer_norm_rms_epsilon
 rope.freq_base rope.dimension_count rope.scaling.type rope.scaling.factor rope.scaling.original_context_length
-rope.scaling.finetuned
+rope.scaling.finetuned rope.scaling.yarn_ext_factor rope.scaling.yarn_attn_factor rope.scaling.yarn_beta_fast
+rope.scaling.yarn_beta_slow
 """.split())
 
 
-def config_from_gguf(meta, arch, vocab_size, source, tensor_names, *, keys=(), **fields):
+def config_from_gguf(meta, arch, vocab_size, source, file, *, keys=(), **fields):
     """The `DecoderConfig` fields every llama-like GGUF file gives, plus `fields` from the family.
     Keys llama.cpp requires are required; the others take llama.cpp's defaults. `keys`: more
-    `<arch>.*` keys the family reads itself (through the returned `GGUFMetadata`).
+    `<arch>.*` keys the family reads itself (through the returned `GGUFMetadata`); `file`: the
+    `GGUFFile` (its tensor names; Llama 3.x's `rope_freqs` factors).
 
     Returns (fields dict for DecoderConfig, the GGUFMetadata)."""
     m = GGUFMetadata(meta, arch, GGUF_KEYS | set(keys), source)
@@ -125,27 +130,39 @@ def config_from_gguf(meta, arch, vocab_size, source, tensor_names, *, keys=(), *
     rotary = m.int("rope.dimension_count", head_dim)
     if m.int("vocab_size", vocab_size) != vocab_size:
         m.fail("vocab_size", f"= {meta[f'{arch}.vocab_size']}, but the tokenizer lists {vocab_size} tokens")
-    if "rope_freqs.weight" in tensor_names:  # Llama 3.1's frequency factors, stored as a tensor
-        raise ValueError(f"{source}: rope_freqs.weight (rope frequency factors) is not supported yet")
+    names = file.tensor_names
+    scaling = _rope_scaling(m)
+    if "rope_freqs.weight" in names:  # Llama 3.x: llama3's scaling, precomputed per frequency
+        if scaling is not None:
+            m.fail("rope.scaling.type", f"= {scaling['rope_type']!r} and a rope_freqs tensor: expected one scaling")
+        scaling = {"rope_type": "frequency_factors", "frequency_factors": file.tensor("rope_freqs.weight").tolist()}
     return dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=m.int("feed_forward_length"),
         num_hidden_layers=m.int("block_count"), num_attention_heads=heads,
         num_key_value_heads=m.int("attention.head_count_kv", heads), head_dim=head_dim,
         max_position_embeddings=m.int("context_length"),
         rms_norm_eps=m.float("attention.layer_norm_rms_epsilon", strict=False),
-        rope_theta=m.float("rope.freq_base", 10_000.0), rope_scaling=_rope_scaling(m),
-        partial_rotary_factor=rotary / head_dim, tie_word_embeddings="output.weight" not in tensor_names,
+        rope_theta=m.float("rope.freq_base", 10_000.0), rope_scaling=scaling,
+        partial_rotary_factor=rotary / head_dim, tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         **fields), m
 
 
 def _rope_scaling(m):
-    """llama.cpp's rope.scaling.type "none" or "linear" (a missing or zero factor means 1, as in
-    llama.cpp); other types are refused: loading them unscaled would be a wrong model."""
+    """llama.cpp's rope.scaling.type "none", "linear" or "yarn" (a missing or zero factor means 1,
+    as in llama.cpp); other types are refused: loading them unscaled would be a wrong model."""
     kind = m.str("rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
-        m.fail("rope.scaling.type", f"= {kind!r} is not supported in GGUF files yet (kvwire reads 'none' and 'linear')")
+    if kind not in ("none", "linear", "yarn"):
+        m.fail("rope.scaling.type", f"= {kind!r} is not supported (kvwire reads 'none', 'linear' and 'yarn')")
     factor = m.float("rope.scaling.factor", 0.0, strict=False)
     if kind == "none" or factor in (0.0, 1.0):
         return None
+    if kind == "yarn":
+        if m.float("rope.scaling.yarn_ext_factor", 1.0, strict=False) != 1.0:
+            m.fail("rope.scaling.yarn_ext_factor", "is not 1.0; transformers' yarn has no extrapolation factor")
+        optional = {"attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
+        read = {name: m.float(f"rope.scaling.{key}", None, strict=False) for name, key in optional.items()}
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
+                **{k: v for k, v in read.items() if v is not None}}
     return {"rope_type": "linear", "factor": factor}

@@ -11,7 +11,7 @@ def decoder_family(name, hf_model_types, config_from_hf, *, gguf_architecture=No
 
     Args:
         hf_model_types: HF `model_type`s it loads. config_from_hf(dict) -> DecoderConfig.
-        gguf_architecture / config_from_gguf(meta, vocab_size, source, tensor_names) -> DecoderConfig:
+        gguf_architecture / config_from_gguf(meta, vocab_size, source, file) -> DecoderConfig:
             its GGUF files, if llama.cpp writes any. hf_renames / hf_split: HF name rules
             (`convert.state_from_hf`); gguf_rules: `convert.state_from_gguf`'s keywords.
     """

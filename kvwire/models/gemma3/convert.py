@@ -33,7 +33,7 @@ _GGUF_KEYS = {
 }
 
 
-def config_from_gguf(meta, vocab_size, source="GGUF metadata", tensor_names=()):
+def config_from_gguf(meta, vocab_size, source="GGUF metadata", file=None):
     """Gemma3Config from GGUF metadata. Keys llama.cpp requires are required here too; the others
     take llama.cpp's defaults. Errors name `source` (the file) and the key."""
     m = GGUFMetadata(meta, "gemma3", _GGUF_KEYS, source)

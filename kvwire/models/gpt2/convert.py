@@ -97,7 +97,7 @@ _GGUF_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward
               "attention.head_count", "attention.head_count_kv", "attention.layer_norm_epsilon"}
 
 
-def config_from_gguf(meta, vocab_size, source="GGUF metadata", tensor_names=()):
+def config_from_gguf(meta, vocab_size, source="GGUF metadata", file=None):
     """GPT2Config from GGUF metadata (keys llama.cpp requires are required); errors name `source`."""
     m = GGUFMetadata(meta, "gpt2", _GGUF_KEYS, source)
     heads = m.int("attention.head_count")
