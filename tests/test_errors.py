@@ -8,13 +8,20 @@ from .conftest import tiny_hf_gemma3, tiny_hf_gpt2
 
 
 def test_unknown_model_name_lists_known_ones():
-    with pytest.raises(ValueError, match=r"unknown model 'gemma9'.*\['gemma3-270m'\]"):
+    with pytest.raises(ValueError, match=r"unknown model 'gemma9'.*\['gemma3-270m', 'smollm2-135m-instruct'\]"):
         kw.load("gemma9")
 
 
 def test_unsupported_hf_model_type(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ValueError, match=r"unsupported Hugging Face model_type 'llama'; supported: \["):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    with pytest.raises(ValueError, match=r"unsupported Hugging Face model_type 'mamba'; supported: \["):
+        kw.load(tmp_path)
+
+
+def test_config_missing_sizes_names_them(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 32}')
+    with pytest.raises(ValueError, match=r"llama config: missing required fields \['intermediate_size', "
+                                         r"'num_attention_heads', 'num_hidden_layers', 'vocab_size'\]"):
         kw.load(tmp_path)
 
 

@@ -4,6 +4,8 @@ A family says which HF keys it reads beyond the common ones, which keys have a s
 value, and the decoder fields that are fixed for it (its norm placement, biases, ...). Any other key
 raises: a key kvwire does not read may change the computation.
 """
+import dataclasses
+
 from ...layers.rope_scaling import rope_from_hf
 from ..config import HF_BOOKKEEPING
 from .config import DecoderConfig
@@ -52,10 +54,11 @@ def decoder_config(d, family, *, keys=(), renames=None, must_be=None, defaults=N
     clash = sorted(set(kwargs) & set(fixed))
     if clash:  # a family's fixed choice is never overridden silently
         raise ValueError(f"{family} config: {clash} cannot be set for this family")
-    try:
-        return DecoderConfig(**kwargs, **fixed)
-    except TypeError as e:  # a required size missing
-        raise ValueError(f"{family} config: {e}") from None
+    missing = sorted(f.name for f in dataclasses.fields(DecoderConfig)
+                     if f.default is dataclasses.MISSING and f.name not in kwargs and f.name not in fixed)
+    if missing:
+        raise ValueError(f"{family} config: missing required fields {missing}")
+    return DecoderConfig(**kwargs, **fixed)
 
 
 def sliding_layer_types(d, n_layers, first_sliding=0):
