@@ -166,8 +166,8 @@ def _plot(args):
 
 def parser():
     p = argparse.ArgumentParser(prog="kvwire", description="Editable causal language models whose KV cache "
-                                "is a graph pass. Models: a preset name (gemma3-270m, the default), a GGUF "
-                                "file or a Hugging Face checkpoint folder.")
+                                "is a graph pass. Models: a preset name (gemma3-270m, the default, or "
+                                "smollm2-135m-instruct), a GGUF file or a Hugging Face checkpoint folder.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = commands.add_parser("generate", help="continue a prompt (streams to the terminal)",
                             description="Continue a prompt. Streams text as it is produced; prefill time and "
