@@ -85,38 +85,34 @@ def test_head_dim_contradicting_the_weights_names_the_tensor_and_both_shapes(tmp
         kw.load(tmp_path)
 
 
-def test_missing_tensor_is_named(tmp_path):
-    weights = _folder(tmp_path)
+def _edit_weights(tmp_path, family, edit):
+    """A saved tiny checkpoint of `family` whose safetensors state dict `edit` changes in place."""
+    weights = _folder(tmp_path, family)
     state = load_file(str(weights))
-    del state["model.layers.2.mlp.up_proj.weight"]
+    edit(state)
     save_file(state, str(weights), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    _edit_weights(tmp_path, "llama", lambda s: s.pop("model.layers.2.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match=r"missing \['layers.2.mlp.up_proj.weight'\]"):
         kw.load(tmp_path)
 
 
 def test_tensor_of_the_wrong_shape_is_named(tmp_path):
-    weights = _folder(tmp_path, "qwen2")
-    state = load_file(str(weights))
-    state["model.layers.1.self_attn.k_proj.bias"] = torch.zeros(5)
-    save_file(state, str(weights), metadata={"format": "pt"})
+    _edit_weights(tmp_path, "qwen2", lambda s: s.update({"model.layers.1.self_attn.k_proj.bias": torch.zeros(5)}))
     with pytest.raises(ValueError, match=r"'layers.1.self_attn.k_proj.bias' has shape \(5,\), expected \(16,\)"):
         kw.load(tmp_path)
 
 
 def test_fused_phi3_tensor_of_the_wrong_size_is_named(tmp_path):
-    weights = _folder(tmp_path, "phi3")
-    state = load_file(str(weights))
-    state["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(40, 32)
-    save_file(state, str(weights), metadata={"format": "pt"})
+    _edit_weights(tmp_path, "phi3", lambda s: s.update({"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(40, 32)}))
     with pytest.raises(ValueError, match=r"fused tensor 'layers.0.self_attn.qkv_proj.weight' has 40 rows; "
                                          r"expected 64 \(32 \+ 16 \+ 16 for"):
         kw.load(tmp_path)
 
 
 def test_untied_config_without_an_output_matrix_is_refused(tmp_path):
-    weights = _folder(tmp_path)
-    state = load_file(str(weights))
-    del state["lm_head.weight"]
-    save_file(state, str(weights), metadata={"format": "pt"})
+    _edit_weights(tmp_path, "llama", lambda s: s.pop("lm_head.weight"))
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
         kw.load(tmp_path)

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from ..config import check_fields, from_hf_dict
 from ..decoder import DecoderConfig
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings", "query_pre_attn_scalar",
              "sliding_window", "sliding_window_pattern", "rope_theta", "rope_local_base_freq",
@@ -45,24 +44,16 @@ class Gemma3Config:
 
     def __post_init__(self):
         check_fields(self, _POSITIVE, layers="num_hidden_layers")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.rms_norm_eps < 0:
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps}; expected a value >= 0")
-        types = self.layer_types
-        if types is None:
+        if self.layer_types is None:  # every n-th layer full
             p = self.sliding_window_pattern
             types = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(self.num_hidden_layers)]
-        if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers or \
-                not all(isinstance(t, str) and t in LAYER_TYPES for t in types):
-            raise ValueError(f"layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}; "
-                             f"got {types!r}")
-        object.__setattr__(self, "layer_types", tuple(types))
+            object.__setattr__(self, "layer_types", types)
         if self.attn_logit_softcapping is not None:  # transformers' Gemma 3 never applies it
             raise ValueError(f"attn_logit_softcapping={self.attn_logit_softcapping} is not part of Gemma 3 "
                              f"(its reference implementation ignores it); expected None")
         _check_rope_scaling(self.rope_scaling)
+        # the shared decoder's config checks the rest (head counts, eps, layer_types)
+        object.__setattr__(self, "layer_types", self.decoder().layer_types)
 
     @property
     def full_rope_factor(self):
