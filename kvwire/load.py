@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .dtypes import weights_dtype
+from .dtypes import weights_device, weights_dtype
 from .generate import CausalLM
 from .io import weights_cache
 from .io.gguf import GGUFFile
@@ -23,7 +23,7 @@ from .quant import quantize as quantize_lm
 from .quant.ggml import qtype_of, use_gguf_blocks
 
 
-def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None):
+def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu"):
     """Load a model: a preset name, a GGUF file or a Hugging Face checkpoint folder.
 
     Args:
@@ -36,6 +36,9 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         quantize: None; "gguf": keep a GGUF file's own quantised weights and run ggml's kernels on
             them (no further loss; needs `kvwire[ggml]`); a ggml format ("q8_0", "q4_k", ...,
             `kw.quantize`); or "int8" / "int4" on PyTorch's kernels (fastest with dtype="bfloat16").
+            All of these are CPU kernels: with another device, quantize must be None.
+        device: where the weights go ("cpu", "cuda", "cuda:1", a torch.device); files are read and
+            converted on the CPU, then moved. Generation runs where the weights are.
 
     Returns a `CausalLM`.
 
@@ -43,15 +46,19 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         >>> lm = kw.load("gemma3-270m")
         >>> lm.generate("Once upon a time", max_new_tokens=16)
     """
-    dtype = weights_dtype(dtype)
+    dtype, device = weights_dtype(dtype), weights_device(device)
     if quantize is not None and quantize != "gguf" and quantize not in SCHEMES and not _is_ggml_type(quantize):
         raise ValueError(f"unknown quantize={quantize!r}; expected None, 'gguf', a ggml type such as 'q8_0' "
                          f"or 'q4_k', or one of {SCHEMES}")
+    if quantize is not None and device.type != "cpu":
+        kernels = "PyTorch's CPU int8/int4 kernels" if quantize in SCHEMES else "ggml's CPU kernels"
+        raise ValueError(f"quantize={quantize!r} runs on {kernels}, which device={str(device)!r} cannot run; "
+                         f"load with quantize=None on {str(device)!r}, or quantised on device='cpu'")
     source = PRESETS[name_or_path]() if name_or_path in PRESETS else name_or_path
     if quantize == "gguf" and not (Path(source).is_file() and Path(source).suffix.lower() == ".gguf"):
         raise ValueError(f"quantize='gguf' keeps a GGUF file's own blocks; {str(name_or_path)!r} is not a .gguf "
                          f"file (use a ggml type such as 'q8_0' to quantise other weights)")
-    lm = _load(source, dtype, progress)
+    lm = _load(source, dtype, progress).to(device)
     if quantize == "gguf":
         return use_gguf_blocks(lm, source)
     return lm if quantize is None else quantize_lm(lm, quantize)
@@ -186,17 +193,19 @@ def _check_finite(state):
             raise ValueError(f"tensor {key!r} holds NaN or infinite values")
 
 
-def from_hf(model, tokenizer=None, dtype=None):
+def from_hf(model, tokenizer=None, dtype=None, device=None):
     """A kvwire CausalLM from a transformers model object (weights converted, not re-downloaded).
 
     Args:
         model: e.g. `transformers.GPT2LMHeadModel` or `Gemma3ForCausalLM`.
         tokenizer: optional transformers tokenizer (its fast backend is reused).
         dtype: weights dtype, a torch dtype or its name (default: the model's).
+        device: where the weights go, a torch.device or its name (default: the model's).
 
     Example:
         >>> lm = kw.from_hf(transformers.AutoModelForCausalLM.from_pretrained(folder))
     """
+    device = next(model.parameters()).device if device is None else weights_device(device)
     hf_config = model.config.to_dict()
     family = by_hf_model_type(hf_config.get("model_type"))
     config = family.config_from_hf(hf_config)
@@ -206,4 +215,4 @@ def from_hf(model, tokenizer=None, dtype=None):
     if tokenizer is not None:
         wrapped = Tokenizer(tokenizer.backend_tokenizer, config.bos_token_id, eos_list(config.eos_token_id),
                             getattr(tokenizer, "add_bos_token", False))
-    return build(family, config, state, wrapped, dtype)
+    return build(family, config, state, wrapped, dtype).to(device)

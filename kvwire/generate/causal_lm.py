@@ -22,6 +22,9 @@ class CausalLM(nn.Module):
         tokenizer: a `kvwire.io.tokenizer.Tokenizer` or None (then prompts must be token ids).
         config: the family config (context length, special ids).
 
+    `lm.to(device)` moves the weights, the cached graph and its kept caches; generation then makes
+    its tensors there (`lm.device`). Quantised CPU kernels (int8/int4, ggml) refuse other devices.
+
     Example:
         >>> lm = kw.load("gemma3-270m")
         >>> lm(torch.tensor([[2, 651, 6037]])).shape      # uncached logits
@@ -41,6 +44,35 @@ class CausalLM(nn.Module):
     @property
     def vocab_size(self):
         return self.head.weight.shape[0]
+
+    @property
+    def device(self):
+        """Where the weights are (the head's weight; the CPU for a head without one, as an exported
+        model's runtime): generation's tensors are made there."""
+        weight = getattr(self.head, "weight", None)
+        return weight.device if weight is not None else torch.device("cpu")
+
+    def _apply(self, fn, recurse=True):
+        """`to`, `cuda`, `half`, ... (every move or cast of nn.Module goes through here): refuse to
+        move CPU-only kernels off the CPU, keep a tied head tied, and take along what generation keeps
+        (caches move, float32 whatever the weights' dtype); the packed head copy and a compiled
+        decode step are for the old device and dtype, so they are dropped (made again when needed)."""
+        device = fn(torch.zeros((), device="cpu")).device  # where fn sends tensors
+        if device.type != "cpu":
+            _refuse_cpu_only(self, device)
+        tied = [name for name, p in self.backbone.named_parameters() if p is getattr(self.head, "weight", None)]
+        super()._apply(fn, recurse)
+        if tied and self.head.weight is not self.backbone.get_parameter(tied[0]):
+            # a move that makes new Parameters (to "meta", or swapped tensors) converts the head's copy
+            # of the shared weight separately: point it at the embedding's again
+            self.head.weight = self.backbone.get_parameter(tied[0])
+        self._caches = {B: (length, tuple(tuple(t.to(device) for t in pair) for pair in cache))
+                        for B, (length, cache) in self._caches.items()}
+        self._decode = None
+        pack = getattr(self.head, "pack", None)
+        if pack is not None:
+            pack.clear()
+        return self
 
     @property
     def max_context(self):
@@ -104,7 +136,11 @@ class CausalLM(nn.Module):
         return self.head(self.backbone(token_ids))
 
     def check_uncached_input(self, token_ids):
-        """What `lm(token_ids)` accepts: (B, T) ids in the vocabulary, T within the context."""
+        """What `lm(token_ids)` accepts: (B, T) ids in the vocabulary on the model's device, T within
+        the context."""
+        if isinstance(token_ids, torch.Tensor) and token_ids.device != self.device:
+            raise ValueError(f"token_ids are on {token_ids.device} but the model is on {self.device}; "
+                             f"pass token_ids.to(lm.device)")
         self.check_ids(token_ids)
         if token_ids.dim() != 2:
             raise ValueError(f"lm(token_ids) expects a (B, T) tensor, got shape {tuple(token_ids.shape)}"
@@ -139,6 +175,8 @@ class CausalLM(nn.Module):
                 already steered, so stacked vectors keep their own strengths. An explicit name that
                 is taken shares that input, so its strength must equal the one already there.
 
+        The vector (kept on the CPU) and the strength are copied to the model's device.
+
         The vector's block N steers the model's block N (its checkpoint number, as llama.cpp
         counts), also on an edited model where some blocks were skipped.
 
@@ -165,14 +203,15 @@ class CausalLM(nn.Module):
         taken = {m.name: m for m in self.backbone.modules() if isinstance(m, Steer)}
         if name is None:
             name = next(n for n in ("steer", *(f"steer{k}" for k in range(2, len(taken) + 3))) if n not in taken)
-        new = Steer(vector.directions[vector.layers[0]], strength, generated_only, name)
+        new = Steer(vector.directions[vector.layers[0]], strength, generated_only, name, device=self.device)
         if name in taken and not taken[name].same_inputs(new):
             raise ValueError(f"this model already has steering inputs named {name!r} with strength "
                              f"{taken[name].strength.tolist()} (generated_only={taken[name].generated_only}); "
                              f"layers sharing a name share their inputs: pick another name")
         index = {blocks[i]: i for i in vector.layers}
+        device = self.device  # the vector (kept on the CPU) and the strength move to the weights
         return self.edit(insert_after(list(index), lambda call, layer: Steer(
-            vector.directions[index[call]], strength, generated_only, name)))
+            vector.directions[index[call]], strength, generated_only, name, device=device)))
 
     def check_ids(self, token_ids):
         if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int64, torch.int32):
@@ -215,7 +254,8 @@ class CausalLM(nn.Module):
         if isinstance(prompt, str):
             return gen.texts[0]
         if isinstance(prompt, torch.Tensor) or _is_id_row(prompt[0]):
-            out = [torch.tensor(t, dtype=torch.long) for t in gen.tokens]
+            device = prompt.device if isinstance(prompt, torch.Tensor) else prompt[0].device  # as given
+            out = [torch.tensor(t, dtype=torch.long, device=device) for t in gen.tokens]
             return out[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 else out
         return gen.texts
 
@@ -267,7 +307,7 @@ class CausalLM(nn.Module):
         Args: a str (encoded with BOS when the tokenizer adds one) or a 1-D token-id tensor.
         Returns a float tensor (T - 1,): entry t is log p(token[t+1] | token[:t+1]).
         """
-        ids = self._ids_for_scoring(text_or_ids)
+        ids = self._ids_for_scoring(text_or_ids).to(self.device)
         with torch.inference_mode():
             logp = torch.log_softmax(self(ids[None])[0, :-1].float(), -1)
         return logp.gather(1, ids[1:, None])[:, 0]
@@ -278,7 +318,7 @@ class CausalLM(nn.Module):
 
     def _ids_for_scoring(self, text_or_ids):
         if isinstance(text_or_ids, str):
-            ids = torch.tensor(self._encode(text_or_ids), dtype=torch.long)
+            ids = torch.tensor(self._encode(text_or_ids), dtype=torch.long, device=self.device)
         else:
             ids = text_or_ids
             self.check_ids(ids)
@@ -313,7 +353,9 @@ class CausalLM(nn.Module):
                 raise ValueError("stop strings are not supported with beam search")
             session = self._session(rows, longest + new, inputs, reuse=False)
             return iter([beam_search(session, sampler, new, stopper, repetition_penalty)])
-        generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+        # a CPU generator on every device: samplers draw on the CPU (see kvwire.generate.samplers),
+        # so a seed gives the same tokens wherever the model runs
+        generator = None if seed is None else torch.Generator(device="cpu").manual_seed(int(seed))
         session = self._session(rows, longest + new, inputs)
         return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty, logprobs))
 
@@ -325,8 +367,8 @@ class CausalLM(nn.Module):
             max_length = decode.length(max_length, self.max_context)
         kept = self._caches.pop(len(rows), None) if reuse else None  # taken: an interleaved run gets its own
         if kept is not None and max_length <= kept[0] <= 2 * max_length:
-            return Session(self.cached, self.head, rows, kept[0], kept[1], inputs, decode=decode)
-        return Session(self.cached, self.head, rows, max_length, inputs=inputs, decode=decode)
+            return Session(self.cached, self.head, rows, kept[0], kept[1], inputs, decode=decode, device=self.device)
+        return Session(self.cached, self.head, rows, max_length, inputs=inputs, decode=decode, device=self.device)
 
     def _returning(self, session, run):
         """Yield from run, then give the session's caches back for the next call."""
@@ -377,6 +419,21 @@ class CausalLM(nn.Module):
             raise ValueError(f"prompt ({prompt_length} tokens) + {new} new tokens exceeds the model's "
                              f"context of {limit} tokens")
         return new
+
+
+def _refuse_cpu_only(lm, device):
+    """ValueError when `lm` holds layers whose kernels run on the CPU only (int8/int4 on aten's CPU
+    kernels, ggml blocks), naming them, before anything moves."""
+    from ..quant.ggml.linear import GGMLLinear
+    from ..quant.linear import QuantizedLinear
+
+    kinds = {QuantizedLinear: "int8/int4 (PyTorch's CPU kernels)", GGMLLinear: "ggml blocks (ggml's CPU kernels)"}
+    found = [(name, kinds[type(m)]) for name, m in lm.named_modules() if type(m) in kinds]
+    if found:
+        names = ", ".join(sorted({k for _, k in found}))
+        raise ValueError(f"cannot move this model to {device}: it holds {len(found)} quantised layers "
+                         f"({names}, e.g. {found[0][0]!r}) that run on the CPU only; load it without "
+                         f"quantize to use {device}")
 
 
 def _last(iterator):

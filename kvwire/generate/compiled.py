@@ -51,7 +51,7 @@ class CompiledDecode:
         return rounded if limit is None or max_length > limit else min(rounded, limit)
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
-        key = (tuple(token_ids.shape), tuple(attention_mask.shape), tuple(t.dtype for t in extra),
+        key = (token_ids.device, tuple(token_ids.shape), tuple(attention_mask.shape), tuple(t.dtype for t in extra),
                cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         args = (token_ids, positions, cache_index, attention_mask, cache, *extra)

@@ -63,14 +63,15 @@ class Stopper:
 def check_finite(logits, step, live=None, beams=1):
     """Refuse non-finite logits (B, V) of the rows still generating (`live`: (B,) bools, or all) at
     a step (0: the logits after the prompt) instead of sampling tokens from them. With beams > 1,
-    rows are prompt-major beams and the error names the prompt and the beam."""
+    rows are prompt-major beams and the error names the prompt and the beam. `live` may be on the
+    CPU while the logits are not (moved only when something is not finite)."""
     # a row's float32 sum is finite whenever its values are (~25 us a 262k row, against ~530 for
     # isfinite().all()); a huge but finite row that overflows the sum only takes the exact check
     if bool(torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()):
         return
     bad = ~torch.isfinite(logits).all(-1)
     if live is not None:
-        bad &= live
+        bad &= live.to(bad.device)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         values = logits[row]
@@ -85,8 +86,10 @@ def check_finite(logits, step, live=None, beams=1):
 
 def _seen_tokens(session, vocab_size):
     """(B, V) bools: which tokens occur in each row's prompt (left padding excluded)."""
-    seen = torch.zeros(session.ids.shape[0], vocab_size, dtype=torch.bool)
-    rows, cols = (torch.arange(session.prompt_length)[None] >= session.pads[:, None]).nonzero(as_tuple=True)
+    device = session.ids.device
+    seen = torch.zeros(session.ids.shape[0], vocab_size, dtype=torch.bool, device=device)
+    real = torch.arange(session.prompt_length, device=device)[None] >= session.pads[:, None]
+    rows, cols = real.nonzero(as_tuple=True)
     seen[rows, session.ids[rows, cols]] = True  # only real tokens are written (no pad writes to race)
     return seen
 
@@ -111,20 +114,20 @@ def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition
     done = [False] * B
     start = time.perf_counter()
     for step in range(max_new_tokens):
-        check_finite(logits, step, ~torch.tensor(done))
+        check_finite(logits, step, ~torch.tensor(done, device="cpu"))
         scores = logits if seen is None else _penalize(logits, seen, repetition_penalty)
         tokens = sampler(scores, generator)
-        chosen = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0] if logprobs \
-            else torch.full((B,), float("nan"))
-        for i in range(B):
+        # one copy to Python per step (not one per row: on an accelerator each is a sync)
+        chosen = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0].tolist() if logprobs \
+            else [float("nan")] * B
+        for i, t in enumerate(tokens.tolist()):
             if done[i]:
                 continue
-            t = int(tokens[i])
             if stopper.token_stops(t):
                 done[i] = True
                 continue
             gen.tokens[i].append(t)
-            gen.logprobs[i].append(float(chosen[i]))
+            gen.logprobs[i].append(chosen[i])
             done[i] = stopper.text_stops(gen.tokens[i])
         yield gen
         if all(done) or step == max_new_tokens - 1:
@@ -150,12 +153,14 @@ def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None)
     """Beam search (see `BeamSearch`); returns the best hypothesis per row as a `Generation`.
 
     repetition_penalty applies to the log-probabilities that rank the beams (as transformers'
-    processors do); the recorded log-probabilities stay the model's own."""
+    processors do); the recorded log-probabilities stay the model's own. The beams' bookkeeping is
+    Python lists: each step copies its 2n candidates per row out of the device once."""
     B, n = session.ids.shape[0], beam.num_beams
     start = time.perf_counter()
     logits = session.prefill()
     check_finite(logits, 0)
     raw = torch.log_softmax(logits.float(), -1)
+    device = raw.device
     prefill = time.perf_counter() - start
     V = raw.shape[-1]
     if n > V:
@@ -164,8 +169,7 @@ def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None)
     session.expand(n)
     raw = raw.repeat_interleave(n, 0)
     logp = raw if seen is None else _penalize(raw, seen, repetition_penalty)
-    scores = torch.full((B, n), float("-inf"))
-    scores[:, 0] = 0.0  # the n copies are identical: start from one
+    scores = [[0.0] + [float("-inf")] * (n - 1) for _ in range(B)]  # the n copies are identical: start from one
     seqs = [[[] for _ in range(n)] for _ in range(B)]
     lps = [[[] for _ in range(n)] for _ in range(B)]
     finished = [[] for _ in range(B)]  # (score, tokens, logprobs)
@@ -173,26 +177,29 @@ def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None)
     norm = lambda total, length: total / max(length, 1) ** beam.length_penalty  # noqa: E731
     start, steps = time.perf_counter(), 0
     for step in range(max_new_tokens):
-        top, idx = (scores.view(-1, 1) + logp).view(B, n * V).topk(min(2 * n, n * V), dim=-1)
-        rows, tokens, new_scores = [], [], torch.full((B, n), float("-inf"))
+        totals = torch.tensor(scores, dtype=torch.float32, device=device).view(-1, 1) + logp
+        top, idx = totals.view(B, n * V).topk(min(2 * n, n * V), dim=-1)
+        # raw[b * n + parent, token] of every candidate, parent * V + token being its index in row b
+        token_lps = raw.view(B, n * V).gather(1, idx).tolist()
+        top, idx = top.tolist(), idx.tolist()
+        rows, tokens, new_scores = [], [], []
         new_seqs, new_lps = [], []
         for b in range(B):
             picked = []
-            for rank in range(top.shape[1]):
-                if done[b] or len(picked) == n or top[b, rank] == float("-inf"):
+            for rank in range(len(top[b])):
+                if done[b] or len(picked) == n or top[b][rank] == float("-inf"):
                     break
-                parent, token = divmod(int(idx[b, rank]), V)
-                token_lp = float(raw[b * n + parent, token])
+                parent, token = divmod(idx[b][rank], V)
                 if stopper.token_stops(token):
                     if rank < n:
-                        finished[b].append((norm(float(top[b, rank]), step + 1), seqs[b][parent], lps[b][parent]))
+                        finished[b].append((norm(top[b][rank], step + 1), seqs[b][parent], lps[b][parent]))
                     continue
-                picked.append((parent, token, float(top[b, rank]), token_lp))
+                picked.append((parent, token, top[b][rank], token_lps[b][rank]))
             picked += [(0, 0, float("-inf"), 0.0)] * (n - len(picked))  # finished rows keep dummies
-            for j, (parent, token, score, token_lp) in enumerate(picked):
+            for parent, token, _, _ in picked:
                 rows.append(b * n + parent)
                 tokens.append(token)
-                new_scores[b, j] = score
+            new_scores.append([score for _, _, score, _ in picked])
             new_seqs.append([seqs[b][p] + [t] for p, t, _, _ in picked])
             new_lps.append([lps[b][p] + [lp] for p, _, _, lp in picked])
             if not done[b] and len(finished[b]) >= n:
@@ -200,25 +207,25 @@ def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None)
                 # "never": the best score a running beam could still reach (scores only fall; a
                 # positive length penalty rewards the longest length allowed)
                 length = max_new_tokens if beam.early_stopping == "never" and beam.length_penalty > 0 else step + 1
-                best_running = norm(float(new_scores[b].max()), length)
+                best_running = norm(max(new_scores[b]), length)
                 done[b] = beam.early_stopping is True or best_running <= worst
         scores, seqs, lps = new_scores, new_seqs, new_lps
         if all(done) or step == max_new_tokens - 1:
             break
-        order = torch.tensor(rows)
+        order, chosen = torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
         session.reorder(order)
-        logits = session.step(torch.tensor(tokens))
-        live = (scores.view(-1) > float("-inf")) & ~torch.tensor(done).repeat_interleave(n)
+        logits = session.step(chosen)
+        live = torch.tensor([s > float("-inf") and not done[b] for b in range(B) for s in scores[b]], device="cpu")
         check_finite(logits, step + 1, live, beams=n)
         raw = torch.log_softmax(logits.float(), -1)
         if seen is not None:
-            seen = seen[order].scatter_(1, torch.tensor(tokens)[:, None], True)
+            seen = seen[order].scatter_(1, chosen[:, None], True)
         logp = raw if seen is None else _penalize(raw, seen, repetition_penalty)
         steps += 1
     for b in range(B):
         if not done[b]:
-            finished[b] += [(norm(float(scores[b, j]), len(seqs[b][j])), seqs[b][j], lps[b][j])
-                            for j in range(n) if scores[b, j] > float("-inf")]
+            finished[b] += [(norm(scores[b][j], len(seqs[b][j])), seqs[b][j], lps[b][j])
+                            for j in range(n) if scores[b][j] > float("-inf")]
     best = [max(f, key=lambda h: h[0]) for f in finished]
     gen = Generation([list(h[1]) for h in best], [list(h[2]) for h in best], prefill_seconds=prefill,
                      decode_seconds=time.perf_counter() - start, decode_steps=steps)

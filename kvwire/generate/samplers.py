@@ -2,6 +2,13 @@
 
 Each is seedable through the `torch.Generator` that `generate(seed=...)` passes in. Temperature is
 applied first, then the filter (top-k, top-p, min-p), as transformers does.
+
+Devices: temperature, filters and softmax run where the logits are; the draw itself always runs on
+the CPU, from a CPU generator (a (B, V) copy per step off an accelerator, ~1 MB a row for Gemma 3's
+262k tokens). Accelerators' generators are other random streams, so drawing there would give other
+tokens for the same seed; drawing on the CPU, a seed gives the same tokens on every device wherever
+the probabilities agree (they differ in the last bits across devices, which can flip a draw that
+lands on a boundary). The tokens come back on the logits' device.
 """
 import math
 from dataclasses import dataclass
@@ -10,7 +17,8 @@ import torch
 
 
 class Sampler:
-    """Base class: `sampler(logits (B, V) float, generator) -> token ids (B,)`."""
+    """Base class: `sampler(logits (B, V) float, generator) -> token ids (B,)` on the logits' device;
+    `generator` is a CPU `torch.Generator` or None (torch's default CPU generator)."""
 
     def __call__(self, logits, generator=None):
         raise NotImplementedError
@@ -22,8 +30,9 @@ def _check_temperature(temperature):
 
 
 def _draw(logits, generator):
-    probs = torch.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    """One token per row from softmax(logits): drawn on the CPU (see the module docstring)."""
+    probs = torch.softmax(logits.float(), dim=-1).to("cpu")
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
 
 
 def _tempered(logits, temperature):

@@ -2,16 +2,17 @@
 import torch
 
 
-def left_pad(rows, pad_id=0, multiple=1):
-    """Token id rows of different lengths -> ids (B, L), positions (B, L), pad counts (B,);
-    L is the longest row rounded up to a multiple of `multiple`."""
+def left_pad(rows, pad_id=0, multiple=1, device="cpu"):
+    """Token id rows of different lengths -> ids (B, L), positions (B, L), pad counts (B,) on
+    `device`; L is the longest row rounded up to a multiple of `multiple`."""
     L = -(-max(len(r) for r in rows) // multiple) * multiple
-    pads = torch.tensor([L - len(r) for r in rows])
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    cpu = torch.device("cpu")  # filled row by row on the CPU, then moved in one copy each
+    pads = torch.tensor([L - len(r) for r in rows], device=cpu)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long, device=cpu)
     for i, r in enumerate(rows):
-        ids[i, L - len(r):] = torch.as_tensor(r, dtype=torch.long)
-    positions = (torch.arange(L)[None] - pads[:, None]).clamp(min=0)
-    return ids, positions, pads
+        ids[i, L - len(r):] = torch.as_tensor(r, dtype=torch.long, device=cpu)
+    positions = (torch.arange(L, device=cpu)[None] - pads[:, None]).clamp(min=0)
+    return ids.to(device), positions.to(device), pads.to(device)
 
 
 class Session:
@@ -26,16 +27,21 @@ class Session:
         multiple: pad the prompts to a multiple of this length (a program with static chunk
             lengths then runs the prompt in whole chunks; padding is masked out).
         decode: a `CompiledDecode` that runs the one-token steps instead of the eager graph, or None.
+        device: where the model's weights are; ids, positions, masks and given runtime inputs are
+            put there (the caches are made there by `init_cache`).
     """
 
-    def __init__(self, cached, head, rows, max_length, cache=None, inputs=None, multiple=1, decode=None):
+    def __init__(self, cached, head, rows, max_length, cache=None, inputs=None, multiple=1, decode=None,
+                 device="cpu"):
         self.cached, self.head, self.decode = cached, head, decode
-        self.ids, self.positions, self.pads = left_pad(rows, multiple=multiple)
-        lengths = torch.tensor([len(r) for r in rows])
-        self.inputs = {**cached.default_inputs(len(rows), lengths), **(inputs or {})}
+        self.device = device = torch.device(device)
+        self.ids, self.positions, self.pads = left_pad(rows, multiple=multiple, device=device)
+        lengths = torch.tensor([len(r) for r in rows], device=device)
+        given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (inputs or {}).items()}
+        self.inputs = {**cached.default_inputs(len(rows), lengths), **given}
         self.cache = cache if cache is not None else cached.init_cache(len(rows), max_length)
         self.max_length = max_length
-        self.mask = torch.arange(max_length)[None] >= self.pads[:, None]  # left pads invalid
+        self.mask = torch.arange(max_length, device=device)[None] >= self.pads[:, None]  # left pads invalid
         self.index = 0
 
     @property
@@ -53,8 +59,8 @@ class Session:
             return self._run(tokens[:, None], positions)
         self.cached.check_call(tokens[:, None], positions, self.index, self.mask, self.cache)
         extra = self.cached.runtime_values(tokens.shape[0], self.inputs)
-        logits, self.cache = self.decode(tokens[:, None], positions, torch.tensor(self.index), self.mask,
-                                         self.cache, extra)
+        index = torch.tensor(self.index, device=self.device)
+        logits, self.cache = self.decode(tokens[:, None], positions, index, self.mask, self.cache, extra)
         self.index += 1
         return logits
 

@@ -157,7 +157,8 @@ class CachedGraph(nn.Module):
     def init_cache(self, batch_size, max_length, dtype=None, device=None):
         """Zeroed per-layer caches for `batch_size` rows and `max_length` tokens, float32 (the
         only dtype the layers use: attention computes in float32; `dtype` is accepted as float32 or
-        None). A sliding-window layer gets a ring of window - 1 slots, not max_length.
+        None), on the device of each cached layer's weights unless `device` is given. A
+        sliding-window layer gets a ring of window - 1 slots, not max_length.
         """
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size} and {max_length}")
@@ -229,7 +230,18 @@ def _check_inputs(cached, token_ids, positions, cache_index, attention_mask, cac
         if any(t.dtype != CACHE_DTYPE for t in pair):
             raise TypeError(f"cache of {slot.name!r} must be {CACHE_DTYPE}; got {[t.dtype for t in pair]} "
                             f"(make caches with init_cache)")
-    return torch.as_tensor(start, dtype=torch.int64)
+    device = attention_mask.device  # every tensor input on one device: masks and indices are built there
+    stray = [(name, t.device) for name, t in (("token_ids", token_ids), ("positions", positions))
+             if t.device != device]
+    stray += [(f"cache of {slot.name!r}", t.device) for slot, pair in zip(cached.slots, cache) for t in pair
+              if t.device != device]
+    weight = next(cached.slots[0].module.parameters(), None) if cached.slots else None
+    if weight is not None and weight.device != device:
+        stray.append((f"the weights of {cached.slots[0].name!r}", weight.device))
+    if stray:
+        raise ValueError(f"inputs on different devices: attention_mask is on {device} but {stray[0][0]} is on "
+                         f"{stray[0][1]}; give every input (and caches from init_cache) on the model's device")
+    return torch.as_tensor(start, dtype=torch.int64, device=device)
 
 
 def with_cache(module):

@@ -14,6 +14,8 @@ class Steer(Layer):
             only tokens the model generates (positions >= the row's prompt length).
         name: prefix of the cached graph's runtime inputs `<name>_strength` (B,) float32 and
             `<name>_start` (B,) int64 (first steered position); layers sharing a name share them.
+        device: where direction and strength are kept (default: the direction's own device, the
+            CPU for a list); `lm.steer` passes the model's. The defaults it gives are made there.
 
     Plainly called (no cache) it steers every position with its own strength. In a cached graph
     the strength and start are graph inputs, so exported models take them at run time.
@@ -26,12 +28,14 @@ class Steer(Layer):
 
     uses_positions = True
 
-    def __init__(self, direction, strength=1.0, generated_only=False, name="steer"):
+    def __init__(self, direction, strength=1.0, generated_only=False, name="steer", device=None):
         super().__init__()
-        direction = torch.as_tensor(direction, dtype=torch.float32)
+        if device is None:
+            device = direction.device if isinstance(direction, torch.Tensor) else torch.device("cpu")
+        direction = torch.as_tensor(direction, dtype=torch.float32, device=device)
         if direction.dim() != 1:
             raise ValueError(f"direction must be 1-D (D,), got shape {tuple(direction.shape)}")
-        strength = torch.as_tensor(strength, dtype=torch.float32)
+        strength = torch.as_tensor(strength, dtype=torch.float32, device=device)
         if strength.dim() > 1:
             raise ValueError(f"strength must be a number or a (B,) tensor, got shape {tuple(strength.shape)}")
         self.register_buffer("direction", direction)
@@ -70,8 +74,9 @@ class Steer(Layer):
         elif strength.numel() != batch_size:
             raise ValueError(f"steering strength has {strength.numel()} rows but the batch has {batch_size}; "
                              f"give one strength per prompt or a single number")
+        device = self.strength.device
         if self.generated_only and prompt_lengths is not None:
-            start = torch.as_tensor(prompt_lengths, dtype=torch.int64).reshape(batch_size)
+            start = torch.as_tensor(prompt_lengths, dtype=torch.int64, device=device).reshape(batch_size)
         else:
-            start = torch.zeros(batch_size, dtype=torch.int64)
+            start = torch.zeros(batch_size, dtype=torch.int64, device=device)
         return {f"{self.name}_strength": strength.clone(), f"{self.name}_start": start}

@@ -21,7 +21,7 @@ def word_logprob(lm, prompts, words):
     total = 0.0
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([lm.tokenizer.encode(prompt)])
+            ids = torch.tensor([lm.tokenizer.encode(prompt)], device=lm.device)
             logp = torch.log_softmax(lm(ids)[0, -1].float(), -1)
             total += float(logp[firsts].mean())
     return total / len(prompts)

