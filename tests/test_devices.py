@@ -32,12 +32,7 @@ MAKERS = {
     "qwen3": lambda: tiny_hf("qwen3", vocab_size=100),
     "gemma2": lambda: tiny_hf("gemma2", vocab_size=100),
 }
-# Gemma's embedding multiplies by a scale tensor made without device= (kvwire/layers/embedding.py,
-# TokenEmbedding.forward): a default-device context (or torch.set_default_device) breaks it
-SCALE_WITHOUT_DEVICE = pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                         reason="kvwire/layers/embedding.py:28 makes the Gemma embedding "
-                                                "scale without device=x.device")
-FAMILIES = [pytest.param(f, marks=SCALE_WITHOUT_DEVICE) if f.startswith("gemma") else f for f in MAKERS]
+FAMILIES = list(MAKERS)
 PROMPTS = ["Hello there", "A"]
 
 
@@ -165,9 +160,6 @@ def test_generation_makes_no_tensor_off_the_models_device(family):
     assert steered[0] != plain[0] and steered[1] == plain[1]  # row 0 steered, row 1 at strength 0
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="kvwire/layers/attention.py:190 (_flash_bias) makes the CPU flash kernel's bias "
-                          "without device=rows.device")
 def test_a_long_prompt_makes_no_tensor_off_the_models_device():
     """64+ query rows per key/value head take the fused CPU attention kernel."""
     lm = tiny_lm("llama")

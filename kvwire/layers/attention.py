@@ -187,6 +187,6 @@ def _flash_bias(mask, groups):
     """A block's mask (B|1, T, S) as the flash kernel's additive bias (B|1, 1, groups*T, S), which
     query rows see any key (B|1, 1, groups*T), and whether any does (a Python bool: eager only)."""
     rows = mask[:, None, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, -1, mask.shape[-1])
-    bias = torch.zeros(rows.shape).masked_fill(torch.logical_not(rows), float("-inf"))
+    bias = torch.zeros(rows.shape, device=rows.device).masked_fill(torch.logical_not(rows), float("-inf"))
     seen = rows.any(-1)  # rows with no visible key: the kernel may give 0 or NaN there
     return bias, seen, bool(seen.any())

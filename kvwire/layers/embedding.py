@@ -25,7 +25,7 @@ class TokenEmbedding(Layer):
     def forward(self, token_ids):
         x = nn.functional.embedding(token_ids, self.weight)
         if self.scale is not None:
-            x = x * torch.tensor(self.scale, dtype=self.weight.dtype)
+            x = x * torch.tensor(self.scale, dtype=self.weight.dtype, device=x.device)
         if self.float32_for_float16 and x.dtype == torch.float16:
             x = x.float()
         return x
