@@ -169,7 +169,7 @@ def test_meta_build_then_reset_buffers_matches_a_cpu_build():
 
 @pytest.mark.parametrize("scaling, rotary_dim, match", [
     ({"rope_type": "ntk"}, None, r"rope_type 'ntk' is not supported; expected one of \['default', 'linear', "
-                                 r"'dynamic', 'llama3', 'yarn', 'longrope'\]"),
+                                 r"'dynamic', 'llama3', 'yarn', 'longrope', 'frequency_factors'\]"),
     ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, None, "low_freq_factor is missing; expected"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": "1", "high_freq_factor": 4.0}, None,
      r"low_freq_factor='1'; expected a finite number > 0"),
@@ -268,3 +268,13 @@ def test_rope_from_hf_reads_v4_and_v5_alike():
 def test_rope_from_hf_rejects_disagreeing_forms(d, match):
     with pytest.raises(ValueError, match=match):
         rope_from_hf(d)
+
+
+def test_frequency_factors_divide_the_default_frequencies_and_are_checked():
+    """kvwire's own type for GGUF files' rope_freqs (Llama 3.x): default frequencies / factors."""
+    factors = [1.0, 2.0, 4.0, 8.0]
+    scaled = Rotary(8, 1e4, {"rope_type": "frequency_factors", "frequency_factors": factors})
+    plain = Rotary(8, 1e4)
+    torch.testing.assert_close(scaled.inv_freq, plain.inv_freq / torch.tensor(factors), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"frequency_factors has 3 entries; expected rotary_dim / 2 = 4"):
+        Rotary(8, 1e4, {"rope_type": "frequency_factors", "frequency_factors": factors[:3]})
