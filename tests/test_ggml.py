@@ -12,7 +12,9 @@ from gguf.quants import dequantize
 import kvwire as kw
 
 from .conftest import FAMILIES, tiny_hf_gemma3, tiny_hf_gpt2
+from .gguf_families import write_gguf
 from .gguf_files import write_gemma3, write_gpt2
+from .tiny_models import tiny_hf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                 reason="ggml kernels need llama-cpp-python (kvwire[ggml])")
@@ -23,9 +25,10 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path / "cache"))
 
 
-# relative error of the stored weight on Gaussian values (measured: q8_0 0.4 %, q5_0 3.5 %,
-# q4_0 7.2 %, q4_k 6.4 %, q6_k 1.6 %), bounded with margin
-FORMATS = {"q8_0": 0.01, "q5_0": 0.05, "q4_0": 0.1, "q4_k": 0.1, "q6_k": 0.03}
+# relative error of the stored weight on Gaussian values (measured, torch 2.13's generator: q8_0
+# 0.54 %, q5_0 4.3 %, q5_1 3.8 %, q4_0 8.6 %, q4_1 7.8 %, q4_k 7.2 %, q6_k 1.8 %), bounded with margin;
+# q4_1 / q5_1 (a scale and a minimum a block) pair with Q8_1 activations, the others with Q8_0 / Q8_K
+FORMATS = {"q8_0": 0.01, "q5_0": 0.05, "q5_1": 0.05, "q4_0": 0.1, "q4_1": 0.1, "q4_k": 0.1, "q6_k": 0.03}
 
 
 @pytest.mark.parametrize("name, max_rel", FORMATS.items())
@@ -130,6 +133,40 @@ def test_gguf_blocks_land_in_the_right_layers(tmp_path, writer, make):
         a, b = lm(ids), float_lm(ids)
     assert ((a - b).norm() / b.norm()).item() < 0.02  # only the 8-bit activations differ
     _rollout_equals_cached(lm, ids)
+
+
+def _tiny_llama_gguf(path, quant):
+    """A tiny llama GGUF laid out as SmolLM2-135M-Instruct's: tied embeddings (the head is token_embd),
+    no q/k norms, every 2-D weight in `quant` blocks."""
+    write_gguf(path, tiny_hf("llama", vocab_size=300, tie_word_embeddings=True), quant=quant)
+    return kw.load(path, progress=False), kw.load(path, progress=False, quantize="gguf")
+
+
+@pytest.mark.parametrize("quant", [Q.Q4_1, Q.Q8_0], ids=["q4_1", "q8_0"])
+def test_llama_gguf_blocks_with_a_tied_head(tmp_path, quant):
+    from kvwire.quant.ggml import GGMLLinear
+
+    float_lm, lm = _tiny_llama_gguf(tmp_path / "m.gguf", quant)
+    swapped = {n: m for n, m in lm.backbone.named_modules() if isinstance(m, GGMLLinear)}
+    assert len(swapped) == 7 * lm.config.num_hidden_layers and {m.qtype for m in swapped.values()} == {quant}
+    assert not [n for n, m in lm.backbone.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name, module in swapped.items():  # q/k rows come back through llama.cpp's permutation
+        assert torch.equal(module.dequantize(), float_lm.backbone.get_submodule(name).weight), name
+    assert lm.head.quantized.qtype == quant  # the embedding table's blocks, read as the head
+    assert torch.equal(lm.head.quantized.dequantize(), float_lm.head.weight)
+    ids = torch.tensor([[5, 17, 42, 9, 55, 23, 8]])
+    with torch.no_grad():
+        a, b = lm(ids), float_lm(ids)
+    assert ((a - b).norm() / b.norm()).item() < 0.03  # 8-bit activations only (measured q4_1 1.3 %)
+
+
+@pytest.mark.xfail(strict=True, raises=StopIteration,
+                   reason="kvwire/graph/cache.py CachedGraph.init_cache takes the cache's device from "
+                          "next(slot.module.parameters()); a llama attention whose q/k/v/o are all GGMLLinear "
+                          "(blocks are buffers, no bias) has no parameters")
+def test_llama_gguf_blocks_generate_through_the_cache(tmp_path):
+    _, lm = _tiny_llama_gguf(tmp_path / "m.gguf", Q.Q4_1)
+    _rollout_equals_cached(lm, torch.tensor([[5, 17, 42, 9, 55]]))
 
 
 def test_ggml_quantized_model_cached_equals_uncached(family):
