@@ -14,6 +14,8 @@ Everything else in the graph, including whatever a user inserted, is left as it 
 import operator
 from dataclasses import dataclass
 
+import itertools
+
 import torch
 from torch import fx, nn
 
@@ -167,10 +169,11 @@ class CachedGraph(nn.Module):
                              f"whatever the weights' dtype (attention computes in float32); leave dtype out")
         cache = []
         for slot in self.slots:
-            param = next(slot.module.parameters())
+            # a layer whose projections are all ggml blocks holds buffers only (and may hold neither)
+            tensor = next(itertools.chain(slot.module.parameters(), slot.module.buffers()), None)
             dt = CACHE_DTYPE
             k_shape, v_shape = slot.module.cache_spec(batch_size, max_length, dt)
-            dev = device or param.device
+            dev = device or (tensor.device if tensor is not None else "cpu")
             cache.append((torch.zeros(k_shape, dtype=dt, device=dev), torch.zeros(v_shape, dtype=dt, device=dev)))
         return tuple(cache)
 

@@ -57,11 +57,12 @@ class OneRowPack:
         self.key = self.packed = None
 
     def __call__(self, x, weight):
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # first: compilers cannot trace the rest
+            return None
         rows = x.numel() // x.shape[-1]
         if (rows != 1 or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
                 or type(x) is not torch.Tensor or not torch.backends.mkl.is_available()
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                or torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             return None
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         if key != self.key:
