@@ -144,12 +144,12 @@ def parse_variant(variant):
     return spec
 
 
-def load_variant(variant):
-    """The default model as `variant` names it (compiled lazily: the first decode step compiles)."""
+def load_variant(variant, model="gemma3-270m"):
+    """Preset `model` as `variant` names it (compiled lazily: the first decode step compiles)."""
     import kvwire as kw
 
     spec = parse_variant(variant)
-    lm = kw.load("gemma3-270m", dtype=spec["dtype"], progress=False, quantize=spec["quantize"])
+    lm = kw.load(model, dtype=spec["dtype"], progress=False, quantize=spec["quantize"])
     if spec["head"]:
         kw.quantize(lm, spec["head"], layers=False)
     if not spec["compile"]:

@@ -1,18 +1,27 @@
-"""Generation speed of the default model: kvwire vs transformers `generate` on the same weights.
+"""Generation speed, load time and peak memory of a preset model: kvwire vs llama.cpp and
+transformers, all three on the same GGUF file.
 
-    python bench/generate.py [--new-tokens 32] [--threads 2]
+    python bench/generate.py [--model gemma3-270m | smollm2-135m-instruct] [--new-tokens 32] [--threads 2]
                              [--variants float32 bfloat16 bfloat16+int8 bfloat16+int4 float32+gguf
                                          float32+gguf+compile]
 
-transformers gets kvwire's own Gemma 3 270M weights (same names but the `model.` prefix), so no
-GGUF load is needed and both run the same numbers in the same dtype. Each library and dtype runs
-in its own subprocess (peak RSS is per process). llama.cpp is measured too when llama-cpp-python
-is installed. A variant is a dtype, optionally with weight-only quantisation ("bfloat16+int4" =
+kvwire loads the preset (`kw.load(model)`), llama.cpp (llama-cpp-python) opens the preset's GGUF
+file and transformers loads the same file (`from_pretrained(folder, gguf_file=...)`, dequantised
+to the variant's dtype, as kvwire dequantises it), so one code path serves every preset. A variant
+is a dtype, optionally with weight-only quantisation ("bfloat16+int4" =
 `kw.load(dtype="bfloat16", quantize="int4")`; "+gguf" keeps the GGUF's own blocks on ggml's kernels;
 "+head=q5_0" re-quantises the logits head alone; "+compile" adds `lm.compile()`, compiled before
 timing, "+cpp" the same with Inductor's C++ wrapper); transformers runs the float variants only, and
-quantised variants are compared with llama.cpp's 4-bit GGUF. Prints decode tokens/s at batch 1
-and 4, prefill tokens/s for 32- and 512-token prompts, peak RSS, and the kvwire / peer ratios.
+quantised variants are compared with llama.cpp on the GGUF's own blocks. Prints decode tokens/s at
+batch 1 and 4, prefill tokens/s for 32- and 512-token prompts, peak RSS, load seconds, and the
+kvwire / peer ratios.
+
+Load and memory: every library is loaded in two processes of its own, one after the other. "cold"
+is the first, with an empty kvwire cache (KVWIRE_CACHE is a fresh directory per variant, so kvwire
+converts the GGUF); "warm" the second. The OS file cache is not dropped, and the peers keep no cache
+of their own, so their two loads differ little. Load time counts neither the library's import nor
+compilation (a "+compile" variant compiles on its first call). Peak RSS is the warm process's over
+a 512-token prefill and 8 decode steps at batch 4.
 
 A peer that is missing, raises or crashes does not take the table with it: each peer is first
 probed in its own process (load + 2 tokens) and one that fails gets a row saying what happened
@@ -24,6 +33,8 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (crash_if_asked, header, load_variant, parse_variant, peak_rss_gb, probe_peers,  # noqa: E402
@@ -33,14 +44,16 @@ TEXT = ("The history of the city of Paris begins with a small settlement on an i
         "Over two thousand years it grew into one of the great capitals of the world, ") * 40
 
 
-def prompt_ids(tokenizer_encode, length, batch):
-    ids = tokenizer_encode(TEXT)[:length]
+def prompt_ids(encode, length, batch):
+    """`batch` rows of `length` token ids (lists: llama.cpp's process never imports torch)."""
+    ids = encode(TEXT)[:length]
     assert len(ids) == length
-    import torch
+    return [[ids[0]] + [(t + r) % 20_000 + 3 for t in ids[1:]] for r in range(batch)]  # distinct rows
 
-    rows = torch.tensor(ids)[None].repeat(batch, 1)
-    rows[:, 1:] = (rows[:, 1:] + torch.arange(batch)[:, None]) % 20_000 + 3  # distinct rows, same length
-    return rows
+
+def counting(text):
+    """Token ids without a tokenizer, for probes and memory runs (what they hold does not matter)."""
+    return list(range(100, 700))
 
 
 def measure(runners, encode, new_tokens, repeat=3):
@@ -71,35 +84,26 @@ def measure(runners, encode, new_tokens, repeat=3):
 
 
 def kvwire_runner(lm):
+    import torch
+
     def generate(ids, n):
-        out = lm.generate(ids, max_new_tokens=n, ignore_eos=True)
+        out = lm.generate(torch.tensor(ids), max_new_tokens=n, ignore_eos=True)
         assert all(len(o) == n for o in out)
     return generate
 
 
-def transformers_runner(lm):
-    """transformers' Gemma 3 holding kvwire's own weight tensors (same names but `model.`)."""
+def transformers_runner(gguf, variant):
+    """transformers' own model of the file's architecture, dequantised from the same GGUF."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import AutoModelForCausalLM
 
-    c = lm.config
-    hf_config = Gemma3TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, sliding_window=c.sliding_window,
-        query_pre_attn_scalar=c.query_pre_attn_scalar, max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps, layer_types=list(c.layer_types))
-    with torch.device("meta"):
-        model = Gemma3ForCausalLM(hf_config)
-    state = {"model." + k: v for k, v in lm.backbone.state_dict().items()}
-    state["lm_head.weight"] = lm.head.weight
-    model.load_state_dict(state, assign=True, strict=False)
-    model.model.rotary_emb.__init__(hf_config)  # non-persistent buffers were built on meta
-    model.model.embed_tokens.embed_scale = torch.tensor(c.hidden_size**0.5)
-    model.eval()
+    folder, name = os.path.split(gguf)
+    dtype = getattr(torch, parse_variant(variant)["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
 
     def generate(ids, n):
         crash_if_asked("transformers")
+        ids = torch.tensor(ids)
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  attention_mask=torch.ones_like(ids), pad_token_id=0)
@@ -107,16 +111,14 @@ def transformers_runner(lm):
     return generate
 
 
-def llama_cpp_runner(threads):
+def llama_cpp_runner(gguf, threads):
     from llama_cpp import Llama
 
-    from kvwire.models.gemma3.presets import gemma3_270m
-
-    llm = Llama(str(gemma3_270m()), n_threads=threads, n_ctx=1024, verbose=False)
+    llm = Llama(gguf, n_threads=threads, n_ctx=1024, verbose=False)
 
     def generate(ids, n):
         crash_if_asked("llama.cpp")
-        for row in ids.tolist():  # llama-cpp-python generates one sequence at a time
+        for row in ids:  # llama-cpp-python generates one sequence at a time
             llm.reset()
             for count, _ in enumerate(llm.generate(row, temp=0.0), start=1):
                 if count == n:
@@ -124,45 +126,67 @@ def llama_cpp_runner(threads):
     return generate
 
 
-PEERS = {"transformers": lambda lm, threads: transformers_runner(lm),  # holds kvwire's weights
-         "llama.cpp": lambda lm, threads: llama_cpp_runner(threads)}  # its own GGUF
-PROBE_IDS = [[2, *range(100, 115)]]  # 16 token ids: a probe needs no tokenizer
+PEERS = {"transformers": lambda gguf, variant, threads: transformers_runner(gguf, variant),
+         "llama.cpp": lambda gguf, variant, threads: llama_cpp_runner(gguf, threads)}
 
 
-def probe(peer, variant, threads):
-    """Load `peer` and generate 2 tokens (in a child process of its own: it may crash)."""
+def open_library(lib, variant, args):
+    """generate(ids, n) of `lib` on args.model (kvwire: the preset; peers: its GGUF file)."""
+    if lib == "kvwire":
+        return kvwire_runner(load_variant(variant, args.model))
+    return PEERS[lib](args.gguf, variant, args.threads)
+
+
+def import_library(lib, threads):
+    """Import `lib` (and torch, but for llama.cpp) and set torch's threads: load time counts neither."""
+    if lib == "llama.cpp":
+        import llama_cpp  # noqa: F401
+        return
     import torch
-
+    if lib == "transformers":
+        from transformers import AutoModelForCausalLM  # noqa: F401
+    else:
+        import kvwire  # noqa: F401
     torch.set_num_threads(threads)
-    lm = load_variant(variant) if peer == "transformers" else None
-    PEERS[peer](lm, threads)(torch.tensor(PROBE_IDS), 2)
+
+
+def probe(peer, variant, args):
+    """Load `peer` and generate 2 tokens (in a child process of its own: it may crash)."""
+    import_library(peer, args.threads)
+    open_library(peer, variant, args)(prompt_ids(counting, 16, 1), 2)
     return {"probed": peer}
 
 
-def worker(mode, variant, new_tokens, threads, peers):
-    import torch
+def footprint(lib, variant, args):
+    """{load_s, peak_rss_gb}: `lib` alone in this process; peak RSS over a 512-token prefill and
+    8 decode steps at batch 4 (not measured with args.load_only)."""
+    import_library(lib, args.threads)
+    start = time.perf_counter()
+    generate = open_library(lib, variant, args)
+    result = {"load_s": time.perf_counter() - start}
+    if not args.load_only:
+        generate(prompt_ids(counting, 512, 1), 2)
+        generate(prompt_ids(counting, 16, 4), 8)
+        result["peak_rss_gb"] = peak_rss_gb()
+    return result
 
-    torch.set_num_threads(threads)
-    lm = load_variant(variant)
+
+def speed(variant, args):
+    """Tokens/s of kvwire and args.peers, timed in turn in this one process."""
+    import_library("kvwire", args.threads)
+    lm = load_variant(variant, args.model)
     if parse_variant(variant)["compile"]:
         for batch in (1, 4):  # compile both batch sizes before anything is timed
-            lm.generate(prompt_ids(lm.tokenizer.encode, 16, batch), max_new_tokens=2, ignore_eos=True)
+            kvwire_runner(lm)(prompt_ids(lm.tokenizer.encode, 16, batch), 2)
     runners = {"kvwire": kvwire_runner(lm)}
-    if mode == "speed":
-        for peer in peers:
-            runners[peer] = PEERS[peer](lm, threads)
-        return measure(runners, lm.tokenizer.encode, new_tokens)
-    # mode is a library name: its peak memory, alone in this process, over a 512-token prefill
-    # and a few decode steps at batch 4
-    encode = lm.tokenizer.encode
-    generate = kvwire_runner(lm) if mode == "kvwire" else PEERS[mode](lm, threads)
-    del lm
-    generate(prompt_ids(encode, 512, 1), 2)
-    generate(prompt_ids(encode, 16, 4), 8)
-    return {"peak_rss_gb": peak_rss_gb()}
+    for peer in args.peers:
+        import_library(peer, args.threads)
+        runners[peer] = open_library(peer, variant, args)
+    return measure(runners, lm.tokenizer.encode, args.new_tokens)
 
 
 KEYS = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
+COLUMNS = KEYS + ["peak RSS GB", "load cold s", "load warm s"]
 
 
 def row(lib, label, cells):
@@ -171,70 +195,115 @@ def row(lib, label, cells):
     return f"{lib:14}{label:32}" + text
 
 
-def report(variant, peers, speed, why_not, common):
+def footprints(lib, variant, forwarded, env):
+    """[peak RSS GB, cold load s, warm load s] of `lib` (NaN where a process failed) and footnotes."""
+    argv = ["--worker", lib, variant, *forwarded]
+    cold = run_worker(__file__, [*argv, "--load-only"], env)
+    warm = run_worker(__file__, argv, env)
+    cells = [r.value[key] if r.ok else float("nan") for r, key in ((warm, "peak_rss_gb"), (cold, "load_s"),
+                                                                    (warm, "load_s"))]
+    notes = [f"{lib} {variant}: {what} not measured: {r.failure}" for r, what in
+             ((cold, "cold load"), (warm, "warm load and peak RSS")) if not r.ok]
+    return cells, notes
+
+
+def report(variant, peers, speed, why_not, sizes, label):
     """Print one variant's rows: kvwire and every peer (timed, or why not), then the ratios.
-    Returns footnotes (what could not be measured)."""
+    sizes: {lib: [peak RSS, cold load, warm load]}."""
     quantised = parse_variant(variant)["quantize"] is not None
-    footnotes = []
     for lib in ["kvwire", *peers]:
-        label = "Q4_K_M" if lib == "llama.cpp" else variant
-        if lib not in speed:
-            print(row(lib, label, why_not.get(lib, "not timed")))
-            continue
-        rss = float("nan")
-        if lib != "llama.cpp":
-            measured = run_worker(__file__, ["--worker", lib, variant, *common])
-            if measured.ok:
-                rss = measured.value["peak_rss_gb"]
-            else:
-                footnotes.append(f"{lib} {variant}: peak RSS not measured: {measured.failure}")
-        print(row(lib, label, [speed[lib][k] for k in KEYS] + [rss]))
+        name = label if lib == "llama.cpp" else variant
+        print(row(lib, name, [speed[lib][k] for k in KEYS] + sizes[lib]) if lib in speed else
+              row(lib, name, why_not.get(lib, "not timed")))
     for lib in peers:
         if (lib == "llama.cpp") == quantised and lib in speed and "kvwire" in speed:
-            print(f"{'  kvwire/' + lib:46}" + "".join(f"{speed['kvwire'][k] / speed[lib][k]:13.2f}" for k in KEYS))
-    return footnotes
+            ours, theirs = [speed["kvwire"][k] for k in KEYS] + sizes["kvwire"], \
+                [speed[lib][k] for k in KEYS] + sizes[lib]
+            print(f"{'  kvwire/' + lib:46}" + "".join(f"{a / b:13.2f}" for a, b in zip(ours, theirs)))
 
 
-def main():
+def parser():
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gemma3-270m", help="a kvwire preset: gemma3-270m, smollm2-135m-instruct")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=["float32", "bfloat16+int4", "float32+gguf", "float32+gguf+compile"])
-    p.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))
+    p.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))  # MODE: speed or a library name
     p.add_argument("--peers", nargs="*", default=[])
     p.add_argument("--probe", choices=list(PEERS))
     p.add_argument("--probe-variant", default="float32")
-    args = p.parse_args()
-    if args.worker or args.probe:
-        result = probe(args.probe, args.probe_variant, args.threads) if args.probe else \
-            worker(*args.worker, args.new_tokens, args.threads, args.peers)
-        print(json.dumps(result))
+    p.add_argument("--gguf", help="internal: the preset's GGUF file, resolved once by the parent")
+    p.add_argument("--load-only", action="store_true")
+    return p
+
+
+def forwarded(args, gguf):
+    """The options every worker and probe gets from the parent."""
+    return ["--model", args.model, "--gguf", gguf, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+
+
+def gguf_of(model, p):
+    """The preset's GGUF file and its llama.cpp file type ("Q4_1"); a parser error for no preset."""
+    from gguf import LlamaFileType
+
+    from kvwire.io.gguf import GGUFFile
+    from kvwire.models.presets import PRESETS
+
+    if model not in PRESETS:
+        p.error(f"--model {model!r} is not a preset; expected one of {sorted(PRESETS)}")
+    path = PRESETS[model]()
+    return path, LlamaFileType(GGUFFile(path).field("general.file_type")).name.removeprefix("MOSTLY_")
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args.probe, args.probe_variant, args)))
         return
+    if args.worker:
+        mode, variant = args.worker
+        print(json.dumps(speed(variant, args) if mode == "speed" else footprint(mode, variant, args)))
+        return
+    gguf, file_type = gguf_of(args.model, p)
     print(header(args.threads), flush=True)
-    common = ["--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type})", flush=True)
+    common = forwarded(args, gguf)
     floats = [v for v in args.variants if parse_variant(v)["quantize"] is None]
-    # llama.cpp runs the GGUF's own 4-bit weights whatever the variant; it is timed in every
-    # run (interleaved with kvwire) and compared with the quantised variants
+    # llama.cpp runs the GGUF's own blocks whatever the variant; it is timed in every run
+    # (interleaved with kvwire) and compared with the quantised variants
     wanted = (["transformers"] if floats else []) + ["llama.cpp"]
-    probes = probe_peers(__file__, wanted, ["--probe-variant", (floats or ["float32"])[0], "--threads",
-                                            str(args.threads)])
+    probes = probe_peers(__file__, wanted, ["--probe-variant", (floats or ["float32"])[0], *common])
     failed = {peer: f"not timed: {r.failure} (probe: load + 2 tokens)" for peer, r in probes.items() if not r.ok}
-    print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in KEYS) + f"{'peak RSS GB':>13}")
-    later = []
+    print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in COLUMNS))
+    later, peer_sizes = [], {}  # a peer's footprint depends on its dtype only, not on kvwire's variant
     for variant in args.variants:
         quantised = parse_variant(variant)["quantize"] is not None
         these = ([] if quantised else ["transformers"]) + ["llama.cpp"]
         timed = [peer for peer in these if peer not in failed]
-        result, note = with_fallback(
-            lambda peers: run_worker(__file__, ["--worker", "speed", variant, *common, "--peers", *peers]), timed)
+        with tempfile.TemporaryDirectory() as cache:  # kvwire's cold load converts the GGUF
+            env = {"KVWIRE_CACHE": cache}
+            sizes = {"kvwire": footprints("kvwire", variant, common, env)}
+            for peer in timed:
+                key = (peer, parse_variant(variant)["dtype"] if peer == "transformers" else "")
+                if key not in peer_sizes:
+                    peer_sizes[key] = footprints(peer, variant, common, env)
+                sizes[peer] = peer_sizes[key]
+            result, note = with_fallback(lambda peers: run_worker(
+                __file__, ["--worker", "speed", variant, *common, "--peers", *peers], env), timed)
         why_not = dict(failed)
-        if note:
+        if not result.ok:  # kvwire failed alone as well: its peers are not to blame
+            why_not["kvwire"] = f"not timed: {result.failure}"
+            why_not.update({peer: "not timed: kvwire failed (the row above)" for peer in timed})
+        elif note:
             later.append(f"{variant}: {note}")
             why_not.update({peer: "not timed: the timed worker died with it (see below)" for peer in timed})
-        if not result.ok:
-            why_not["kvwire"] = f"not timed: {result.failure}"
-        later += report(variant, these, result.value or {}, why_not, common)
-    print("tokens/s; decode counts every row of the batch; best of 3 interleaved runs")
+        for _, notes in sizes.values():
+            later += [n for n in notes if n not in later]
+        report(variant, these, result.value or {}, why_not, {lib: s[0] for lib, s in sizes.items()}, file_type)
+    print("tokens/s (decode counts every row of the batch), best of 3 interleaved runs; load: seconds in a process "
+          "of its own, cold = empty kvwire cache; kvwire/peer ratios: above 1 is faster in tokens/s, below 1 "
+          "smaller or quicker in RSS and load")
     for line in later:
         print(line)
 

