@@ -1,10 +1,13 @@
 """Shared fixtures: tiny random models of every family, built through transformers (the arbiter)."""
 import os
+from functools import partial
 
 import pytest
 import torch
 
 import kvwire as kw
+
+from .tiny_models import tiny_hf
 
 # two xdist workers on two cores: one thread each (much of the suite is single-threaded export
 # tracing); a plain run keeps both threads
@@ -43,7 +46,31 @@ def _spread(model):
             p.normal_(0.0, 0.3 if p.dim() > 1 else 0.2)
 
 
-FAMILIES = {"gpt2": tiny_hf_gpt2, "gemma3": tiny_hf_gemma3}
+# The generic runner's variation of each decoder family (over tiny_models' defaults), spread so that
+# together they cover what is free to cover: windows the runner's lengths (up to 120) cross many times
+# (mistral 5 on every layer, qwen2 4 on layers 2-3 beside full layers 0-1, gemma2 4 on alternate
+# layers, phi3 6 on every layer), partial rotary (phi3), static rope scaling (llama3, yarn), MQA,
+# GQA and MHA, biases, QK-norms, soft-caps and multipliers. Length-dependent rope types (dynamic,
+# longrope) stay out: their factors switch with the sequence length, so a forward over T tokens
+# and a decode step at T differ by design (test_families and test_rope pin them against transformers).
+RUNNER = {
+    "llama": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4}),
+    "mistral": {},  # sliding_window=5 on every layer (tiny_models)
+    "qwen2": dict(use_sliding_window=True, max_window_layers=2, sliding_window=4),  # and q/k/v biases
+    "qwen3": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                   "original_max_position_embeddings": 32}),
+    "phi3": dict(sliding_window=6, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5}),
+    "gemma": dict(num_key_value_heads=1, head_dim=16),  # MQA (heads of 16: int4 takes its 16 key rows)
+    "gemma2": {},  # sliding_window=4 on alternate layers, attention and final soft-caps (tiny_models)
+    "olmo2": dict(num_key_value_heads=4),  # MHA
+    "granite": {},
+}
+
+# family -> (seed=0, **overrides) -> a tiny random transformers model; every family kvwire has
+FAMILIES = {"gpt2": tiny_hf_gpt2, "gemma3": tiny_hf_gemma3,
+            **{name: partial(tiny_hf, name, **variation) for name, variation in RUNNER.items()}}
 
 
 @pytest.fixture(params=sorted(FAMILIES))

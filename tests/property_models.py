@@ -24,7 +24,16 @@ from kvwire.models.gemma3 import Gemma3Config
 from kvwire.models.gpt2 import GPT2Config
 
 MAX_POSITIONS = 128
-EOS = 1  # both families' tiny configs end rows at id 1 unless told to ignore it
+EOS = 1  # every family's tiny config ends rows at id 1 unless told to ignore it
+DECODER_FAMILIES = ("gemma", "gemma2", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
+WINDOWS = [2, 3, 5]  # rings of 1, 2 and 4 slots
+# static rope scaling only (v4 form: rope_scaling items, kept hashable): dynamic and longrope switch
+# their factors with the sequence length, so a forward over T tokens and a decode step at T differ
+# by design (tests/test_families.py and tests/test_rope.py pin them against transformers)
+ROPE_SCALINGS = [None, (("factor", 4.0), ("rope_type", "linear")),
+                 (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                  ("original_max_position_embeddings", 16), ("rope_type", "llama3")),
+                 (("factor", 4.0), ("original_max_position_embeddings", 32), ("rope_type", "yarn"))]
 
 
 def examples(weight):
@@ -34,24 +43,64 @@ def examples(weight):
 
 @st.composite
 def configs(draw):
-    """(family, frozen config fields): 1-3 layers, width 16 or 32, vocabulary twice the width;
-    Gemma 3 with a random sliding/full pattern, a window of 2, 3 or 5 (rings of 1, 2, 4 slots),
-    MQA/GQA/MHA and linear rope scaling of the full layers or none."""
-    family = draw(st.sampled_from(["gpt2", "gemma3"]))
+    """(family, frozen config fields) of any family: 1-3 layers, width 16 or 32, vocabulary twice
+    the width, MQA/GQA/MHA (not GPT-2). Gemma 3 with a random sliding/full pattern, a window of 2,
+    3 or 5 and linear rope scaling of the full layers or none; the shared decoder's families with
+    the variations of each (`decoder_fields`)."""
+    family = draw(st.sampled_from(["gpt2", "gemma3", *DECODER_FAMILIES]))
     layers, width = draw(st.integers(1, 3)), draw(st.sampled_from([16, 32]))
     if family == "gpt2":
         fields = dict(vocab_size=2 * width, n_embd=width, n_layer=layers, n_head=draw(st.sampled_from([2, 4])),
                       n_positions=MAX_POSITIONS, bos_token_id=0, eos_token_id=EOS)
-    else:
+        return family, tuple(sorted(fields.items()))
+    heads, kv_heads, head_dim = draw(st.sampled_from([(2, 1, 8), (4, 2, 4), (2, 2, 8)]))  # MQA, GQA, MHA
+    fields = dict(vocab_size=2 * width, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=MAX_POSITIONS, bos_token_id=2, eos_token_id=EOS, pad_token_id=0)
+    if family == "gemma3":
         sliding = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
-        heads, kv_heads, head_dim = draw(st.sampled_from([(2, 1, 8), (4, 2, 4), (2, 2, 8)]))  # MQA, GQA, MHA
-        fields = dict(vocab_size=2 * width, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      sliding_window=draw(st.sampled_from([2, 3, 5])), query_pre_attn_scalar=head_dim,
+        fields.update(sliding_window=draw(st.sampled_from(WINDOWS)), query_pre_attn_scalar=head_dim,
                       layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
-                      max_position_embeddings=MAX_POSITIONS, bos_token_id=2, eos_token_id=EOS, pad_token_id=0,
-                      rope_scaling=draw(st.sampled_from([None, (("factor", 4.0), ("rope_type", "linear"))])))
+                      rope_scaling=draw(st.sampled_from(ROPE_SCALINGS[:2])))
+    else:
+        fields.update(draw(decoder_fields(family, layers, head_dim)))
     return family, tuple(sorted(fields.items()))
+
+
+@st.composite
+def decoder_fields(draw, family, layers, head_dim):
+    """A shared-decoder family's own Hugging Face config fields (read by its config_from_hf): a
+    static rope scaling or none and tied or untied heads for all; windows where the family has
+    them (Mistral and Phi-3 on every layer or none, Qwen from max_window_layers on, Gemma 2 on a
+    random pattern); biases (Llama, Qwen 3); partial rotary (Phi-3); soft-caps (Gemma 2);
+    multipliers (Granite)."""
+    # Phi-3 reads "yarn" as longrope (transformers does)
+    rope = draw(st.sampled_from(ROPE_SCALINGS[:3] if family == "phi3" else ROPE_SCALINGS))
+    fields = dict(rope_scaling=rope, tie_word_embeddings=draw(st.booleans()))
+    window = st.sampled_from(WINDOWS)
+    if family == "llama":
+        fields.update(attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()))
+    elif family in ("mistral", "phi3"):
+        fields.update(sliding_window=draw(st.none() | window))
+        if family == "phi3":
+            fields.update(partial_rotary_factor=draw(st.sampled_from([1.0, 0.5])))
+    elif family in ("qwen2", "qwen3"):
+        fields.update(use_sliding_window=draw(st.booleans()), sliding_window=draw(window),
+                      max_window_layers=draw(st.integers(0, layers)))
+        if family == "qwen3":
+            fields.update(attention_bias=draw(st.booleans()))
+    elif family == "gemma2":
+        sliding = draw(st.lists(st.booleans(), min_size=layers, max_size=layers))
+        fields.update(sliding_window=draw(window), query_pre_attn_scalar=head_dim,
+                      layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                      attn_logit_softcapping=draw(st.sampled_from([None, 5.0])),
+                      final_logit_softcapping=draw(st.sampled_from([None, 3.0])))
+    elif family == "granite":
+        fields.update(embedding_multiplier=draw(st.sampled_from([1.0, 1.7])),
+                      attention_multiplier=draw(st.sampled_from([head_dim**-0.5, 0.2])),
+                      residual_multiplier=draw(st.sampled_from([1.0, 0.6])),
+                      logits_scaling=draw(st.sampled_from([1.0, 2.5])))
+    return fields
 
 
 # An edit: (kind, target index, new module kind, seed). Targets are indices into the current layer
@@ -76,10 +125,16 @@ def specs(draw, **edit_options):
 
 @functools.lru_cache(maxsize=None)
 def base_model(family, fields):
-    """A tiny kvwire CausalLM built from a kvwire config (no transformers: faster), float32."""
+    """A tiny kvwire CausalLM built from a kvwire config (no transformers: faster), float32: GPT-2's
+    and Gemma 3's own configs, the shared decoder's families' HF fields through their mapping."""
     fam = FAMILIES[family]
     fields = {k: dict(v) if k == "rope_scaling" and v else v for k, v in fields}  # a dict, kept hashable in the spec
-    config = (GPT2Config if family == "gpt2" else Gemma3Config)(**fields)
+    if family == "gpt2":
+        config = GPT2Config(**fields)
+    elif family == "gemma3":
+        config = Gemma3Config(**fields)
+    else:
+        config = fam.config_from_hf(fields)
     torch.manual_seed(zlib.crc32(repr(fields).encode()))  # same weights in every process
     backbone = fam.backbone(config).eval()
     with torch.no_grad():  # weights large enough that attention is far from uniform (as conftest)

@@ -121,11 +121,11 @@ def test_tap_returns_block_outputs_in_one_forward(tiny_lm):
     torch.testing.assert_close(norm(taps[blocks[1]]), upto(ids))
 
 
-def test_cached_tap_with_left_padding_equals_single_rows(tiny_lm):
+def test_cached_tap_with_left_padding_equals_single_rows(family):
     from kvwire.steer.vector import last_token_states
     from .tokenizers_for_tests import char_level
 
-    lm = kw.from_hf(FAMILIES[_family_of(tiny_lm)](vocab_size=100))
+    lm = kw.from_hf(FAMILIES[family](vocab_size=100))
     lm.tokenizer = char_level()
     names = kw.block_calls(lm.backbone)[1:]
     texts = ["a short one", "a much longer prompt than that", "mid length"]
@@ -135,7 +135,3 @@ def test_cached_tap_with_left_padding_equals_single_rows(tiny_lm):
         _, taps = kw.tap(lm.backbone, names)(ids)
         for name in names:
             torch.testing.assert_close(batched[name][i], taps[name][0, -1], atol=2e-5, rtol=1e-5)
-
-
-def _family_of(lm):
-    return "gpt2" if "GPT2" in type(lm.backbone).__name__ else "gemma3"

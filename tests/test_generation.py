@@ -45,22 +45,23 @@ def test_ragged_token_id_rows_equal_single_runs(chat):
 
 
 def test_rows_stop_independently(chat):
-    free = chat.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
-    stop_id = chat.tokenizer.encode(free[0][3], add_bos=False)[0]
-    stopped = chat.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
-    stop_char = free[0][3]
-    for full, cut in zip(free, stopped):
-        assert cut == full.split(stop_char)[0]
+    free = chat.generate_ids(PROMPTS, max_new_tokens=12, ignore_eos=True)
+    stop_id = free.tokens[0][3]  # by token: a special token decodes to several characters (<eos>)
+    stopped = chat.generate_ids(PROMPTS, max_new_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    for full, cut, text in zip(free.tokens, stopped.tokens, stopped.texts):
+        assert cut == (full[:full.index(stop_id)] if stop_id in full else full)
+        assert text == chat.tokenizer.decode(cut)
 
 
 def test_max_length_on_repeated_calls(chat):
     prompt = "Hello"  # 6 tokens with BOS
     lengths = [20, 9, 30, 12, 7]
-    outs = [chat.generate(prompt, max_length=n, ignore_eos=True) for n in lengths]
+    # counted in tokens: special and unused ids decode to several characters or none
+    outs = [chat.generate_ids(prompt, max_length=n, ignore_eos=True).tokens[0] for n in lengths]
     assert [len(o) for o in outs] == [n - 6 for n in lengths]
     longest = max(outs, key=len)
-    assert all(longest.startswith(o) for o in outs)
-    assert chat.generate(prompt, max_new_tokens=3, max_length=30, ignore_eos=True) == longest[:3]
+    assert all(longest[:len(o)] == o for o in outs)
+    assert chat.generate_ids(prompt, max_new_tokens=3, max_length=30, ignore_eos=True).tokens[0] == longest[:3]
 
 
 def test_beam_search_with_one_beam_equals_greedy(chat):
@@ -123,12 +124,23 @@ def test_sampled_distribution_matches_filtered_softmax(sampler):
     assert chi2 < _chi_square_critical(int(support.sum()) - 1)
 
 
+def _three_character_tokens(lm, tokens, text):
+    """(where, text) of the first three tokens that decode to one character each and whose text
+    first occurs where they stand (special tokens decode to several characters: <pad>)."""
+    pieces = [lm.tokenizer.decode([t]) for t in tokens]
+    for k in range(len(tokens) - 2):
+        at, stop = len("".join(pieces[:k])), "".join(pieces[k:k + 3])
+        if all(len(p) == 1 for p in pieces[k:k + 3]) and text.find(stop) == at:
+            return at, stop
+    raise AssertionError(f"no three one-character tokens in {text!r}")
+
+
 def test_stop_strings_spanning_tokens(chat):
-    free = chat.generate("Hello", max_new_tokens=20, ignore_eos=True)
-    stop = free[5:8]  # three characters: three tokens
-    assert len(stop) == 3
+    free = chat.generate_ids("Hello", max_new_tokens=20, ignore_eos=True)
+    at, stop = _three_character_tokens(chat, free.tokens[0], free.texts[0])  # three characters: three tokens
+    free = free.texts[0]
     cut = chat.generate("Hello", max_new_tokens=20, ignore_eos=True, stop=[stop, "\x00never"])
-    assert cut == free[:free.find(stop)]
+    assert cut == free[:at]
     gen = chat.generate("Hello", max_new_tokens=20, ignore_eos=True, stop=stop, return_logprobs=True)
     assert chat.tokenizer.decode(gen.tokens[0]) == cut
 

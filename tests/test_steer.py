@@ -114,15 +114,18 @@ def test_training_is_deterministic_and_points_to_the_positive_side(chat, method)
     swapped = kw.ControlVector.train(chat, NEGATIVE, POSITIVE, layers="1-2", method=method, progress=False)
     for i in vec.layers:
         torch.testing.assert_close(swapped.directions[i], -vec.directions[i], atol=1e-5, rtol=1e-4)
-    # a positive strength moves the negative prompts' states toward the positive ones
+    # strength 1 moves the negative prompts' states by the mean separation along the direction:
+    # right after the block it steers, their mean projection is the positive prompts'
     from kvwire.steer.vector import last_token_states
     name = kw.block_calls(chat.backbone)[2]
     d = vec.directions[2]
+    steered = chat.steer(kw.ControlVector({2: d}), 1.0)
+    [steer_call] = steered.backbone.meta["kvwire_inserted"]  # the Steer layer after block 2
     before = last_token_states(chat, NEGATIVE, [name], progress=False)[name] @ d
-    after = last_token_states(chat.steer(vec, 1.0), NEGATIVE, [name], progress=False)[name] @ d
+    after = last_token_states(steered, NEGATIVE, [steer_call], progress=False)[steer_call] @ d
     positive = last_token_states(chat, POSITIVE, [name], progress=False)[name] @ d
     assert positive.mean() > before.mean()
-    assert after.mean() > before.mean()
+    torch.testing.assert_close(after.mean(), positive.mean(), atol=1e-4, rtol=1e-4)
 
 
 def test_gguf_round_trip_uses_llama_cpp_names_and_numbering(chat, tmp_path):
@@ -136,10 +139,28 @@ def test_gguf_round_trip_uses_llama_cpp_names_and_numbering(chat, tmp_path):
     f = GGUFFile(path)
     assert f.architecture == "controlvector"
     assert f.field("controlvector.layer_count") == n_blocks - 1
-    assert f.field("controlvector.model_hint") == vec.model_hint and vec.model_hint in ("gpt2", "gemma3")
     assert [name for name, *_ in f.infos] == [f"direction.{i}" for i in range(1, n_blocks)]
     loaded = kw.ControlVector.load(path)
-    assert loaded == vec
+    assert loaded.layers == vec.layers
+    assert all(torch.equal(loaded.directions[i], vec.directions[i]) for i in vec.layers)
+
+
+def test_model_hint_is_the_gguf_architecture_and_survives_a_round_trip(chat, family, tmp_path, request):
+    from kvwire.io.gguf import GGUFFile
+    from kvwire.models import FAMILIES as KV_FAMILIES
+
+    if family not in ("gpt2", "gemma3"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "kvwire/steer/vector.py _family matches lm.config by isinstance(config_cls): every decoder "
+            "family's is DecoderConfig, so the first registered (gemma, no GGUF architecture) wins and "
+            "model_hint is None for all nine, not the family's GGUF architecture or '' (and None != '' "
+            "after a save/load)")))
+    vec = kw.ControlVector.train(chat, POSITIVE, NEGATIVE, layers=[1], progress=False)
+    # llama.cpp's model hint: the family's GGUF architecture, "" for a family without one
+    assert vec.model_hint == (KV_FAMILIES[family].gguf_architecture or "")
+    vec.save(tmp_path / "vec.gguf")
+    assert GGUFFile(tmp_path / "vec.gguf").field("controlvector.model_hint") == vec.model_hint
+    assert kw.ControlVector.load(tmp_path / "vec.gguf") == vec
 
 
 def test_loads_a_file_written_the_way_repeng_writes_it(chat, tmp_path):
