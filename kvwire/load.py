@@ -109,7 +109,7 @@ def build(family, config, state, tokenizer=None, dtype=torch.float32):
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     backbone.eval()
-    return CausalLM(backbone, family.head(backbone), tokenizer, config).eval()
+    return CausalLM(backbone, family.head(backbone), tokenizer, config, family.name).eval()
 
 
 def load_gguf(path, dtype=torch.float32, progress=True):

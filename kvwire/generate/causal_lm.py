@@ -32,11 +32,12 @@ class CausalLM(nn.Module):
         >>> lm.generate("The capital of France is", max_new_tokens=8)
     """
 
-    def __init__(self, backbone, head, tokenizer=None, config=None):
+    def __init__(self, backbone, head, tokenizer=None, config=None, family=None):
         super().__init__()
         self.backbone, self.head = backbone, head
         self.tokenizer = tokenizer
         self.config = config if config is not None else getattr(backbone, "config", None)
+        self.family = family  # the registry name ("llama", ...), when built by kw.load / kw.from_hf
         self._cached = None
         self._caches = {}  # batch size -> (max_length, cache), reused across calls
         self._compile_options, self._decode = None, None  # set by `compile`
@@ -161,7 +162,7 @@ class CausalLM(nn.Module):
             >>> v = torch.randn(640)
             >>> steered = lm.edit(lambda layer, x: layer(x) + v if layer is lm.backbone.layers[6] else layer(x))
         """
-        return CausalLM(clone(self.backbone, fn, depth=depth), self.head, self.tokenizer, self.config)
+        return CausalLM(clone(self.backbone, fn, depth=depth), self.head, self.tokenizer, self.config, self.family)
 
     def steer(self, vector, strength=1.0, *, generated_only=False, name=None):
         """The same model with `vector` (a `kw.ControlVector`) added after its blocks.

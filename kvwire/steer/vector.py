@@ -187,7 +187,8 @@ def _check_pairs(positive, negative):
 def _family(lm):
     """The model's GGUF architecture name (llama.cpp's model hint), or ""."""
     from ..models.registry import FAMILIES
-    for family in FAMILIES.values():
-        if isinstance(lm.config, family.config_cls):
-            return family.gguf_architecture
-    return ""
+    family = FAMILIES.get(getattr(lm, "family", None))
+    if family is None:  # a CausalLM built by hand: its config's class, when only one family has it
+        matches = [f for f in FAMILIES.values() if isinstance(lm.config, f.config_cls)]
+        family = matches[0] if len(matches) == 1 else None
+    return (family.gguf_architecture or "") if family is not None else ""
