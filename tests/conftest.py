@@ -7,7 +7,7 @@ import torch
 
 import kvwire as kw
 
-from .tiny_models import tiny_hf
+from .tiny_models import spread, tiny_hf
 
 # two xdist workers on two cores: one thread each (much of the suite is single-threaded export
 # tracing); a plain run keeps both threads
@@ -21,7 +21,7 @@ def tiny_hf_gpt2(seed=0, **overrides):
     settings = dict(vocab_size=96, n_embd=32, n_layer=3, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1)
     settings.update(overrides)
     model = GPT2LMHeadModel(GPT2Config(**settings)).eval()
-    _spread(model)
+    spread(model)
     return model
 
 
@@ -35,15 +35,8 @@ def tiny_hf_gemma3(seed=0, **overrides):
                     bos_token_id=2, eos_token_id=1, pad_token_id=0)
     settings.update(overrides)
     model = Gemma3ForCausalLM(Gemma3TextConfig(**settings)).eval()
-    _spread(model)
+    spread(model)
     return model
-
-
-def _spread(model):
-    """Random weights large enough that tokens differ and attention is far from uniform."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.3 if p.dim() > 1 else 0.2)
 
 
 # The generic runner's variation of each decoder family (over tiny_models' defaults), spread so that
