@@ -14,14 +14,15 @@ ATOL = 1e-4
 
 
 def run_chunks(lm, ids, chunks, max_length=None, mask=None, positions=None):
-    """Feed ids (B, T) through the cached graph in chunks of the given sizes; logits (B, T, V)."""
+    """Feed ids (B, T) through the cached graph in chunks of the given sizes, on the model's device;
+    logits (B, T, V)."""
     B, T = ids.shape
     assert sum(chunks) == T
     max_length = max_length or T
-    cached = lm.cached
+    cached, device = lm.cached, lm.device
     cache = cached.init_cache(B, max_length)
-    mask = torch.ones(B, max_length, dtype=torch.bool) if mask is None else mask
-    positions = torch.arange(T)[None].expand(B, T) if positions is None else positions
+    mask = torch.ones(B, max_length, dtype=torch.bool, device=device) if mask is None else mask
+    positions = torch.arange(T, device=device)[None].expand(B, T) if positions is None else positions
     out, start = [], 0
     with torch.no_grad():
         for n in chunks:

@@ -18,6 +18,7 @@ from kvwire.graph.cache import CACHE_DTYPE
 from kvwire.steer import Steer
 
 from .conftest import tiny_hf_gemma3, tiny_hf_gpt2
+from .test_cached import run_chunks
 from .tiny_models import tiny_hf
 from .tokenizers_for_tests import char_level
 
@@ -259,19 +260,8 @@ CUDA_FAMILIES = list(MAKERS)
 
 
 def _cached_logits(lm, ids, chunks, max_length):
-    """The generic runner's cached pass, on the model's device: ids (B, T) in chunks -> logits (B, T, V)."""
-    B, T = ids.shape
-    cached, device = lm.cached, lm.device
-    cache = cached.init_cache(B, max_length)
-    mask = torch.ones(B, max_length, dtype=torch.bool, device=device)
-    positions = torch.arange(T, device=device)[None].expand(B, T)
-    out, start = [], 0
-    with torch.no_grad():
-        for n in chunks:
-            h, cache = cached(ids[:, start:start + n], positions[:, start:start + n], start, mask, cache)
-            out.append(lm.head(h))
-            start += n
-    return torch.cat(out, dim=1)
+    """The generic runner's cached pass (test_cached.run_chunks), on the model's device."""
+    return run_chunks(lm, ids, chunks, max_length=max_length)
 
 
 @CUDA
