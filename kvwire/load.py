@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 from .dtypes import weights_device, weights_dtype
 from .generate import CausalLM
 from .io import weights_cache
+from .io.chat_template import template_from_transformers
 from .io.gguf import GGUFFile
 from .io.safetensors_dir import read_config, read_state_dict
-from .io.tokenizer import Tokenizer, eos_list, tokenizer_from_gguf, tokenizer_from_hf_folder
+from .io.tokenizer import CHAT_FILE, Tokenizer, eos_list, tokenizer_from_gguf, tokenizer_from_hf_folder
 from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
 from .models.presets import PRESETS
 from .quant import SCHEMES
@@ -119,7 +120,8 @@ def load_gguf(path, dtype=torch.float32, progress=True):
         meta = json.loads((entry / "config.json").read_text())
         family = FAMILIES[meta["family"]]
         config = family.config_cls(**meta["config"])
-        return build(family, config, _cached_weights(entry, dtype), Tokenizer.load(entry), dtype)
+        tokenizer = Tokenizer.load(entry) if (entry / CHAT_FILE).is_file() else _refresh_tokenizer(path, entry)
+        return build(family, config, _cached_weights(entry, dtype), tokenizer, dtype)
     start = time.perf_counter()
     with _about(path):
         gguf = GGUFFile(path)
@@ -136,6 +138,17 @@ def load_gguf(path, dtype=torch.float32, progress=True):
     if progress:
         print(f"kvwire: converted {Path(path).name} in {time.perf_counter() - start:.1f} s (cached in {entry})")
     return lm
+
+
+def _refresh_tokenizer(path, entry):
+    """The tokenizer of an entry cached before chat templates were kept, rebuilt once from the GGUF."""
+    with _about(path):
+        tokenizer = tokenizer_from_gguf(GGUFFile(path))
+    try:
+        tokenizer.save(entry)
+    except OSError:  # a read-only cache: rebuilt again next time
+        pass
+    return tokenizer
 
 
 def _cached_weights(entry, dtype):
@@ -214,5 +227,6 @@ def from_hf(model, tokenizer=None, dtype=None, device=None):
     wrapped = None
     if tokenizer is not None:
         wrapped = Tokenizer(tokenizer.backend_tokenizer, config.bos_token_id, eos_list(config.eos_token_id),
-                            getattr(tokenizer, "add_bos_token", False))
+                            getattr(tokenizer, "add_bos_token", False), template_from_transformers(tokenizer),
+                            getattr(tokenizer, "special_tokens_map", None))
     return build(family, config, state, wrapped, dtype).to(device)

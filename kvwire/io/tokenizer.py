@@ -4,19 +4,26 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as Backend
 
+from .chat_template import (ChatTemplate, template_end_of_turn_ids, template_from_gguf, template_from_hf_folder,
+                            token_strings)
 from .tokenizer_gguf import PRE_TOKENIZER_SPLITS, add_special_tokens, byte_level_bpe, sentencepiece_bpe
 
 # deriving sentencepiece merges costs the sum of squared token lengths: Gemma 3's 262k tokens sum
 # to 1.1e7 (~2 s); a hostile vocabulary of long tokens must not take hours
 _MERGE_WORK = 5e7
+CHAT_FILE = "kvwire_chat.json"  # what `save` writes beside the tokenizer: template, token strings
 
 
 class Tokenizer:
-    """Text <-> token ids, plus the ids generation needs (BOS, EOS).
+    """Text <-> token ids, plus the ids generation needs (BOS, EOS) and the model's chat template.
 
     Args:
         backend: a `tokenizers.Tokenizer`. bos_token_id / eos_token_ids: special ids.
         add_bos: whether `encode` starts every text with BOS (Gemma: yes, GPT-2: no).
+        chat_template: a `ChatTemplate`, its jinja source (str), or None.
+        special_tokens: token strings the template sees ({"eos_token": "<|im_end|>", "pad_token": ...});
+            bos_token / eos_token default to the text of bos_token_id / eos_token_ids[0].
+        eot_token_id: an extra id ending an assistant turn (GGUF `tokenizer.ggml.eot_token_id`).
 
     Example:
         >>> tok = Tokenizer.from_file("tokenizer.json", bos_token_id=2, eos_token_ids=[1], add_bos=True)
@@ -24,11 +31,56 @@ class Tokenizer:
         'Hello'
     """
 
-    def __init__(self, backend, bos_token_id=None, eos_token_ids=(), add_bos=False):
+    def __init__(self, backend, bos_token_id=None, eos_token_ids=(), add_bos=False, chat_template=None,
+                 special_tokens=None, eot_token_id=None):
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos = bool(add_bos) and bos_token_id is not None
+        if isinstance(chat_template, str):
+            chat_template = ChatTemplate(chat_template, "the chat_template argument")
+        if chat_template is not None and not isinstance(chat_template, ChatTemplate):
+            raise TypeError(f"chat_template must be a ChatTemplate, a str or None; got {type(chat_template).__name__}")
+        self.chat_template = chat_template
+        self._token_strings = dict(special_tokens or {})
+        self.eot_token_id = eot_token_id
+
+    @property
+    def special_tokens(self):
+        """Special token strings a chat template sees (bos_token, eos_token, and others when known)."""
+        named = {"bos_token": self.bos_token_id, "eos_token": (self.eos_token_ids or (None,))[0]}
+        derived = {k: self.backend.id_to_token(i) for k, i in named.items() if i is not None}
+        return {k: v for k, v in {**derived, **self._token_strings}.items() if v is not None}
+
+    @property
+    def end_of_turn_ids(self):
+        """Ids that end an assistant turn: EOS, the GGUF eot id, and the well-known end-of-turn tokens
+        (`<|im_end|>`, `<end_of_turn>`, `<|eot_id|>`, ...) in the vocabulary that the template writes."""
+        eot = () if self.eot_token_id is None else (self.eot_token_id,)
+        from_template = template_end_of_turn_ids(self.backend, self.chat_template)
+        return tuple(dict.fromkeys(self.eos_token_ids + eot + from_template))
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **variables):
+        """Render `messages` with the model's chat template, exactly as transformers'
+        `apply_chat_template` does (but add_generation_prompt defaults to True: the prompt ends where
+        the assistant's reply starts).
+
+        Args:
+            messages: a non-empty list of {"role": str, "content": str or a list of parts}.
+            tokenize: return token ids instead of text; BOS is not added again (the template writes it).
+            variables: passed to the template (`tools`, `documents`, custom flags); they override the
+                special token strings.
+
+        Example:
+            >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+            '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n'
+        """
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (no GGUF tokenizer.chat_template, no chat_template.jinja "
+                             "or tokenizer_config.json chat_template); encode a plain prompt instead, or set "
+                             "tokenizer.chat_template = kvwire.io.chat_template.ChatTemplate(source)")
+        text = self.chat_template.render(messages, add_generation_prompt, **{**self.special_tokens, **variables})
+        return self.encode(text, add_bos=False) if tokenize else text
 
     @property
     def vocab_size(self):
@@ -51,12 +103,21 @@ class Tokenizer:
         self.backend.save(str(folder / "tokenizer.json"))
         meta = {"bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids), "add_bos": self.add_bos}
         (folder / "kvwire_tokenizer.json").write_text(json.dumps(meta))
+        # a file of its own, so kvwire versions from before chat templates still read the folder
+        chat = {"chat_template": None if self.chat_template is None else self.chat_template.source,
+                "special_tokens": self._token_strings, "eot_token_id": self.eot_token_id}
+        (folder / CHAT_FILE).write_text(json.dumps(chat))
 
     @classmethod
     def load(cls, folder):
-        """Load what `save` wrote."""
-        meta = json.loads((Path(folder) / "kvwire_tokenizer.json").read_text())
-        return cls(Backend.from_file(str(Path(folder) / "tokenizer.json")), **meta)
+        """Load what `save` wrote (a folder saved before chat templates has no CHAT_FILE: no template)."""
+        folder = Path(folder)
+        meta = json.loads((folder / "kvwire_tokenizer.json").read_text())
+        chat_path = folder / CHAT_FILE
+        chat = json.loads(chat_path.read_text()) if chat_path.is_file() else {}
+        source = chat.pop("chat_template", None)
+        template = None if source is None else ChatTemplate(source, f"{chat_path}: chat_template")
+        return cls(Backend.from_file(str(folder / "tokenizer.json")), chat_template=template, **meta, **chat)
 
     @classmethod
     def from_file(cls, path, **kwargs):
@@ -87,7 +148,8 @@ def tokenizer_from_hf_folder(folder, config):
     except Exception as e:
         raise ValueError(f"{folder / 'tokenizer.json'} is not a readable tokenizer: {e}") from e
     return Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=eos_list(config.eos_token_id),
-                     add_bos=add_bos)
+                     add_bos=add_bos, chat_template=template_from_hf_folder(folder, settings, settings_path),
+                     special_tokens=token_strings(settings, settings_path))
 
 
 def read_json(path):
@@ -141,6 +203,9 @@ def tokenizer_from_gguf(gguf):
         raise ValueError(f"{path}: tokenizer.ggml.tokens are too long to derive merges from (the sum of their "
                          f"squared lengths is {work}; kvwire allows {_MERGE_WORK:.0e}, Gemma 3 needs 1.1e7)")
     named = [_token_id(path, field, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("unknown", "padding")]
+    strings = {k: tokens[i] for k, i in zip(("unk_token", "pad_token"), named) if i is not None}
+    eot = _token_id(path, field, "tokenizer.ggml.eot_token_id", len(tokens))
+    template = template_from_gguf(path, field)
     named = list(dict.fromkeys(i for i in [bos, eos, *named] if i is not None))
     try:  # the tokenizers library raises plain Exceptions on inconsistent vocabularies
         backend = sentencepiece_bpe(tokens) if kind == "llama" else byte_level_bpe(tokens, merges, pre)
@@ -152,7 +217,8 @@ def tokenizer_from_gguf(gguf):
                          f"spelled in the byte-level alphabet, so transformers would give it an id past the "
                          f"vocabulary; expected byte-alphabet characters only")
     extra_eos = [i for i, t in enumerate(tokens) if t == "<end_of_turn>"]  # Gemma's chat turn end
-    return Tokenizer(backend, bos, [e for e in [eos, *extra_eos] if e is not None], add_bos)
+    return Tokenizer(backend, bos, [e for e in [eos, *extra_eos] if e is not None], add_bos, chat_template=template,
+                     special_tokens=strings, eot_token_id=eot)
 
 
 def _pre_tokenizer(path, field):
