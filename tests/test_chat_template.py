@@ -233,6 +233,14 @@ def test_bad_variables_and_a_missing_template():
         Tokenizer(backend()).apply_chat_template(TURNS)
 
 
+def test_generation_blocks_render_as_in_transformers():
+    source = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>" \
+             "{% endgeneration %}{% else %}<u>{{ m.content }}</u>{% endif %}{% endfor %}"
+    _, theirs = pair("plain")
+    theirs.chat_template = source
+    assert ChatTemplate(source).render(TURNS) == theirs.apply_chat_template(TURNS, tokenize=False)
+
+
 def test_a_broken_template_names_its_origin():
     with pytest.raises(ValueError, match=r"model\.gguf: tokenizer\.chat_template: the chat template does not compile: "
                                          r".*\(line 1\)"):

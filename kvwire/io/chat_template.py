@@ -107,8 +107,18 @@ class _Environment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, op, left, right)
 
 
+class _Generation(jinja2.ext.Extension):
+    # `{% generation %}...{% endgeneration %}` marks assistant text for transformers' training masks;
+    # rendering keeps the body as it is
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _environment():
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
