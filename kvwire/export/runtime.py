@@ -164,17 +164,25 @@ class ExportedLM(CausalLM):
         logits, _ = self.cached(token_ids, positions, 0, mask, cache)
         return logits.float()
 
-    def _session(self, rows, max_length, inputs=None, reuse=True):  # caches at the exported length
-        from ..generate.session import Session
-
-        # static chunk lengths: left-pad prompts to whole chunks of the shortest prefill entry
-        # point when the padding fits, so no prompt tail runs token by token
+    def _multiple(self, rows, max_length):
+        """Static chunk lengths: left-pad prompts to whole chunks of the shortest prefill entry
+        point when the padding fits, so no prompt tail runs token by token."""
         prefills = [n for n in self.meta.get("chunk_lengths") or () if n > 1]
         longest = max(len(r) for r in rows)
         multiple = min(prefills) if prefills else 1
-        if max_length + (-longest % multiple) > self.meta["max_length"]:
-            multiple = 1
-        return Session(self.cached, self.head, rows, self.meta["max_length"], inputs=inputs, multiple=multiple)
+        return 1 if max_length + (-longest % multiple) > self.meta["max_length"] else multiple
+
+    def _session(self, rows, max_length, inputs=None, reuse=True):  # caches at the exported length
+        from ..generate.session import Session
+
+        return Session(self.cached, self.head, rows, self.meta["max_length"], inputs=inputs,
+                       multiple=self._multiple(rows, max_length))
+
+    def _engine(self, rows, max_length):
+        """The engine runs the program in lockstep (it takes one cache index for the batch)."""
+        from ..generate.engine import Engine
+
+        return Engine(self, len(rows), self.meta["max_length"], multiple=self._multiple(rows, max_length))
 
     def edit(self, fn, depth="block"):
         raise TypeError("an exported model cannot be edited; edit the eager model and export it again")

@@ -1,7 +1,9 @@
-"""Generation on the cached graph: CausalLM and the decoding loop."""
+"""Generation on the cached graph: CausalLM, the engine (one decoding loop), samplers, beam search."""
 from .causal_lm import CausalLM
-from .loop import Generation, beam_search, sample
+from .engine import Engine, Sequence
+from .loop import Generation, beam_search
+from .prefix import PrefixStore
 from .samplers import BeamSearch, Greedy, MinP, Random, Sampler, TopK, TopP
 
-__all__ = ["BeamSearch", "CausalLM", "Generation", "Greedy", "MinP", "Random", "Sampler", "TopK", "TopP",
-           "beam_search", "sample"]
+__all__ = ["BeamSearch", "CausalLM", "Engine", "Generation", "Greedy", "MinP", "PrefixStore", "Random", "Sampler",
+           "Sequence", "TopK", "TopP", "beam_search"]

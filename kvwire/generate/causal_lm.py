@@ -7,7 +7,7 @@ from torch import nn
 
 from ..graph import clone, with_cache
 from ..io.tokenizer import eos_list
-from .loop import Stopper, beam_search, sample
+from .loop import Generation, Stopper, beam_search, finish
 from .samplers import BeamSearch, Greedy, Sampler
 from .session import Session
 
@@ -354,11 +354,47 @@ class CausalLM(nn.Module):
                 raise ValueError("stop strings are not supported with beam search")
             session = self._session(rows, longest + new, inputs, reuse=False)
             return iter([beam_search(session, sampler, new, stopper, repetition_penalty)])
-        # a CPU generator on every device: samplers draw on the CPU (see kvwire.generate.samplers),
-        # so a seed gives the same tokens wherever the model runs
-        generator = None if seed is None else torch.Generator(device="cpu").manual_seed(int(seed))
-        session = self._session(rows, longest + new, inputs)
-        return self._returning(session, sample(session, sampler, new, stopper, generator, repetition_penalty, logprobs))
+        per_row = self._row_inputs(inputs, len(rows))
+        engine = self._engine(rows, longest + new)
+        # row i draws from its own CPU generator seeded seed + i (samplers draw on the CPU, see
+        # kvwire.generate.samplers): a seed gives the same tokens wherever the model runs, and a
+        # row's tokens do not depend on the others of its batch
+        seqs = [engine.submit(row, new, sampler=sampler, seed=None if seed is None else int(seed) + i,
+                              stop_ids=stop_ids, stop_strings=stop, inputs=per_row[i],
+                              repetition_penalty=repetition_penalty, logprobs=logprobs, reuse_prefix=False,
+                              label=f"row {i}")
+                for i, row in enumerate(rows)]
+        return self._returning(engine, _records(engine, seqs, stopper))
+
+    def _row_inputs(self, inputs, batch_size):
+        """generate's `inputs` ({name: (B,) tensor}) as one {name: value} per row, checked."""
+        inputs = dict(inputs or {})
+        known = self.cached.runtime_inputs
+        unknown = set(inputs) - set(known)
+        if unknown:
+            raise TypeError(f"unknown runtime inputs {sorted(unknown)}; this graph takes {sorted(known) or 'none'}")
+        for name, value in inputs.items():
+            if not isinstance(value, torch.Tensor) or value.dtype != known[name] or tuple(value.shape) != (batch_size,):
+                got = f"{value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+                    else type(value).__name__
+                raise TypeError(f"runtime input {name!r} must be a {known[name]} tensor of shape ({batch_size},); "
+                                f"got {got}")
+        return [{name: value[i] for name, value in inputs.items()} for i in range(batch_size)]
+
+    def _engine(self, rows, max_length):
+        """An engine for one batch that takes this model's idle caches for the batch size when they
+        are long enough (and not more than twice as long: decode attends over every full-length slot)."""
+        from .engine import Engine
+
+        decode = self._decoder()
+        if decode is not None:
+            max_length = decode.length(max_length, self.max_context)
+        kept = self._caches.pop(len(rows), None)  # taken: an interleaved run gets its own
+        if kept is not None and max_length <= kept[0] <= 2 * max_length:
+            max_length, cache = kept
+        else:
+            cache = None
+        return Engine(self, len(rows), max_length, cache=cache)
 
     def _session(self, rows, max_length, inputs=None, reuse=True):
         """A session that takes this model's idle caches for the batch size when they are long
@@ -371,10 +407,11 @@ class CausalLM(nn.Module):
             return Session(self.cached, self.head, rows, kept[0], kept[1], inputs, decode=decode, device=self.device)
         return Session(self.cached, self.head, rows, max_length, inputs=inputs, decode=decode, device=self.device)
 
-    def _returning(self, session, run):
-        """Yield from run, then give the session's caches back for the next call."""
+    def _returning(self, engine, run):
+        """Yield from run, then give the engine's caches back for the next call."""
         yield from run
-        self._caches[session.ids.shape[0]] = (session.max_length, session.cache)
+        if engine.cache is not None:
+            self._caches[engine.capacity] = (engine.max_length, engine.cache)
 
     def _rows(self, prompt):
         if isinstance(prompt, str):
@@ -435,6 +472,21 @@ def _refuse_cpu_only(lm, device):
         raise ValueError(f"cannot move this model to {device}: it holds {len(found)} quantised layers "
                          f"({names}, e.g. {found[0][0]!r}) that run on the CPU only; load it without "
                          f"quantize to use {device}")
+
+
+def _records(engine, seqs, stopper):
+    """Run the engine over a batch's sequences: a growing `Generation` after every step, then the
+    finished one (stop strings cut, texts decoded). A row's error (non-finite logits) is raised."""
+    gen = Generation([s.tokens for s in seqs], [s.logprobs for s in seqs])
+    for _ in engine.run(seqs):
+        failed = next((s.error for s in seqs if s.error is not None), None)
+        if failed is not None:
+            raise failed
+        gen.prefill_seconds, gen.decode_seconds = engine.prefill_seconds, engine.decode_seconds
+        gen.decode_steps = engine.decode_steps
+        yield gen
+    finish(gen, stopper)
+    yield gen
 
 
 def _last(iterator):

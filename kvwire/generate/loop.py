@@ -1,4 +1,8 @@
-"""Generation loops over a `Session`: sampling (greedy included) and beam search."""
+"""What generation produces (`Generation`), stop rules, and beam search over a `Session`.
+
+Sampling (greedy included) runs in the engine (kvwire.generate.engine), for every caller. Beam
+search is the one other loop: its rows are not independent sequences (every step reorders them),
+so it keeps a batch of its own."""
 import time
 from dataclasses import dataclass, field
 
@@ -74,14 +78,18 @@ def check_finite(logits, step, live=None, beams=1):
         bad &= live.to(bad.device)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        values = logits[row]
-        kinds = [k for k, m in (("nan", values.isnan()), ("inf", values.isinf())) if bool(m.any())]
         where = f"row {row}" if beams == 1 else f"row {row // beams} (beam {row % beams})"
-        after = "after the prompt" if step == 0 else f"after {step} generated token{'s' if step > 1 else ''}"
-        raise FloatingPointError(
-            f"non-finite logits ({'/'.join(kinds)}) in {where} at generation step {step} ({after}): the "
-            f"model's numbers overflowed (a steering strength too large, float16 weights, or broken "
-            f"weights?); no tokens were sampled from them")
+        raise nonfinite_error(logits[row], step, where)
+
+
+def nonfinite_error(values, step, where):
+    """The FloatingPointError for a row's non-finite logits `values` (V,) at a generation step."""
+    kinds = [k for k, m in (("nan", values.isnan()), ("inf", values.isinf())) if bool(m.any())]
+    after = "after the prompt" if step == 0 else f"after {step} generated token{'s' if step > 1 else ''}"
+    return FloatingPointError(
+        f"non-finite logits ({'/'.join(kinds)}) in {where} at generation step {step} ({after}): the "
+        f"model's numbers overflowed (a steering strength too large, float16 weights, or broken "
+        f"weights?); no tokens were sampled from them")
 
 
 def _seen_tokens(session, vocab_size):
@@ -100,48 +108,8 @@ def _penalize(logits, seen, penalty):
     return torch.where(seen, scaled, logits)
 
 
-@torch.inference_mode()
-def sample(session, sampler, max_new_tokens, stopper, generator=None, repetition_penalty=None, logprobs=True):
-    """Sampling loop; yields the growing `Generation` after every step, then once more finished.
-    logprobs=False records NaN for the chosen tokens' log-probabilities and skips a log-softmax
-    over the vocabulary per step (~0.4 ms a row for Gemma 3's 262k tokens)."""
-    B = session.ids.shape[0]
-    gen = Generation([[] for _ in range(B)], [[] for _ in range(B)])
-    start = time.perf_counter()
-    logits = session.prefill()
-    gen.prefill_seconds = time.perf_counter() - start
-    seen = None if repetition_penalty is None else _seen_tokens(session, logits.shape[-1])
-    done = [False] * B
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
-        check_finite(logits, step, ~torch.tensor(done, device="cpu"))
-        scores = logits if seen is None else _penalize(logits, seen, repetition_penalty)
-        tokens = sampler(scores, generator)
-        # one copy to Python per step (not one per row: on an accelerator each is a sync)
-        chosen = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0].tolist() if logprobs \
-            else [float("nan")] * B
-        for i, t in enumerate(tokens.tolist()):
-            if done[i]:
-                continue
-            if stopper.token_stops(t):
-                done[i] = True
-                continue
-            gen.tokens[i].append(t)
-            gen.logprobs[i].append(chosen[i])
-            done[i] = stopper.text_stops(gen.tokens[i])
-        yield gen
-        if all(done) or step == max_new_tokens - 1:
-            break
-        if seen is not None:
-            seen.scatter_(1, tokens[:, None], True)
-        logits = session.step(tokens)
-        gen.decode_steps += 1
-    gen.decode_seconds = time.perf_counter() - start
-    _finish(gen, stopper)
-    yield gen
-
-
-def _finish(gen, stopper):
+def finish(gen, stopper):
+    """Cut stop strings from a finished record and decode its texts."""
     trimmed = [stopper.trim(t, lp) for t, lp in zip(gen.tokens, gen.logprobs)]
     gen.tokens, gen.logprobs = [t for t, _, _ in trimmed], [lp for _, lp, _ in trimmed]
     gen.texts = None if stopper.tokenizer is None else [text for _, _, text in trimmed]
@@ -229,5 +197,5 @@ def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None)
     best = [max(f, key=lambda h: h[0]) for f in finished]
     gen = Generation([list(h[1]) for h in best], [list(h[2]) for h in best], prefill_seconds=prefill,
                      decode_seconds=time.perf_counter() - start, decode_steps=steps)
-    _finish(gen, stopper)
+    finish(gen, stopper)
     return gen

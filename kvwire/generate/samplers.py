@@ -23,6 +23,12 @@ class Sampler:
     def __call__(self, logits, generator=None):
         raise NotImplementedError
 
+    def sample_rows(self, logits, generators):
+        """One token per row of logits (B, V), row i drawn from generators[i] (a CPU generator or
+        None): a row's token does not depend on which other rows share the batch (the engine's rows
+        each carry their own seed)."""
+        return torch.cat([self(logits[i:i + 1], g) for i, g in enumerate(generators)])
+
 
 def _check_temperature(temperature):
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 < temperature < math.inf:
@@ -49,6 +55,9 @@ class Greedy(Sampler):
     def __call__(self, logits, generator=None):
         return argmax(logits)
 
+    def sample_rows(self, logits, generators):
+        return argmax(logits)
+
 
 def argmax(logits):
     """logits.argmax(-1), the first index on ties and NaN as the largest, as torch's. On CPU float32
@@ -70,6 +79,12 @@ class _Filtered(Sampler):
 
     def __call__(self, logits, generator=None):
         return _draw(self.filter(_tempered(logits, self.temperature)), generator)
+
+    def sample_rows(self, logits, generators):
+        # the filters run once for the rows; each row then draws from its own generator
+        probs = torch.softmax(self.filter(_tempered(logits, self.temperature)), dim=-1).to("cpu")
+        rows = [torch.multinomial(probs[i:i + 1], 1, generator=g)[:, 0] for i, g in enumerate(generators)]
+        return torch.cat(rows).to(logits.device)
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,10 @@ def _add_input(graph, name):
 class CachedGraph(nn.Module):
     """The cached form of a layer graph: one static-shape function for prefill and decode.
 
-    Call: `(token_ids (B, T) int64, positions (B, T) int64, cache_index () int64,
+    Call: `(token_ids (B, T) int64, positions (B, T) int64, cache_index () or (B,) int64,
     attention_mask (B, max_length) bool, cache)` -> `(hidden (B, T, D), next_cache)`, where
+    cache_index is where the chunk's first token is written, for the batch or per row (the
+    engine's rows join a running batch at different times; exported graphs take one for the batch);
     `cache` is a tuple with one `(key, value)` pair per cached layer call (`self.slots`), each
     (B, kv_heads, slots, head_dim). In eager mode the caches are updated in place and returned.
     Callers of the raw `graph_module` should enter `kvwire.layers.shared.per_call()` around each
@@ -133,6 +135,8 @@ class CachedGraph(nn.Module):
         self.slots = tuple(slots)
         self.runtime_inputs = dict(runtime_inputs or {})
         self._readers = list(readers)
+
+    row_index = True  # takes a (B,) cache_index (exported runtimes take a scalar only)
 
     def default_inputs(self, batch_size, prompt_lengths=None):
         """The runtime inputs' default values for a batch: {name: (batch_size,) tensor}.
@@ -220,9 +224,11 @@ def _check_inputs(cached, token_ids, positions, cache_index, attention_mask, cac
             else type(attention_mask).__name__
         raise TypeError(f"attention_mask must be a bool tensor (B={B}, max_length); got {got}")
     max_length = attention_mask.shape[1]
-    start = int(cache_index)
-    if start < 0 or start + T > max_length:
-        raise ValueError(f"chunk of {T} tokens at cache_index {start} does not fit max_length {max_length}")
+    index = cache_index if isinstance(cache_index, torch.Tensor) else \
+        torch.tensor(operator.index(cache_index), device="cpu")
+    if index.dtype not in (torch.int64, torch.int32) or index.dim() > 1 or (index.dim() == 1 and index.shape[0] != B):
+        raise TypeError(f"cache_index must be an int (one write index) or an int64 tensor of shape () or "
+                        f"(B={B},) (one per row); got {index.dtype} of shape {tuple(index.shape)}")
     if len(cache) != len(cached.slots):
         raise ValueError(f"cache has {len(cache)} layer entries; this graph has {len(cached.slots)} cached layers")
     for slot, pair in zip(cached.slots, cache):
@@ -244,7 +250,11 @@ def _check_inputs(cached, token_ids, positions, cache_index, attention_mask, cac
     if stray:
         raise ValueError(f"inputs on different devices: attention_mask is on {device} but {stray[0][0]} is on "
                          f"{stray[0][1]}; give every input (and caches from init_cache) on the model's device")
-    return torch.as_tensor(start, dtype=torch.int64, device=device)
+    low, high = (int(index), int(index)) if index.dim() == 0 else (int(index.min()), int(index.max()))
+    if low < 0 or high + T > max_length:
+        at = low if low < 0 else high
+        raise ValueError(f"chunk of {T} tokens at cache_index {at} does not fit max_length {max_length}")
+    return index.to(dtype=torch.int64, device=device)
 
 
 def with_cache(module):

@@ -82,8 +82,9 @@ class Attention(Layer):
         return self._output(self._attend(q, [(k, v, mask)]), x.dtype)
 
     def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
-        """x (B, T, D), positions (B, T), cache_index () int, attention_mask (B, max_length) bool,
-        cache (key, value) -> (out (B, T, D), next cache). Writes the chunk into the cache in place
+        """x (B, T, D), positions (B, T), cache_index () or (B,) int (one write index for the batch,
+        or one per row), attention_mask (B, max_length) bool, cache (key, value) ->
+        (out (B, T, D), next cache). Writes the chunk into the cache in place
         (functionally, returning new tensors, while being compiled or exported)."""
         k_cache, v_cache = cache
         T, slots = x.shape[1], k_cache.shape[2]
@@ -94,15 +95,13 @@ class Attention(Layer):
         out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)])
         if torch.compiler.is_compiling():  # exporters and compilers: functional, shape-free update
             source, take = shared(ring_sources, cache_index, T, slots)
-            keep = (source < 0)[None, None, :, None]
-            k_cache = torch.where(keep, k_cache, k.index_select(2, take))
-            v_cache = torch.where(keep, v_cache, v.index_select(2, take))
+            k_cache, v_cache = _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
         else:
             # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
             k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
             index = shared(ring_indices, cache_index, T, k_tail.shape[2], slots)
-            k_cache.index_copy_(2, index, k_tail)
-            v_cache.index_copy_(2, index, v_tail)
+            _write(k_cache, index, k_tail)
+            _write(v_cache, index, v_tail)
         return self._output(out, x.dtype), (k_cache, v_cache)
 
     def _project(self, x, positions):
@@ -176,6 +175,26 @@ class Attention(Layer):
         B, H, T, hd = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * hd)
         return self.o_proj(out if out.dtype == dtype else out.to(dtype))
+
+
+def _merged(cache, new, source, take):
+    """The cache with the chunk's tokens put in their slots, functionally: source/take (slots,), or
+    (B, slots) per row (see masks.ring_sources)."""
+    if source.dim() == 1:
+        return torch.where((source < 0)[None, None, :, None], cache, new.index_select(2, take))
+    B, H, _, hd = cache.shape
+    gathered = new.gather(2, take[:, None, :, None].expand(B, H, take.shape[1], hd))
+    return torch.where((source < 0)[:, None, :, None], cache, gathered)
+
+
+def _write(cache, index, tail):
+    """cache[:, :, index] = tail in place: index (n,), or (B, n) for one set of slots per row (no
+    slot twice in a row: the tail is at most as long as the cache)."""
+    if index.dim() == 1:
+        cache.index_copy_(2, index, tail)
+    else:
+        B, H, n, hd = tail.shape
+        cache.scatter_(2, index[:, None, :, None].expand(B, H, n, hd), tail)
 
 
 def _broadcast_matmul(a, b):

@@ -1,0 +1,532 @@
+"""The engine: one decoding loop for every caller (`generate`, `stream`, `chat`, the server).
+
+A scheduler of rows over one cached graph. Each row is a `Sequence` with its own sampler, seed,
+stop rules, token budget and runtime inputs (steering strengths). Every `step()` runs one chunk
+of a waiting prompt's prefill (if any) and one decode step of every decoding row; finished rows
+free their slot, and waiting sequences take free slots between steps (continuous batching).
+
+How rows that start at different times share one graph: the cached graph takes a per-row
+`cache_index` (B,) (see `kvwire.graph.cache.CachedGraph`), so each row writes at its own place
+in its own timeline. Prompts that arrive while others decode are prefilled (in chunks) into a
+scratch cache of their own length and copied into their row when done, so a decode step never
+touches a half-prefilled row; prompts that find the engine idle are prefilled straight into
+their rows, left-padded together, in one call (what `generate` of a batch does). Graphs that take
+one write index for the batch (exported runtimes) run in lockstep: a batch is admitted only when
+the engine is empty, and its rows step together until the last finishes.
+
+A free row inside the decode batch is fed a dummy token that writes into its own (free) row
+only. Rows keep one shared index while they can (a batch admitted together), which keeps the
+graph on the one-index path `torch.compile`d decode steps were built for.
+"""
+import itertools
+import queue
+import time
+from collections import deque
+
+import torch
+
+from .loop import Stopper, nonfinite_error
+from .prefix import PrefixStore, copy_positions
+from .samplers import Greedy
+from .session import left_pad
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+_numbers = itertools.count(1)
+
+
+class Sequence:
+    """One request in the engine: its prompt, options and what it has produced so far.
+
+    Read by callers: `tokens` (generated ids; stop tokens excluded), `logprobs` (each token's
+    log-probability under the model, NaN when not asked for), `top_logprobs` (per token a list of
+    (id, log-probability) when asked for), `done`, `finish_reason` ("stop", "length", "cancelled",
+    "error"), `error` (the exception of a failed row), `cached_tokens` (prompt tokens reused from
+    the prefix store), timings (`submitted`, `first_token_at`, `finished_at`, perf_counter seconds).
+    `cancel()` may be called from any thread.
+    """
+
+    def __init__(self, prompt, max_new_tokens, sampler, generator, stopper, inputs, repetition_penalty,
+                 logprobs, top_logprobs, listener, reuse_prefix, label):
+        self.prompt, self.max_new_tokens, self.sampler, self.generator = prompt, max_new_tokens, sampler, generator
+        self.stopper, self.inputs, self.repetition_penalty = stopper, inputs, repetition_penalty
+        self.want_logprobs, self.want_top = logprobs, top_logprobs
+        self.listener, self.reuse_prefix, self.label = listener, reuse_prefix, label
+        self.tokens, self.logprobs, self.top_logprobs = [], [], []
+        self.finish_reason, self.error, self.cached_tokens = None, None, 0
+        self.submitted, self.first_token_at, self.finished_at = time.perf_counter(), None, None
+        self.row, self.pending, self.seen, self.hit = None, None, None, None  # engine state
+        self.steps = 0  # tokens sampled (the stop token included)
+        self._cancel = False
+
+    @property
+    def done(self):
+        return self.finish_reason is not None
+
+    def cancel(self):
+        """Stop this sequence at the engine's next step (a client went away); thread-safe."""
+        self._cancel = True
+
+    def __repr__(self):
+        return (f"Sequence({self.label}, prompt={len(self.prompt)} tokens, generated={len(self.tokens)}, "
+                f"finish_reason={self.finish_reason})")
+
+
+class Engine:
+    """Continuous batching over a `CausalLM`'s cached graph.
+
+    Args:
+        lm: the model (eager, compiled or exported). max_batch: rows decoding at once.
+        max_length: each row's timeline (prompt + new tokens at most); default the model's context.
+        prefill_chunk: prompt tokens per prefill call while other rows decode (bounds how long a
+            long prompt stalls them).
+        prefix_store: a `PrefixStore` to reuse prompts' keys/values from (and store finished
+            sequences into), or None.
+        cache: caches for (max_batch, max_length) to reuse, as `init_cache` makes them.
+
+    Single-threaded use: `submit` sequences, then `run(seqs)` (yields after every step) or `step()`.
+    From other threads (a server): `submit` and `Sequence.cancel` are thread-safe while one thread
+    runs `serve_forever(stop)`; a `listener(seq)` given to `submit` is called from that thread
+    after each new token and once when the sequence finishes.
+
+    Example:
+        >>> engine = Engine(lm, max_batch=4, max_length=256)
+        >>> a = engine.submit(lm.tokenizer.encode("Once upon a time"), 20)
+        >>> b = engine.submit(lm.tokenizer.encode("The capital of France is"), 8, sampler=kw.TopP(0.9), seed=1)
+        >>> for _ in engine.run([a, b]): pass
+        >>> lm.tokenizer.decode(a.tokens)
+    """
+
+    def __init__(self, lm, max_batch=8, max_length=None, *, prefill_chunk=512, prefix_store=None, cache=None,
+                 multiple=1):
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        limit = lm.max_context
+        max_length = limit if max_length is None else max_length
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"max_length must be an int >= 2 (the model has no context length to default "
+                             f"to), got {max_length!r}")
+        self.lm, self.cached, self.head = lm, lm.cached, lm.head
+        self.decode = lm._decoder()
+        self.capacity, self.max_length, self.multiple = max_batch, max_length, multiple
+        self.prefill_chunk, self.prefix_store = prefill_chunk, prefix_store
+        self.per_row = bool(getattr(self.cached, "row_index", False))
+        self.device = lm.device
+        self.cache = cache
+        self.rows = [None] * max_batch  # the Sequence in each row (or None)
+        self.index, self.pads = [0] * max_batch, [0] * max_batch
+        self.mask = torch.zeros(max_batch, max_length, dtype=torch.bool, device=self.device)
+        self.inputs = None  # {name: (max_batch,) tensor}, made with the first row
+        self.waiting, self.jobs = deque(), []
+        self._inbox = queue.SimpleQueue()
+        self.decode_steps, self.decode_seconds, self.prefill_seconds = 0, 0.0, 0.0
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def submit(self, prompt, max_new_tokens, *, sampler=None, seed=None, stop_ids=(), stop_strings=(),
+               inputs=None, repetition_penalty=None, logprobs=True, top_logprobs=0, listener=None,
+               reuse_prefix=True, label=None):
+        """Queue a sequence; returns its `Sequence` (it runs at the engine's next steps).
+
+        Args:
+            prompt: token ids (list of int). max_new_tokens: budget (>= 1).
+            sampler: a kvwire sampler (default kw.Greedy()); seed: this row's own random stream.
+            stop_ids: ids that end the row (not returned); stop_strings: texts that end it (need the
+                model's tokenizer; cut from the result at the end).
+            inputs: runtime-input values for this row, {name: number} (e.g. {"happy_strength": 0.5});
+                the others take the graph's defaults.
+            logprobs: record each chosen token's log-probability (else NaN); top_logprobs: also
+                the k most likely tokens at each step.
+            listener: called as listener(seq) after each new token and when the row finishes.
+            reuse_prefix: look the prompt up in (and store the result into) the prefix store.
+        Raises ValueError for a prompt + budget that does not fit max_length, or unknown inputs.
+        """
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty; expected at least one token")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        limit = self.lm.max_context
+        if limit is not None and len(prompt) + max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceeds the model's "
+                             f"context of {limit} tokens")
+        if len(prompt) + max_new_tokens > self.max_length:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceeds this engine's "
+                             f"max_length of {self.max_length} tokens")
+        unknown = set(inputs or {}) - set(self.cached.runtime_inputs)
+        if unknown:
+            raise ValueError(f"unknown runtime inputs {sorted(unknown)}; this model takes "
+                             f"{sorted(self.cached.runtime_inputs) or 'none'}")
+        generator = None if seed is None else torch.Generator(device="cpu").manual_seed(int(seed))
+        stopper = Stopper(stop_ids, stop_strings, self.lm.tokenizer if stop_strings else None)
+        seq = Sequence(prompt, max_new_tokens, Greedy() if sampler is None else sampler, generator, stopper,
+                       dict(inputs or {}), repetition_penalty, logprobs, top_logprobs, listener, reuse_prefix,
+                       label or f"request {next(_numbers)}")
+        self._inbox.put(seq)
+        return seq
+
+    @property
+    def idle(self):
+        return not self.waiting and not self.jobs and all(r is None for r in self.rows) and self._inbox.empty()
+
+    # -- driving ----------------------------------------------------------------------------------
+
+    def run(self, seqs):
+        """Step until every sequence of `seqs` is done, yielding after each step (callers that
+        stream read the sequences' tokens between steps)."""
+        while not all(s.done for s in seqs):
+            self.step()
+            yield
+
+    def serve_forever(self, stop, poll=0.05):
+        """Step while there is work, until the threading.Event `stop` is set (a server's thread)."""
+        while not stop.is_set():
+            if self.idle:
+                try:
+                    self._inbox.put(self._inbox.get(timeout=poll))  # wait for work without spinning
+                except queue.Empty:
+                    continue
+            self.step()
+
+    @torch.inference_mode()
+    def step(self):
+        """One scheduling round: take new and cancelled sequences into account, admit waiting ones
+        into free rows, run one prefill chunk, then one decode step of the decoding rows."""
+        while not self._inbox.empty():
+            self.waiting.append(self._inbox.get())
+        self._drop_cancelled()
+        self._admit()
+        if self.jobs:
+            start = time.perf_counter()
+            self._advance(self.jobs[0])
+            self.prefill_seconds += time.perf_counter() - start
+        if any(s is not None and s.pending is not None for s in self.rows):
+            start = time.perf_counter()
+            self._decode()
+            self.decode_seconds += time.perf_counter() - start
+            self.decode_steps += 1
+
+    # -- admission and prefill --------------------------------------------------------------------
+
+    def _drop_cancelled(self):
+        for seq in [s for s in self.waiting if s._cancel]:
+            self.waiting.remove(seq)
+            self._finish(seq, "cancelled")
+        for job in list(self.jobs):
+            if all(s._cancel for s in job.seqs):
+                self.jobs.remove(job)
+                for seq in job.seqs:
+                    self._release(seq)
+                    self._finish(seq, "cancelled")
+        for seq in [s for s in self.rows if s is not None and s._cancel and not s.done]:
+            self._release(seq)
+            self._finish(seq, "cancelled")
+
+    def _free_rows(self):
+        taken = {r for job in self.jobs for r in job.rows}
+        return [r for r in range(self.capacity) if self.rows[r] is None and r not in taken]
+
+    def _admit(self):
+        if not self.waiting:
+            return
+        busy = any(s is not None for s in self.rows) or self.jobs
+        if not self.per_row:  # one write index for the batch: admit only into an empty engine
+            if not busy:
+                self._start_job(self._group(self.capacity), direct=True)
+            return
+        while self.waiting and self._free_rows():
+            free = self._free_rows()
+            hit = self._lookup(self.waiting[0])
+            if hit[0] is not None:
+                self._start_job([self.waiting.popleft()], direct=False, prefix=hit, rows=free[:1])
+            else:
+                group = self._group(len(free))
+                direct = not busy and len(self.jobs) == 0
+                self._start_job(group, direct=direct, rows=free[:len(group)])
+            busy = True
+
+    def _group(self, room):
+        """Waiting sequences (FIFO) that can be left-padded into one prefill: up to `room`, each
+        fitting its budget after the group's longest prompt; prefix hits go alone."""
+        group, longest = [], 0
+        while self.waiting and len(group) < room:
+            seq = self.waiting[0]
+            length = max(longest, len(seq.prompt))
+            padded = -(-length // self.multiple) * self.multiple
+            if group and (any(padded + s.max_new_tokens > self.max_length for s in group + [seq])
+                          or (self.per_row and self._lookup(seq)[0] is not None)):
+                break
+            group.append(self.waiting.popleft())
+            longest = length
+        return group
+
+    def _lookup(self, seq):
+        """(stored Prefix, positions to reuse) for a waiting sequence, or (None, 0); looked up once."""
+        if seq.hit is None:
+            store = self.prefix_store
+            if store is None or not seq.reuse_prefix or not self.per_row:
+                seq.hit = (None, 0)
+            else:
+                slots = [k.shape[2] for k, _ in self.cached.init_cache(1, len(seq.prompt), device="meta")]
+                seq.hit = store.lookup(seq.prompt, _inputs_key(seq.inputs), slots)
+        return seq.hit
+
+    def _start_job(self, seqs, direct, prefix=(None, 0), rows=None):
+        rows = list(range(len(seqs))) if rows is None else rows
+        if direct:
+            rows = list(range(rows[0], rows[0] + len(seqs))) if _contiguous(rows) else None
+            if rows is None:  # direct prefill writes into a contiguous block of rows
+                direct, rows = False, self._free_rows()[:len(seqs)]
+        job = _Prefill(self, seqs, rows, direct, prefix)
+        for seq in seqs:
+            seq.row = None
+        self.jobs.append(job)
+
+    def _advance(self, job):
+        logits = job.advance()
+        if logits is None:
+            return
+        self.jobs.remove(job)
+        if job.direct:
+            job.write_back()
+        for i, (seq, row) in enumerate(zip(job.seqs, job.rows)):
+            if seq._cancel:
+                self._finish(seq, "cancelled")
+                continue
+            if not job.direct:
+                copy_positions(job.cache, i, job.pads[i], self._main_cache(), row, 0, 0, len(seq.prompt))
+            pad = job.pads[i] if job.direct else 0
+            self._place(seq, row, pad, pad + len(seq.prompt), job.row_inputs(i))
+        live = [(i, s) for i, s in enumerate(job.seqs) if s.row is not None]
+        if live:
+            self._sample(logits[[i for i, _ in live]], [s for _, s in live])
+
+    def _main_cache(self):
+        if self.cache is None:
+            self.cache = self.cached.init_cache(self.capacity, self.max_length)
+        return self.cache
+
+    def _place(self, seq, row, pad, index, inputs):
+        """Seat a prefilled sequence in `row`: its timeline starts at `pad`, continues at `index`."""
+        self.rows[row], seq.row = seq, row
+        self.pads[row], self.index[row] = pad, index
+        self.mask[row] = torch.arange(self.max_length, device=self.device) >= pad
+        if self.inputs is None:
+            self.inputs = {name: torch.zeros((self.capacity,), dtype=dtype, device=self.device)
+                           for name, dtype in self.cached.runtime_inputs.items()}
+        for name, value in inputs.items():
+            self.inputs[name][row] = value
+        if seq.repetition_penalty is not None:
+            seq.seen = torch.zeros(self.lm.vocab_size, dtype=torch.bool, device=self.device)
+            seq.seen[torch.tensor(seq.prompt, device=self.device)] = True
+
+    # -- decoding ---------------------------------------------------------------------------------
+
+    def _decode(self):
+        span = self.capacity if self.decode is not None or not self.per_row else \
+            1 + max(r for r, s in enumerate(self.rows) if s is not None)
+        cache = self._main_cache()
+        if span < self.capacity:
+            cache = tuple((k[:span], v[:span]) for k, v in cache)
+        rows = self.rows[:span]
+        tokens = torch.tensor([s.pending if s is not None and s.pending is not None else 0 for s in rows],
+                              device=self.device)
+        index_list = self.index[:span]
+        index = torch.tensor(index_list, device=self.device)
+        positions = (index - torch.tensor(self.pads[:span], device=self.device))[:, None]
+        if len(set(index_list)) == 1 or not self.per_row:
+            index = index[0]  # rows in step: the one-index path (what compiled decode steps were built for)
+        mask = self.mask[:span]
+        inputs = {name: value[:span] for name, value in self.inputs.items()}
+        if self.decode is None:
+            hidden, new_cache = self.cached(tokens[:, None], positions, index, mask, cache, **inputs)
+            logits = self.head(hidden[:, -1])
+        else:
+            self.cached.check_call(tokens[:, None], positions, index, mask, cache)
+            extra = self.cached.runtime_values(span, inputs)
+            logits, new_cache = self.decode(tokens[:, None], positions, index, mask, cache, extra)
+        if span == self.capacity:
+            self.cache = new_cache
+        elif cache and new_cache[0][0].data_ptr() != cache[0][0].data_ptr():  # a functional step: copy back
+            for (k, v), (nk, nv) in zip(self.cache, new_cache):
+                k[:span].copy_(nk)
+                v[:span].copy_(nv)
+        for r in range(span):
+            self.index[r] = min(self.index[r] + 1, self.max_length - 1) if self.rows[r] is None or \
+                self.rows[r].done else self.index[r] + 1
+        live = [(r, s) for r, s in enumerate(rows) if s is not None and not s.done and s.pending is not None]
+        for _, s in live:
+            s.pending = None
+        self._sample(logits[[r for r, _ in live]], [s for _, s in live])
+
+    def _sample(self, logits, seqs):
+        """Choose each sequence's next token from its logits row (len(seqs), V)."""
+        if not seqs:
+            return
+        finite = torch.isfinite(logits.sum(-1, dtype=torch.float32))
+        if not bool(finite.all()):
+            keep = []
+            for i, seq in enumerate(seqs):
+                if bool(finite[i]) or bool(torch.isfinite(logits[i]).all()):
+                    keep.append(i)
+                else:
+                    seq.error = nonfinite_error(logits[i], seq.steps, seq.label)
+                    self._release(seq, dirty=True)
+                    self._finish(seq, "error")
+            logits, seqs = logits[keep], [seqs[i] for i in keep]
+            if not seqs:
+                return
+        scores = logits
+        penalized = [i for i, s in enumerate(seqs) if s.repetition_penalty is not None]
+        if penalized:
+            scores = logits.clone()
+            for i in penalized:
+                s = seqs[i]
+                scaled = torch.where(logits[i] > 0, logits[i] / s.repetition_penalty, logits[i] * s.repetition_penalty)
+                scores[i] = torch.where(s.seen, scaled, logits[i])
+        tokens = [0] * len(seqs)
+        by_sampler = {}
+        for i, s in enumerate(seqs):
+            by_sampler.setdefault(s.sampler, []).append(i)
+        for sampler, idx in by_sampler.items():
+            chosen = sampler.sample_rows(scores[idx], [seqs[i].generator for i in idx]).tolist()
+            for i, t in zip(idx, chosen):
+                tokens[i] = t
+        want = [i for i, s in enumerate(seqs) if s.want_logprobs or s.want_top]
+        chosen_lp, tops = {}, {}
+        if want:
+            logp = torch.log_softmax(logits[want].float(), -1)
+            picked = torch.tensor([tokens[i] for i in want], device=logp.device)[:, None]
+            for j, (i, lp) in enumerate(zip(want, logp.gather(1, picked)[:, 0].tolist())):
+                chosen_lp[i] = lp
+                if seqs[i].want_top:
+                    top = logp[j].topk(min(seqs[i].want_top, logp.shape[-1]))
+                    tops[i] = list(zip(top.indices.tolist(), top.values.tolist()))
+        now = time.perf_counter()
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.steps += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            if seq.stopper.token_stops(token):
+                self._complete(seq, "stop", fed=len(seq.tokens))  # every appended token was fed
+                continue
+            seq.tokens.append(token)
+            seq.logprobs.append(chosen_lp.get(i, float("nan")))
+            if seq.want_top:
+                seq.top_logprobs.append(tops[i])
+            if seq.seen is not None:
+                seq.seen[token] = True
+            if seq.stopper.text_stops(seq.tokens):
+                self._complete(seq, "stop", fed=len(seq.tokens) - 1)  # the last one was never fed
+            elif len(seq.tokens) >= seq.max_new_tokens:
+                self._complete(seq, "length", fed=len(seq.tokens) - 1)
+            else:
+                seq.pending = token
+                if seq.listener is not None:
+                    seq.listener(seq)
+
+    # -- finishing --------------------------------------------------------------------------------
+
+    def _complete(self, seq, reason, fed):
+        """A row reached its end (`fed`: its generated tokens that went through the graph): store
+        its keys/values for reuse, free its row, finish it."""
+        store = self.prefix_store
+        if store is not None and seq.reuse_prefix and self.per_row and seq.row is not None:
+            store.store(self.cache, seq.row, self.pads[seq.row], seq.prompt + seq.tokens[:fed], _inputs_key(seq.inputs))
+        self._release(seq)
+        self._finish(seq, reason)
+
+    def _release(self, seq, dirty=False):
+        """Free the sequence's row (a row that held non-finite values is zeroed first)."""
+        for job in self.jobs:
+            if seq in job.seqs:
+                return  # still prefilling: the job drops it when it ends
+        row = seq.row
+        if row is None or self.rows[row] is not seq:
+            return
+        if dirty:
+            for k, v in self.cache:
+                k[row].zero_()
+                v[row].zero_()
+        if self.per_row:
+            self.rows[row] = None
+        seq.pending = None
+
+    def _finish(self, seq, reason):
+        if seq.done:
+            return
+        seq.finish_reason, seq.finished_at = reason, time.perf_counter()
+        if not self.per_row and all(s is None or s.done or s is seq for s in self.rows):
+            self.rows = [None] * self.capacity  # lockstep batch over: the rows are free again
+        if seq.listener is not None:
+            seq.listener(seq)
+
+
+class _Prefill:
+    """The prefill of a group of waiting sequences, run chunk by chunk.
+
+    Direct: left-padded together into their contiguous rows of the engine's cache, in one call.
+    Otherwise into a scratch cache of the group's length (in chunks of `prefill_chunk`), copied into
+    the rows when done; a prefix hit first restores the stored keys/values there.
+    """
+
+    def __init__(self, engine, seqs, rows, direct, prefix):
+        self.engine, self.seqs, self.rows, self.direct = engine, seqs, rows, direct
+        entry, reused = prefix
+        device = engine.device
+        prompts = [s.prompt for s in seqs]
+        self.ids, self.positions, pads = left_pad(prompts, multiple=engine.multiple, device=device)
+        self.pads = pads.tolist()
+        length = self.ids.shape[1]
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        defaults = engine.cached.default_inputs(len(seqs), lengths)
+        self.inputs = {name: value.clone() for name, value in defaults.items()}
+        for i, seq in enumerate(seqs):
+            for name, value in seq.inputs.items():
+                self.inputs[name][i] = value
+        if direct:
+            r0 = rows[0]
+            self.cache = tuple((k[r0:r0 + len(seqs)], v[r0:r0 + len(seqs)]) for k, v in engine._main_cache())
+            self.mask = engine.mask[r0:r0 + len(seqs)]
+            self.mask.copy_(torch.arange(engine.max_length, device=device)[None] >= pads[:, None])
+        else:
+            self.cache = engine.cached.init_cache(len(seqs), length)
+            self.mask = torch.arange(length, device=device)[None] >= pads[:, None]
+        self.at = 0
+        if entry is not None:
+            engine.prefix_store.restore(entry, reused, self.cache, 0, 0)
+            seqs[0].cached_tokens = self.at = reused
+
+    def write_back(self):
+        """Put a functional graph's new caches (an exported runtime returns new tensors) into the
+        engine's rows; eager graphs wrote into them in place."""
+        main, r0, n = self.engine._main_cache(), self.rows[0], len(self.seqs)
+        if not main or self.cache[0][0].data_ptr() == main[0][0][r0:r0 + n].data_ptr():
+            return  # no cached layers (all replaced by edits), or written in place
+        if n == self.engine.capacity:
+            self.engine.cache = self.cache
+            return
+        for (k, v), (nk, nv) in zip(main, self.cache):
+            k[r0:r0 + n].copy_(nk)
+            v[r0:r0 + n].copy_(nv)
+
+    def row_inputs(self, i):
+        return {name: value[i] for name, value in self.inputs.items()}
+
+    def advance(self):
+        """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""
+        end = self.ids.shape[1]
+        stop = end if self.direct else min(end, self.at + self.engine.prefill_chunk)
+        hidden, self.cache = self.engine.cached(self.ids[:, self.at:stop], self.positions[:, self.at:stop],
+                                                self.at, self.mask, self.cache, **self.inputs)
+        self.at = stop
+        return self.engine.head(hidden[:, -1]) if stop == end else None
+
+
+def _contiguous(rows):
+    return rows == list(range(rows[0], rows[0] + len(rows)))
+
+
+def _inputs_key(inputs):
+    return tuple(sorted((k, float(v)) for k, v in inputs.items()))
