@@ -41,6 +41,7 @@ class CausalLM(nn.Module):
         self._cached = None
         self._caches = {}  # batch size -> (max_length, cache), reused across calls
         self._compile_options, self._decode = None, None  # set by `compile`
+        self._prefix_store = None  # made by `prefix_store` (chat)
 
     @property
     def vocab_size(self):
@@ -70,6 +71,8 @@ class CausalLM(nn.Module):
         self._caches = {B: (length, tuple(tuple(t.to(device) for t in pair) for pair in cache))
                         for B, (length, cache) in self._caches.items()}
         self._decode = None
+        if self._prefix_store is not None:  # keys/values on the old device
+            self._prefix_store.clear()
         pack = getattr(self.head, "pack", None)
         if pack is not None:
             pack.clear()
@@ -93,9 +96,12 @@ class CausalLM(nn.Module):
         return self._cached
 
     def reset_caches(self):
-        """Forget the cached graph, the kept caches, the compiled decode step (made again when next
-        needed) and the head's packed weight (after swapping layers in place, or to free memory)."""
+        """Forget the cached graph, the kept caches, the prefix store's entries, the compiled decode
+        step (made again when next needed) and the head's packed weight (after swapping layers in
+        place, or to free memory)."""
         self._cached, self._caches, self._decode = None, {}, None
+        if self._prefix_store is not None:
+            self._prefix_store.clear()
         pack = getattr(self.head, "pack", None)
         if pack is not None:
             pack.clear()
@@ -282,6 +288,50 @@ class CausalLM(nn.Module):
         logprobs=False leaves the record's log-probabilities NaN and skips computing them."""
         return self._stream(prompt, max_new_tokens, max_length, logprobs, options)
 
+    def chat(self, messages, max_new_tokens=None, max_length=None, *, stream=False, reuse_prefix=True, **options):
+        """The assistant's reply to a conversation, rendered with the model's own chat template.
+
+        Args:
+            messages: [{"role": "system" | "user" | "assistant", "content": str}, ...] as the
+                template accepts them (see `tokenizer.apply_chat_template`).
+            stream: yield the reply as text pieces instead of returning it whole.
+            reuse_prefix: keep this conversation's keys/values in `lm.prefix_store`, so the next
+                turn (these messages, the reply and a new message) prefills only what is new.
+            options: those of `generate` (sampler, seed, stop, inputs, ...; beam search excluded).
+        The reply ends at the template's end-of-turn token (e.g. <|im_end|>) or an end-of-sequence id.
+
+        Example:
+            >>> lm = kw.load("smollm2-135m-instruct")
+            >>> messages = [{"role": "user", "content": "Name three colours."}]
+            >>> reply = lm.chat(messages, max_new_tokens=40)
+            >>> messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And two more?"}]
+            >>> for piece in lm.chat(messages, stream=True):   # the first turn is not prefilled again
+            ...     print(piece, end="")
+        """
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template; use generate with token ids")
+        if isinstance(options.get("sampler"), BeamSearch):
+            raise ValueError("chat samples (kw.Greedy, kw.TopP, ...); beam search runs through generate")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if ids and max(ids) >= self.vocab_size:
+            raise ValueError(f"the chat template's tokens reach id {max(ids)}, but the model has {self.vocab_size} "
+                             f"tokens: tokenizer and model do not match")
+        store = self.prefix_store if reuse_prefix else None
+        run = self._start(None, max_new_tokens, max_length, **options, _rows=[ids],
+                          _extra_stop_ids=self.tokenizer.end_of_turn_ids, _prefix_store=store)
+        if stream:
+            return (piece for piece, _ in self._pieces(run, options))
+        return _last(run).texts[0]
+
+    @property
+    def prefix_store(self):
+        """The `PrefixStore` that `chat` keeps conversations' keys/values in (made on first use)."""
+        if self._prefix_store is None:
+            from .prefix import PrefixStore
+
+            self._prefix_store = PrefixStore()
+        return self._prefix_store
+
     def _stream(self, prompt, max_new_tokens, max_length, logprobs, options):
         """Checks the request now (a bad option raises before anything is yielded or printed) and
         returns the generator of (piece, record) pairs."""
@@ -330,11 +380,13 @@ class CausalLM(nn.Module):
         return ids
 
     def _start(self, prompt, max_new_tokens, max_length, sampler=None, seed=None, stop=(), stop_token_ids=(),
-               repetition_penalty=None, ignore_eos=False, inputs=None, logprobs=True):
+               repetition_penalty=None, ignore_eos=False, inputs=None, logprobs=True, _rows=None, _extra_stop_ids=(),
+               _prefix_store=None):
         """Validate options and start a generation: an iterator of growing `Generation` records,
         the last one finished (beam search yields only the finished one). logprobs=False: the
-        records' log-probabilities are NaN (sampling skips computing them)."""
-        rows = self._rows(prompt)
+        records' log-probabilities are NaN (sampling skips computing them). `_rows` (token-id
+        lists, already checked), `_extra_stop_ids` and `_prefix_store` are chat's."""
+        rows = self._rows(prompt) if _rows is None else _rows
         longest = max(len(r) for r in rows)
         new = self._new_tokens(longest, max_new_tokens, max_length)
         sampler = Greedy() if sampler is None else sampler
@@ -347,7 +399,8 @@ class CausalLM(nn.Module):
             raise ValueError("stop strings need a tokenizer; this model has none")
         if repetition_penalty is not None and not repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
-        stop_ids = _token_id_list(stop_token_ids, self.vocab_size) + (() if ignore_eos else self.eos_token_ids)
+        stop_ids = _token_id_list(stop_token_ids, self.vocab_size) + (() if ignore_eos else self.eos_token_ids) \
+            + tuple(_extra_stop_ids)
         stopper = Stopper(stop_ids, stop, self.tokenizer if not isinstance(prompt, torch.Tensor) or stop else None)
         if isinstance(sampler, BeamSearch):
             if stop:
@@ -355,13 +408,14 @@ class CausalLM(nn.Module):
             session = self._session(rows, longest + new, inputs, reuse=False)
             return iter([beam_search(session, sampler, new, stopper, repetition_penalty)])
         per_row = self._row_inputs(inputs, len(rows))
-        engine = self._engine(rows, longest + new)
+        engine = self._engine(rows, longest + new, _prefix_store)
         # row i draws from its own CPU generator seeded seed + i (samplers draw on the CPU, see
         # kvwire.generate.samplers): a seed gives the same tokens wherever the model runs, and a
         # row's tokens do not depend on the others of its batch
         seqs = [engine.submit(row, new, sampler=sampler, seed=None if seed is None else int(seed) + i,
                               stop_ids=stop_ids, stop_strings=stop, inputs=per_row[i],
-                              repetition_penalty=repetition_penalty, logprobs=logprobs, reuse_prefix=False,
+                              repetition_penalty=repetition_penalty, logprobs=logprobs,
+                              reuse_prefix=_prefix_store is not None,
                               label=f"row {i}")
                 for i, row in enumerate(rows)]
         return self._returning(engine, _records(engine, seqs, stopper))
@@ -381,7 +435,7 @@ class CausalLM(nn.Module):
                                 f"got {got}")
         return [{name: value[i] for name, value in inputs.items()} for i in range(batch_size)]
 
-    def _engine(self, rows, max_length):
+    def _engine(self, rows, max_length, prefix_store=None):
         """An engine for one batch that takes this model's idle caches for the batch size when they
         are long enough (and not more than twice as long: decode attends over every full-length slot)."""
         from .engine import Engine
@@ -394,7 +448,7 @@ class CausalLM(nn.Module):
             max_length, cache = kept
         else:
             cache = None
-        return Engine(self, len(rows), max_length, cache=cache)
+        return Engine(self, len(rows), max_length, cache=cache, prefix_store=prefix_store)
 
     def _session(self, rows, max_length, inputs=None, reuse=True):
         """A session that takes this model's idle caches for the batch size when they are long

@@ -21,7 +21,7 @@ graph on the one-index path `torch.compile`d decode steps were built for.
 import itertools
 import queue
 import time
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -121,6 +121,9 @@ class Engine:
         self.waiting, self.jobs = deque(), []
         self._inbox = queue.SimpleQueue()
         self.decode_steps, self.decode_seconds, self.prefill_seconds = 0, 0.0, 0.0
+        # what the scheduler did: prefills straight into rows / through a scratch cache, decode
+        # steps whose rows were at different places of their timelines
+        self.stats = Counter()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -279,6 +282,7 @@ class Engine:
             if rows is None:  # direct prefill writes into a contiguous block of rows
                 direct, rows = False, self._free_rows()[:len(seqs)]
         job = _Prefill(self, seqs, rows, direct, prefix)
+        self.stats["direct_prefills" if direct else "scratch_prefills"] += 1
         for seq in seqs:
             seq.row = None
         self.jobs.append(job)
@@ -337,6 +341,8 @@ class Engine:
         positions = (index - torch.tensor(self.pads[:span], device=self.device))[:, None]
         if len(set(index_list)) == 1 or not self.per_row:
             index = index[0]  # rows in step: the one-index path (what compiled decode steps were built for)
+        else:
+            self.stats["per_row_steps"] += 1
         mask = self.mask[:span]
         inputs = {name: value[:span] for name, value in self.inputs.items()}
         if self.decode is None:

@@ -1,0 +1,233 @@
+"""The engine: rows joining and leaving a running batch (per-row cache index), per-row seeds and
+steering, prefix reuse, cancellation and failing rows. Reference: single runs of `generate`."""
+import pytest
+import torch
+
+import kvwire as kw
+from kvwire.generate import Engine, PrefixStore
+from kvwire.steer import ControlVector
+
+from .conftest import FAMILIES
+
+# a ring cache (gemma3: sliding layers of window 4; mistral: every layer), learned positions (gpt2),
+# full-length caches with GQA (llama)
+KINDS = ["gemma3", "mistral", "gpt2", "llama"]
+
+
+def tiny(family, seed=0):
+    return kw.from_hf(FAMILIES[family](seed=seed))
+
+
+def prompts(n, seed=0, low=3, high=14):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def single(lm, prompt, new, **options):
+    """Reference: the prompt alone through generate (a batch of one)."""
+    gen = lm.generate(torch.tensor(prompt), max_new_tokens=new, ignore_eos=True, return_logprobs=True, **options)
+    return gen.tokens[0], gen.logprobs[0]
+
+
+def drive(engine, seqs, steps=None):
+    for i, _ in enumerate(engine.run(seqs)):
+        if steps is not None and i + 1 >= steps:
+            return
+
+
+@pytest.mark.parametrize("family", KINDS)
+def test_per_row_cache_index_equals_rows_run_alone(family):
+    """The cached graph with cache_index (B,): rows at different places of their timelines (and
+    chunks of several tokens) give each row's own single-row result, eagerly and functionally
+    (the update compilers and exporters trace)."""
+    lm = tiny(family)
+    cached, L = lm.cached, 40
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 96, (n,), generator=g) for n in (3, 11)]
+    chunks = [[torch.randint(3, 96, (k,), generator=g) for k in (1, 4, 1, 7)] for _ in rows]
+
+    def alone(p, extra):
+        cache, mask = cached.init_cache(1, L), torch.ones(1, L, dtype=torch.bool)
+        _, cache = cached(p[None], torch.arange(len(p))[None], 0, mask, cache)
+        outs, at = [], len(p)
+        for t in extra:
+            h, cache = cached(t[None], torch.arange(at, at + len(t))[None], at, mask, cache)
+            outs.append(h[0])
+            at += len(t)
+        return outs, cache
+
+    expected = [alone(p, e)[0] for p, e in zip(rows, chunks)]
+    gm = cached.graph_module
+    functional = torch.compile(lambda *a: gm(*a), backend="eager", dynamic=False)
+    for run in ("eager", "functional"):
+        parts = [alone(p, [])[1] for p in rows]
+        cache = tuple(tuple(torch.cat([a[j], b[j]]) for j in range(2)) for a, b in zip(*parts))
+        index, mask = torch.tensor([len(p) for p in rows]), torch.ones(2, L, dtype=torch.bool)
+        for step in range(4):
+            ids = torch.stack([chunks[0][step], chunks[1][step]])
+            positions = index[:, None] + torch.arange(ids.shape[1])
+            if run == "eager":
+                h, cache = cached(ids, positions, index, mask, cache)
+            else:
+                h, cache = functional(ids, positions, index, mask, cache, *cached.runtime_values(2, {}))
+            index = index + ids.shape[1]
+            for r in range(2):
+                torch.testing.assert_close(h[r], expected[r][step], atol=1e-4, rtol=1e-4)
+
+
+def test_a_bad_per_row_cache_index_is_a_clear_error():
+    lm = tiny("llama")
+    cache, mask = lm.cached.init_cache(2, 8), torch.ones(2, 8, dtype=torch.bool)
+    ids = torch.ones(2, 1, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"cache_index must be an int .* or an int64 tensor of shape \(\) or \(B=2,\)"):
+        lm.cached(ids, ids, torch.tensor([1, 2, 3]), mask, cache)
+    with pytest.raises(ValueError, match=r"chunk of 1 tokens at cache_index 8 does not fit max_length 8"):
+        lm.cached(ids, ids, torch.tensor([1, 8]), mask, cache)
+
+
+@pytest.mark.parametrize("family", KINDS)
+def test_rows_joining_and_leaving_mid_generation_equal_single_runs(family):
+    """Greedy rows equal their single runs while others join (prefilled in chunks into a scratch
+    cache while the batch decodes) and leave (freeing their row for a waiting one)."""
+    lm = tiny(family)
+    rows = prompts(5, seed=2)
+    budgets = [12, 3, 9, 5, 7]
+    engine = Engine(lm, max_batch=3, max_length=40, prefill_chunk=4)
+    first = engine.submit(rows[0], budgets[0], label="a")
+    drive(engine, [first], steps=3)
+    later = [engine.submit(r, n) for r, n in zip(rows[1:3], budgets[1:3])]
+    drive(engine, [first], steps=2)
+    waiting = [engine.submit(r, n) for r, n in zip(rows[3:], budgets[3:])]  # more than the free rows
+    seqs = [first, *later, *waiting]
+    drive(engine, seqs)
+    assert engine.idle
+    # the test exercised what it is about: joins while decoding, rows at different indices
+    assert engine.stats["scratch_prefills"] >= 3 and engine.stats["per_row_steps"] > 5
+    for seq, row, n in zip(seqs, rows, budgets):
+        tokens, logprobs = single(lm, row, n)
+        assert seq.tokens == tokens, (seq, row)
+        assert seq.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_a_rows_seeded_sampling_does_not_depend_on_the_batch():
+    lm = tiny("gemma3")
+    rows = prompts(3, seed=3)
+    sampler = kw.TopP(0.95, temperature=1.5)
+    alone = Engine(lm, max_batch=1, max_length=40)
+    seq = alone.submit(rows[0], 10, sampler=sampler, seed=7)
+    drive(alone, [seq])
+    crowded = Engine(lm, max_batch=3, max_length=40)
+    others = [crowded.submit(rows[1], 6, sampler=kw.Random(), seed=1)]
+    drive(crowded, others, steps=2)
+    again = crowded.submit(rows[0], 10, sampler=sampler, seed=7)
+    others.append(crowded.submit(rows[2], 10, sampler=sampler, seed=8))
+    drive(crowded, [again, *others])
+    assert again.tokens == seq.tokens
+    assert others[1].tokens != seq.tokens  # another seed, other tokens (the test could tell)
+    # and generate's batch rows draw from seed + i: row 0 of a batch is the single run
+    batch = lm.generate([torch.tensor(rows[0]), torch.tensor(rows[2])], max_new_tokens=10, sampler=sampler, seed=7,
+                        ignore_eos=True)
+    assert batch[0].tolist() == lm.generate(torch.tensor(rows[0]), max_new_tokens=10, sampler=sampler, seed=7,
+                                            ignore_eos=True).tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefix_reuse_equals_a_full_prefill(family):
+    """A prompt that extends a finished sequence (a conversation's next turn) reuses its keys and
+    values: same tokens and log-probabilities as prefilling everything, fewer tokens prefilled."""
+    lm = tiny(family)
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(lm, max_batch=2, max_length=64, prefix_store=store)
+    turn1 = prompts(1, seed=4, low=10, high=11)[0]
+    a = engine.submit(turn1, 8)
+    drive(engine, [a])
+    assert len(store) == 1
+    turn2 = turn1 + a.tokens + [5, 6, 7, 8, 9]
+    b = engine.submit(turn2, 8)
+    drive(engine, [b])
+    # the ring layers of gemma3 keep only their window: reuse needs the whole stored sequence
+    assert b.cached_tokens == len(turn1) + len(a.tokens) - 1  # the last token was never fed
+    tokens, logprobs = single(lm, turn2, 8)
+    assert b.tokens == tokens
+    torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+    assert store.hits == 1
+
+
+def test_prefix_store_keeps_its_budget_and_respects_inputs():
+    lm = tiny("llama")
+    row = prompts(1, seed=5, low=20, high=21)[0]
+    cache = lm.cached.init_cache(1, 32)
+    lm.cached(torch.tensor([row]), torch.arange(20)[None], 0, torch.ones(1, 32, dtype=torch.bool), cache)
+    per_token = sum(k[0, :, :1].numel() * 4 * 2 for k, _ in cache)
+    store = PrefixStore(max_bytes=per_token * 30, min_tokens=4)
+    store.store(cache, 0, 0, row, ())
+    store.store(cache, 0, 0, row[:15], (("steer_strength", 1.0),))
+    assert len(store) == 1 and store.nbytes == per_token * 15  # the first was evicted for the second
+    slots = [32] * len(cache)
+    assert store.lookup(row + [1], (), slots) == (None, 0)  # other inputs: not reused
+    entry, c = store.lookup(row + [1], (("steer_strength", 1.0),), slots)
+    assert c == 15 and entry.tokens == tuple(row[:15])
+
+
+def test_per_request_steering_shares_the_batch():
+    """Rows with different strengths of two named vectors, run together, equal each run alone."""
+    lm = tiny("gemma3")
+    g = torch.Generator().manual_seed(0)
+    vec = lambda: ControlVector({i: torch.randn(32, generator=g) for i in range(4)})  # noqa: E731
+    served = lm.steer(vec(), 0.0, name="happy").steer(vec(), 0.0, name="formal")
+    choices = [{}, {"happy_strength": 2.0}, {"formal_strength": -1.5, "happy_strength": 0.5}]
+    rows = prompts(3, seed=6)
+    engine = Engine(served, max_batch=3, max_length=40)
+    seqs = [engine.submit(r, 8, inputs=c) for r, c in zip(rows, choices)]
+    drive(engine, seqs)
+    for seq, row, choice in zip(seqs, rows, choices):
+        inputs = {k: torch.tensor([v]) for k, v in choice.items()}
+        assert seq.tokens == single(served, row, 8, inputs=inputs)[0]
+    assert seqs[1].tokens != single(served, rows[1], 8)[0]  # steering changed something
+
+
+def test_cancel_frees_the_row_without_disturbing_others():
+    lm = tiny("mistral")
+    rows = prompts(3, seed=7)
+    engine = Engine(lm, max_batch=2, max_length=40)
+    a, b = engine.submit(rows[0], 10), engine.submit(rows[1], 10)
+    drive(engine, [a, b], steps=3)
+    b.cancel()
+    c = engine.submit(rows[2], 6)  # waits for b's row
+    drive(engine, [a, c])
+    assert b.finish_reason == "cancelled" and len(b.tokens) < 10
+    assert a.tokens == single(lm, rows[0], 10)[0]
+    assert c.tokens == single(lm, rows[2], 6)[0]
+
+
+def test_a_failing_row_ends_alone_with_a_clear_error():
+    lm = tiny("llama")
+    g = torch.Generator().manual_seed(0)
+    served = lm.steer(ControlVector({i: torch.randn(32, generator=g) for i in range(4)}), 0.0, name="s")
+    rows = prompts(2, seed=8)
+    engine = Engine(served, max_batch=2, max_length=40)
+    bad = engine.submit(rows[0], 8, inputs={"s_strength": float("inf")}, label="request 7")
+    good = engine.submit(rows[1], 8)
+    drive(engine, [bad, good])
+    assert bad.finish_reason == "error" and bad.tokens == []
+    assert isinstance(bad.error, FloatingPointError)
+    assert "non-finite logits (nan) in request 7 at generation step 0" in str(bad.error)
+    assert good.tokens == single(served, rows[1], 8)[0]
+
+
+def test_bad_requests_are_refused_at_submit():
+    lm = tiny("llama")
+    engine = Engine(lm, max_batch=1, max_length=16)
+    with pytest.raises(ValueError, match=r"prompt \(12 tokens\) \+ 8 new tokens exceeds this engine's max_length of 16"):
+        engine.submit(list(range(3, 15)), 8)
+    with pytest.raises(ValueError, match=r"unknown runtime inputs \['happy_strength'\]; this model takes none"):
+        engine.submit([3, 4], 2, inputs={"happy_strength": 1.0})
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.submit([], 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 0"):
+        engine.submit([3], 0)
+    with pytest.raises(ValueError, match="max_batch must be an int >= 1, got 0"):
+        Engine(lm, max_batch=0)
+    assert engine.idle  # nothing was queued
