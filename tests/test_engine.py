@@ -231,3 +231,63 @@ def test_bad_requests_are_refused_at_submit():
     with pytest.raises(ValueError, match="max_batch must be an int >= 1, got 0"):
         Engine(lm, max_batch=0)
     assert engine.idle  # nothing was queued
+
+
+def test_a_server_thread_serves_submissions_from_other_threads_and_survives_a_failing_step():
+    import threading
+
+    lm = tiny("gemma3")
+    rows = prompts(4, seed=9)
+    engine = Engine(lm, max_batch=2, max_length=40)
+    stop = threading.Event()
+    worker = threading.Thread(target=engine.serve_forever, args=(stop,), daemon=True)
+    worker.start()
+    try:
+        finished = []
+        done = threading.Event()
+
+        def listener(seq):
+            if seq.done:
+                finished.append(seq)
+                if len(finished) == 3:
+                    done.set()
+
+        seqs = [engine.submit(r, 6, listener=listener) for r in rows[:3]]
+        assert done.wait(60)
+        for seq, row in zip(seqs, rows):
+            assert seq.tokens == single(lm, row, 6)[0]
+        # a step that raises ends what it was running with that error, and the engine goes on
+        original = engine._decode
+        calls = []
+
+        def broken():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("kernel failure")
+            original()
+
+        engine._decode = broken
+        failing = engine.submit(rows[3], 6)
+        while not failing.done:
+            threading.Event().wait(0.01)
+        assert failing.finish_reason == "error" and "kernel failure" in str(failing.error)
+        after = engine.submit(rows[3], 6)
+        while not after.done:
+            threading.Event().wait(0.01)
+        assert after.tokens == single(lm, rows[3], 6)[0]
+    finally:
+        stop.set()
+        worker.join(10)
+    assert not worker.is_alive()
+
+
+def test_a_longer_turn_replaces_the_stored_turns_it_extends():
+    lm = tiny("llama")
+    row = prompts(1, seed=10, low=20, high=21)[0]
+    cache = lm.cached.init_cache(1, 32)
+    lm.cached(torch.tensor([row]), torch.arange(20)[None], 0, torch.ones(1, 32, dtype=torch.bool), cache)
+    store = PrefixStore(min_tokens=4)
+    store.store(cache, 0, 0, row[:10], ())
+    store.store(cache, 0, 0, row[:5] + [1, 2], ())  # another branch: kept
+    store.store(cache, 0, 0, row, ())
+    assert sorted(len(t) for t, _ in store.entries) == [7, 20]

@@ -96,7 +96,7 @@ class Engine:
         >>> lm.tokenizer.decode(a.tokens)
     """
 
-    def __init__(self, lm, max_batch=8, max_length=None, *, prefill_chunk=512, prefix_store=None, cache=None,
+    def __init__(self, lm, max_batch=8, max_length=None, *, prefill_chunk=256, prefix_store=None, cache=None,
                  multiple=1):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -183,14 +183,28 @@ class Engine:
             yield
 
     def serve_forever(self, stop, poll=0.05):
-        """Step while there is work, until the threading.Event `stop` is set (a server's thread)."""
+        """Step while there is work, until the threading.Event `stop` is set (a server's thread).
+
+        A step that raises (a runtime failure, a bug) fails the sequences it was running, with that
+        error, and the engine goes on with the waiting ones: one bad batch never stops a server."""
         while not stop.is_set():
             if self.idle:
                 try:
-                    self._inbox.put(self._inbox.get(timeout=poll))  # wait for work without spinning
+                    self.waiting.append(self._inbox.get(timeout=poll))  # wait for work without spinning
                 except queue.Empty:
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - reported to each request it ended
+                self._fail_running(e)
+
+    def _fail_running(self, error):
+        running = [s for s in self.rows if s is not None] + [s for job in self.jobs for s in job.seqs]
+        self.rows, self.jobs, self.cache = [None] * self.capacity, [], None  # caches made afresh
+        for seq in running:
+            if not seq.done:
+                seq.error, seq.pending = error, None
+                self._finish(seq, "error")
 
     @torch.inference_mode()
     def step(self):

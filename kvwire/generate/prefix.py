@@ -98,6 +98,8 @@ class PrefixStore:
             slots = (torch.arange(first, n, device=k.device) + pad) % S
             layers.append((first, k[row].index_select(1, slots), v[row].index_select(1, slots)))
         entry = Prefix(tokens, inputs, layers)
+        for key in [k for k in self.entries if k[1] == inputs and tokens[:len(k[0])] == k[0]]:
+            self.nbytes -= self.entries.pop(key).nbytes  # a conversation's earlier turns: covered now
         if entry.nbytes > self.max_bytes:
             return
         self.entries[(tokens, inputs)] = entry
