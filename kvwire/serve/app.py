@@ -1,0 +1,101 @@
+"""`create_app`: the OpenAI-compatible ASGI app over kvwire's engine, and `serve` to run it."""
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ..generate.engine import Engine
+from ..generate.prefix import PrefixStore
+from . import errors
+from .bridge import EngineThread
+from .errors import APIError
+from .handlers import Handlers
+from .options import steered_model
+from .schemas import ChatRequest, CompletionRequest
+
+DEFAULT_MAX_LENGTH = 4096  # per-row timeline when not given: decode attends over all of it, so not 32k
+
+
+def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control_vectors=None,
+               prefix_bytes=512 << 20):
+    """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
+    GET /v1/models, GET /health. The engine's thread runs while the app does (its lifespan).
+
+    Args:
+        lm: a `CausalLM` with a tokenizer (chat needs its chat template).
+        model_name: the id clients pass as `model` (others are refused).
+        max_batch: sequences decoding at once; more requests wait in the engine's queue.
+        max_length: each sequence's prompt + completion at most (default the model's context, at
+            most 4096).
+        control_vectors: {name: kw.ControlVector}; a request's `"steer": {name: strength}` sets each
+            strength for its own sequences (absent names: 0), so differently steered requests share
+            a batch.
+        prefix_bytes: the prefix store's budget (a conversation's next turn reuses its keys/values).
+
+    Example:
+        >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec})
+        >>> uvicorn.run(app, host="127.0.0.1", port=8000)
+    """
+    if lm.tokenizer is None:
+        raise ValueError("the served model has no tokenizer; the API takes text")
+    control_vectors = dict(control_vectors or {})
+    served = steered_model(lm, control_vectors)
+    if max_length is None:
+        context = lm.max_context
+        max_length = DEFAULT_MAX_LENGTH if context is None else min(context, DEFAULT_MAX_LENGTH)
+    engine = Engine(served, max_batch, max_length, prefix_store=PrefixStore(max_bytes=prefix_bytes))
+    bridge = EngineThread(engine)
+    handlers = Handlers(served, model_name, bridge, control_vectors)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        bridge.start()
+        try:
+            yield
+        finally:
+            bridge.stop()
+
+    app = FastAPI(title="kvwire", summary=f"OpenAI-compatible API over kvwire ({model_name})", lifespan=lifespan)
+    app.state.engine, app.state.bridge = engine, bridge
+    errors.install(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await handlers.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await handlers.complete(body, request)
+
+    def card():
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "kvwire",
+                "max_length": max_length, "control_vectors": sorted(control_vectors)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_name:
+            raise APIError(f"model {name!r} is not served here; this server serves {model_name!r}",
+                           param="model", code="model_not_found", status=404)
+        return card()
+
+    @app.get("/health")
+    async def health():
+        if not bridge.alive:
+            return JSONResponse({"status": "error", "error": repr(bridge.failure)}, status_code=503)
+        return {"status": "ok", "model": model_name, "waiting": len(engine.waiting),
+                "running": sum(r is not None for r in engine.rows)}
+
+    return app
+
+
+def serve(app, host="127.0.0.1", port=8000, log_level="info"):
+    """Run `app` with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

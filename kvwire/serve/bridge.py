@@ -1,0 +1,109 @@
+"""The engine's thread and asyncio: one thread runs `engine.serve_forever`; each request's
+sequences report new tokens into that request's asyncio.Queue through `loop.call_soon_threadsafe`."""
+import asyncio
+import logging
+import threading
+
+from .errors import APIError
+
+log = logging.getLogger("kvwire.serve")
+_FAILED = -1  # queued to every run when the engine thread dies
+
+
+class EngineThread:
+    """Runs `engine.serve_forever` on a daemon thread between `start()` and `stop()`.
+
+    Example:
+        >>> bridge = EngineThread(Engine(lm, max_batch=8))
+        >>> bridge.start()
+        >>> run = bridge.run([dict(prompt=ids, max_new_tokens=16)])   # on the event loop
+        >>> async for changed in run.updates(): ...
+        >>> bridge.stop()
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.failure = None  # the exception that stopped the engine thread, if any
+        self._stop, self._thread, self._runs = threading.Event(), None, set()
+
+    @property
+    def alive(self):
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def start(self):
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve, name="kvwire-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout=30):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _serve(self):
+        try:
+            self.engine.serve_forever(self._stop)
+        except BaseException as e:  # a bug inside a step: the engine's state is unknown, so stop serving
+            log.exception("the engine thread stopped")
+            self.failure = e
+            for run in list(self._runs):
+                run.notify(_FAILED)
+
+    def run(self, requests):
+        """Submit sequences (each a dict of `Engine.submit` arguments) for one HTTP request; call on
+        the event loop. A ValueError from the engine is a 400; earlier sequences are cancelled."""
+        if not self.alive:
+            raise APIError(f"the engine is not running ({self.failure!r})", status=503, type="server_error",
+                           code="engine_stopped")
+        run = Run(self, asyncio.get_running_loop())
+        try:
+            for i, options in enumerate(requests):
+                run.seqs.append(self.engine.submit(**options, listener=run.listener(i)))
+        except ValueError as e:
+            run.cancel()
+            raise APIError(str(e), code="invalid_value") from None
+        self._runs.add(run)
+        return run
+
+
+class Run:
+    """One HTTP request's sequences and the queue their progress arrives in."""
+
+    def __init__(self, bridge, loop):
+        self.bridge, self.loop, self.seqs = bridge, loop, []
+        self.queue = asyncio.Queue()
+
+    def notify(self, index):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, index)
+        except RuntimeError:  # the event loop closed (server shutting down): nobody is waiting
+            pass
+
+    def listener(self, index):
+        return lambda seq: self.notify(index)
+
+    async def updates(self, poll=0.5):
+        """Yield the set of choice indices that changed (empty every `poll` seconds without news,
+        so callers can check the client is still there) until every sequence is done, then all of them
+        once more: every sequence is then done."""
+        try:
+            while not all(s.done for s in self.seqs):
+                try:
+                    changed = {await asyncio.wait_for(self.queue.get(), poll)}
+                except asyncio.TimeoutError:
+                    changed = set()
+                while not self.queue.empty():
+                    changed.add(self.queue.get_nowait())
+                if _FAILED in changed:
+                    raise APIError(f"the engine stopped: {self.bridge.failure!r}", status=500, type="server_error",
+                                   code="engine_stopped")
+                yield changed
+            yield set(range(len(self.seqs)))  # the final state of all (some finished after their last news)
+        finally:
+            self.bridge._runs.discard(self)
+
+    def cancel(self):
+        """The client went away: free its rows (thread-safe; the engine drops them at its next step)."""
+        for seq in self.seqs:
+            if not seq.done:
+                seq.cancel()

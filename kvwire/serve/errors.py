@@ -1,0 +1,70 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, so clients raise their
+usual exceptions (openai.BadRequestError, ...) with kvwire's message."""
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+
+class APIError(Exception):
+    """A request the server refuses (status 4xx) or could not answer (5xx).
+
+    Example:
+        >>> raise APIError("temperature must be >= 0, got -1.0", param="temperature")
+    """
+
+    def __init__(self, message, param=None, code=None, status=400, type="invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self):
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def validation_error(exc):
+    """The first of pydantic's complaints about a request body as an `APIError` naming the field."""
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(f"the request body is not valid JSON ({detail} at character {first['loc'][-1]}); "
+                        f"expected a JSON object", code="json_invalid")
+    # pydantic names the union member it tried ("stop", "list[str]", 0); the client wants the field
+    loc = [str(p) for p in first["loc"][1:] if not _type_name(p)]
+    number = any(p in ("int", "float", "StrictInt", "StrictFloat") for p in first["loc"])
+    param = ".".join(loc) or None
+    got = first.get("input")
+    shown = f"{got!r:.80}" if not isinstance(got, dict) or len(repr(got)) < 80 else "an object"
+    if param is None:
+        return APIError(f"the request body must be a JSON object, got {shown}", code="invalid_type")
+    if first["type"] == "missing":
+        return APIError(f"{param} is required", param=param, code="missing")
+    expected = "input should be a number" if number and first["type"].startswith(("int", "float")) else \
+        first["msg"].lower()
+    return APIError(f"{param}: {expected}, got {shown}", param=param, code="invalid_type")
+
+
+def _type_name(part):
+    return isinstance(part, str) and ("[" in part or part in _TYPES)
+
+
+_TYPES = {"str", "int", "float", "bool", "list", "dict", "none", "StrictInt", "StrictFloat"}
+
+
+def install(app: FastAPI):
+    """Answer every refusal (ours, pydantic's, routing's 404/405) in OpenAI's error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return APIError(message, status=exc.status_code, code=str(exc.status_code)).response()

@@ -1,0 +1,186 @@
+"""What the two generation endpoints do: check and translate a request into engine sequences, wait
+for them (or stream them as server-sent events), and answer in OpenAI's shapes."""
+import json
+import logging
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import options
+from .errors import APIError
+from .render import ChoiceText, chat_logprobs, completion_logprobs, usage
+from .schemas import unsupported
+
+log = logging.getLogger("kvwire.serve")
+
+
+class Handlers:
+    """The endpoints' logic over one served model and its engine thread (see `create_app`)."""
+
+    def __init__(self, lm, model_name, bridge, names):
+        self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
+        self.tokenizer = lm.tokenizer
+
+    async def chat(self, body, request: Request):
+        self._check(body)
+        if body.top_logprobs is not None and not (0 <= body.top_logprobs <= 20 and body.logprobs):
+            raise APIError(f"top_logprobs must be an int in [0, 20] and needs logprobs=true; got "
+                           f"top_logprobs={body.top_logprobs}, logprobs={body.logprobs}", param="top_logprobs")
+        if not body.messages:
+            raise APIError("messages is empty; expected at least one message", param="messages", code="invalid_value")
+        try:
+            ids = self.tokenizer.apply_chat_template([_flatten(m) for m in body.messages], tokenize=True)
+        except (ValueError, TypeError) as e:  # the template's (or its message checks') refusal
+            raise APIError(str(e), param="messages", code="invalid_value") from None
+        stop_ids = tuple(self.lm.eos_token_ids) + tuple(self.tokenizer.end_of_turn_ids)
+        top = body.top_logprobs or 0
+        return await self._answer("chat.completion", "chatcmpl", body, [ids], stop_ids, body.logprobs, top, request)
+
+    async def complete(self, body, request: Request):
+        self._check(body)
+        if body.logprobs is not None and not 0 <= body.logprobs <= 5:
+            raise APIError(f"logprobs must be an int in [0, 5], got {body.logprobs}", param="logprobs")
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not prompts or any(not p for p in prompts):
+            raise APIError(f"prompt must be a non-empty str or a non-empty list of them, got {body.prompt!r:.80}",
+                           param="prompt", code="invalid_value")
+        rows = [self.tokenizer.encode(p) for p in prompts]
+        want = body.logprobs is not None
+        return await self._answer("text_completion", "cmpl", body, rows, tuple(self.lm.eos_token_ids), want,
+                                  body.logprobs or 0, request)
+
+    def _check(self, body):
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found", status=404)
+        refused = unsupported(body)
+        if refused is not None:
+            raise APIError(refused[1], param=refused[0], code="unsupported")
+
+    async def _answer(self, kind, prefix, body, rows, stop_ids, logprobs, top, request):
+        n = options.choices(body, len(rows))
+        sampler, stops = options.sampler(body), options.stop_strings(body)
+        inputs = options.steer_inputs(body, self.names)
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        submits = []
+        for ids in rows:
+            if ids and max(ids) >= self.lm.vocab_size:
+                raise APIError(f"the tokenizer gave id {max(ids)} but the model has {self.lm.vocab_size} tokens",
+                               status=500, type="server_error")
+            new = options.budget(body, len(ids), self.bridge.engine.max_length)
+            for j in range(n):  # choice j of a prompt draws from seed + j, as generate's rows
+                submits.append(dict(prompt=ids, max_new_tokens=new, sampler=sampler, stop_ids=stop_ids,
+                                    seed=None if body.seed is None else body.seed + j, stop_strings=stops,
+                                    inputs=inputs, logprobs=logprobs, top_logprobs=top,
+                                    label=f"{rid} choice {len(submits)}"))
+        run = self.bridge.run(submits)
+        texts = [ChoiceText(self.tokenizer, stops, track_tokens=logprobs) for _ in run.seqs]
+        reply = _Reply(self, kind, rid, body, run, texts, n, logprobs, top)
+        if body.stream:
+            return StreamingResponse(reply.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await reply.whole(request)
+
+
+class _Reply:
+    """One request's answer: whole (JSON) or streamed (server-sent events)."""
+
+    def __init__(self, handlers, kind, rid, body, run, texts, n, logprobs, top):
+        self.h, self.kind, self.rid, self.body, self.run, self.texts = handlers, kind, rid, body, run, texts
+        self.n, self.logprobs, self.top = n, logprobs, top
+        self.created, self.started = int(time.time()), time.perf_counter()
+
+    async def whole(self, request):
+        try:
+            async for _ in self.run.updates():
+                if await request.is_disconnected():
+                    self.run.cancel()
+                    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        finally:
+            self._log()
+        failed = next((s for s in self.run.seqs if s.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(f"generation failed: {failed.error}", status=500, type="server_error", code="generation_failed")
+        choices = []
+        for i, (seq, text) in enumerate(zip(self.run.seqs, self.texts)):
+            piece, span = text.update(seq)
+            choices.append({"index": i, **self._content(i, text.sent, span, whole=True),
+                            "finish_reason": seq.finish_reason})
+        return JSONResponse({**self._head(), "choices": choices, "usage": usage(self.run.seqs, self.n)})
+
+    async def events(self):
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+        finished = set()
+        try:
+            if self.kind == "chat.completion":
+                yield _sse({**self._head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}
+                                                        for i in range(len(self.run.seqs))], **extra})
+            async for changed in self.run.updates():
+                for i in sorted(changed - finished):
+                    seq = self.run.seqs[i]
+                    if seq.finish_reason == "error":
+                        yield _sse(APIError(f"generation failed: {seq.error}", type="server_error",
+                                            code="generation_failed").body())
+                        return
+                    piece, span = self.texts[i].update(seq)
+                    if piece or span[1] > span[0]:
+                        yield _sse({**self._head(), "choices": [{"index": i, **self._content(i, piece, span),
+                                                                 "finish_reason": None}], **extra})
+                    if seq.done:
+                        finished.add(i)
+                        yield _sse({**self._head(), "choices": [{"index": i, **self._content(i, "", (0, 0)),
+                                                                 "finish_reason": seq.finish_reason}], **extra})
+            if include_usage:
+                yield _sse({**self._head(), "choices": [], "usage": usage(self.run.seqs, self.n)})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            self.run.cancel()  # a client that went away (no-op for finished sequences)
+            self._log()
+
+    def _head(self):
+        obj = self.kind + (".chunk" if self.body.stream and self.kind == "chat.completion" else "")
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.h.model_name}
+
+    def _content(self, i, text, span, whole=False):
+        """A choice's text (message, delta or text) and its log-probabilities for tokens in span."""
+        seq, tok = self.run.seqs[i], self.h.tokenizer
+        if self.kind == "chat.completion":
+            lp = chat_logprobs(tok, seq, span) if self.logprobs else None
+            if whole:
+                return {"message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": lp}
+            return {"delta": {"content": text} if text else {}, "logprobs": lp}
+        lp = completion_logprobs(tok, seq, span, self.texts[i].offsets, self.top) if self.logprobs else None
+        return {"text": text, "logprobs": lp}
+
+    def _log(self):
+        seqs = self.run.seqs
+        firsts = [s.first_token_at for s in seqs if s.first_token_at is not None]
+        ends = [s.finished_at for s in seqs if s.finished_at is not None]
+        u = usage(seqs, self.n)
+        ttft = f"{(min(firsts) - self.started) * 1000:.0f} ms" if firsts else "-"
+        span = max(ends) - min(firsts) if firsts and ends else 0
+        rate = f"{u['completion_tokens'] / span:.1f} tokens/s" if span > 0 else "-"
+        reasons = ",".join(sorted({str(s.finish_reason) for s in seqs}))
+        log.info("%s %s: prompt %d tokens (%d cached), completion %d tokens, first token %s, %s, finish %s",
+                 self.rid, self.kind, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                 u["completion_tokens"], ttft, rate, reasons)
+
+
+def _sse(obj):
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _flatten(message):
+    """A message whose content is text parts only ([{"type": "text", "text": ...}], as clients send
+    it) as one string: text-only chat templates expect a str."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return {**message, "content": "\n".join(p["text"] for p in content)}
+    return message

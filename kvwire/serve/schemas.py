@@ -1,0 +1,72 @@
+"""Request bodies of the OpenAI endpoints kvwire serves, as pydantic models.
+
+Types are strict (a "0.5" string is not a number, true is not an int), so a wrong type is a 400
+naming the field rather than a guess. Fields OpenAI has and kvwire does not use are ignored,
+except those that would change the answer (`tools`, `response_format`, penalties), which
+`unsupported` refuses. kvwire's own addition: `steer`, {control-vector name: strength}.
+"""
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints take."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    max_tokens: StrictInt | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    n: StrictInt = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    steer: dict[str, Number] | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions: `messages` rendered with the model's chat template."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: a prompt (or a list of prompts, one choice each) continued as is."""
+
+    prompt: str | list[str]
+    logprobs: StrictInt | None = None
+    echo: bool = False
+
+
+def unsupported(request):
+    """(field, why) for a field set to something kvwire cannot honour, or None."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(request, name) not in (None, 0):
+            return name, f"{name} is not supported (only 0); kvwire has no presence/frequency penalties"
+    if request.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    if getattr(request, "tools", None):
+        return "tools", "tools (function calling) are not supported"
+    fmt = getattr(request, "response_format", None)
+    if fmt and fmt.get("type") not in (None, "text"):
+        return "response_format", f"response_format {fmt.get('type')!r} is not supported (only 'text')"
+    if getattr(request, "echo", False):
+        return "echo", "echo is not supported"
+    return None
