@@ -1,0 +1,250 @@
+"""`kvwire serve` under load vs llama.cpp's server (llama-cpp-python's `llama_cpp.server`), both serving
+the preset's GGUF file on 127.0.0.1 with the same number of threads.
+
+    python bench/serve.py [--model smollm2-135m-instruct] [--clients 1,4,16] [--max-tokens 32]
+                          [--requests-per-client 2] [--threads 2] [--quantize gguf] [--skip-peer] [--quick]
+
+Measures, in one run, with the servers as child processes started (on free ports, polled until
+ready) and stopped by this script:
+1. throughput (completion tokens / wall seconds) and time to first token (TTFT, mean and p50) with
+   1, 4 and 16 concurrent clients, each sending --requests-per-client streaming greedy chat
+   completions (short user prompts, --max-tokens each) one after the other. llama.cpp's server
+   answers one request at a time (started with --interrupt_requests False: by default a waiting
+   request cuts the streaming one short);
+2. the same at the largest client count on a kvwire server started with --control-vector happy=FILE,
+   once with no request steered and once with half of them carrying "steer": {"happy": 0.8}; FILE
+   is a random direction per block (a random one costs what a trained one costs);
+3. prefix reuse: a ~1,000-token user message (turn 1, 16 new tokens), then turn 2 = turn 1 + the
+   reply + a short question; turn 2's TTFT vs that of the same conversation with another first word
+   (nothing shared: a full prefill), and usage's cached_tokens.
+Then the goal lines (throughput >= 1.0x llama.cpp at the largest client count, steering costing
+< 10 % of throughput, prefix reuse >= 5x sooner) with the measured ratios, and each server's peak
+RSS (VmHWM). A server that is missing, fails to start or dies gets rows saying so; the rest prints.
+"""
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import header  # noqa: E402
+from generate import gguf_of  # noqa: E402
+from serve_load import Server, median, prefix_reuse, run_load  # noqa: E402
+
+STEER = {"happy": 0.8}
+FULL = dict(clients="1,4,16", max_tokens=32, requests_per_client=2, prefix_words=800, prefix_repeats=3)
+QUICK = dict(clients="1,4", max_tokens=8, requests_per_client=1, prefix_words=200, prefix_repeats=1)
+
+
+def control_vector(gguf, path, scale=0.05, seed=0):
+    """A random direction per block 1..n-1 (block 0 cannot be stored) of the GGUF model's width."""
+    import torch
+
+    from kvwire.io.gguf import GGUFFile
+    from kvwire.steer import ControlVector
+
+    f = GGUFFile(gguf)
+    width, blocks = f.field(f"{f.architecture}.embedding_length"), f.field(f"{f.architecture}.block_count")
+    g = torch.Generator().manual_seed(seed)
+    ControlVector({i: torch.randn(width, generator=g) * scale for i in range(1, blocks)}).save(path)
+
+
+def servers_to_start(args, gguf, vector):
+    """{label: (argv after python, ready path, env)}."""
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    batch = max(args.clients)
+    kvwire = ["-m", "kvwire.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "{port}",
+              "--max-batch", str(batch), "--max-length", str(args.max_length)]
+    kvwire += ["--quantize", args.quantize] if args.quantize else []
+    out = {"kvwire": (kvwire, "/health", threads),
+           "kvwire +happy": (kvwire + ["--control-vector", f"happy={vector}"], "/health", threads)}
+    if not args.skip_peer:
+        out["llama.cpp"] = (["-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(args.threads),
+                             "--n_threads_batch", str(args.threads), "--host", "127.0.0.1", "--port", "{port}",
+                             "--n_ctx", str(args.max_length), "--interrupt_requests", "False"], "/v1/models", {})
+    return out
+
+
+def start(specs, timeout):
+    """Start every server at once, then wait for each: ({label: Server}, {label: why it is not up})."""
+    servers = {label: Server(label, argv, ready, env) for label, (argv, ready, env) in specs.items()}
+    down = {label: f"did not start: {s.failure}" for label, s in servers.items() if not s.wait(timeout)}
+    return servers, down
+
+
+def measure(label, server, down, clients, args, steer_of=lambda k: None, steered=""):
+    """A `Load` of `server` (None, with down[label] saying why, when it is down or a request failed)."""
+    if label in down:
+        return None
+    load = run_load(server.url, server.model, clients, args.requests_per_client, args.max_tokens, steer_of)
+    if not server.alive():
+        down[label] = f"died during the {clients}-client run{steered}: {server.failure}"
+        return None
+    return load
+
+
+def throughput_rows(servers, down, args):
+    """Print the throughput table; returns {(label, clients): Load} of the runs that succeeded."""
+    cols = ["clients", "requests", "tokens", "wall s", "tokens/s", "TTFT mean s", "TTFT p50 s"]
+    print(f"{'server':34}" + "".join(f"{c:>12}" for c in cols))
+    most, loads, said = max(args.clients), {}, set()
+    mixes = [("none steered", lambda k: None), ("half steered", lambda k: STEER if k % 2 == 0 else None)]
+    for clients in args.clients:
+        runs = [(label, "", lambda k: None) for label in servers if label != "kvwire +happy"]
+        if clients == most:
+            runs += [("kvwire +happy", how, steer_of) for how, steer_of in mixes if "kvwire +happy" in servers]
+        for label, how, steer_of in runs:
+            name = f"{label}{' (' + how + ')' if how else ''}"
+            load = measure(label, servers[label], down, clients, args, steer_of, f" ({how})" if how else "")
+            if load is None or load.failure():
+                why = down.get(label) or load.failure()
+                print(f"{name:34}{clients:12}  {'(as above)' if why in said else why}")
+                said.add(why)
+                continue
+            loads[(name, clients)] = load
+            cells = [len(load.ok), load.tokens, load.wall, load.tokens_per_s, load.ttft(statistics.mean),
+                     load.ttft(statistics.median)]
+            print(f"{name:34}{clients:12}" + "".join(f"{c:12}" if isinstance(c, int) else f"{c:12.2f}" for c in cells))
+        ours, theirs = loads.get(("kvwire", clients)), loads.get(("llama.cpp", clients))
+        if ours and theirs:
+            print(f"{'  kvwire/llama.cpp':34}{clients:12}{'':36}{ours.tokens_per_s / theirs.tokens_per_s:12.2f}"
+                  f"{ours.ttft(statistics.mean) / theirs.ttft(statistics.mean):12.2f}"
+                  f"{ours.ttft(statistics.median) / theirs.ttft(statistics.median):12.2f}")
+    return loads
+
+
+def steering_check(loads, clients):
+    """How many steered replies differ from the unsteered reply to the same prompt (the vector acts)."""
+    plain, mixed = loads.get(("kvwire +happy (none steered)", clients)), loads.get(("kvwire +happy (half steered)",
+                                                                                    clients))
+    if not (plain and mixed):
+        return ""
+    pairs = [(a.text, b.text) for k, (a, b) in enumerate(zip(plain.replies, mixed.replies)) if k % 2 == 0]
+    return f"{sum(a != b for a, b in pairs)} of {len(pairs)} steered replies differ from the unsteered reply"
+
+
+def prefix_rows(servers, down, args):
+    """Print the prefix-reuse table; returns {label: (reused TTFT, fresh TTFT, cached, prompt tokens)}."""
+    cols = ["prompt tok", "turn-1 TTFT", "reused TTFT", "cached tok", "fresh TTFT", "fresh/reused"]
+    print(f"\nprefix reuse (turn 2 of a ~{args.prefix_words}-word conversation, median of {args.prefix_repeats})")
+    print(f"{'server':34}" + "".join(f"{c:>13}" for c in cols))
+    out = {}
+    for label in (k for k in servers if k != "kvwire +happy"):
+        server = servers[label]
+        triples = [] if label in down else prefix_reuse(server.url, server.model, args.prefix_words,
+                                                        args.prefix_repeats)
+        errors = [r.error for t in triples for r in t if r.error]
+        if label in down or errors or not server.alive():
+            why = down.get(label) or (errors[0] if errors else f"died: {server.failure}")
+            print(f"{label:34}  {why}")
+            continue
+        turn1, reused, fresh = (median(r.ttft for r in replies) for replies in zip(*triples))
+        cached = triples[-1][1].cached_tokens
+        prompt = triples[-1][1].prompt_tokens
+        out[label] = (reused, fresh, cached, prompt)
+        text = lambda v: f"{'n/a':>13}" if v is None else f"{v:13}"  # noqa: E731
+        print(f"{label:34}{text(prompt)}{turn1:13.2f}{reused:13.2f}{text(cached)}{fresh:13.2f}{fresh / reused:13.2f}")
+    return out
+
+
+def goal(name, value, target, met, measured):
+    print(f"goal: {name}: {measured} (goal {target}): {'met' if met else 'NOT met'}" if value == value
+          else f"goal: {name}: not measured ({measured})")
+
+
+def goals(loads, prefix, down, most):
+    ours, theirs = loads.get(("kvwire", most)), loads.get(("llama.cpp", most))
+    if ours and theirs:
+        r = ours.tokens_per_s / theirs.tokens_per_s
+        goal(f"throughput at {most} clients", r, ">= 1.0x", r >= 1.0, f"kvwire {ours.tokens_per_s:.1f} / llama.cpp "
+             f"{theirs.tokens_per_s:.1f} tokens/s = {r:.2f}x")
+    else:
+        goal(f"throughput at {most} clients", float("nan"), "", False, down.get("llama.cpp") or down.get("kvwire")
+             or "a run failed (see the table)")
+    mixed = loads.get(("kvwire +happy (half steered)", most))
+    if ours and mixed:
+        cost = 1 - mixed.tokens_per_s / ours.tokens_per_s
+        goal(f"steering's throughput cost at {most} clients, half the requests steered", cost, "< 10 %", cost < 0.10,
+             f"1 - {mixed.tokens_per_s:.1f} / {ours.tokens_per_s:.1f} tokens/s (no control vector) = {cost:.1%}")
+    else:
+        goal("steering's throughput cost", float("nan"), "", False, down.get("kvwire +happy") or "a run failed")
+    if "kvwire" in prefix:
+        reused, fresh, cached, prompt = prefix["kvwire"]
+        goal("prefix reuse, turn-2 TTFT", fresh / reused, ">= 5x", fresh / reused >= 5,
+             f"full prefill {fresh:.2f} s / reused {reused:.2f} s = {fresh / reused:.1f}x, "
+             f"cached_tokens {cached} of {prompt}")
+    else:
+        goal("prefix reuse", float("nan"), "", False, down.get("kvwire") or "the run failed (see above)")
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a kvwire preset (a chat model)")
+    p.add_argument("--clients", help=f"concurrent clients, comma-separated (default {FULL['clients']})")
+    p.add_argument("--max-tokens", type=int, help=f"per request (default {FULL['max_tokens']})")
+    p.add_argument("--requests-per-client", type=int, help=f"default {FULL['requests_per_client']}")
+    p.add_argument("--prefix-words", type=int, help=f"turn 1's long message (default {FULL['prefix_words']})")
+    p.add_argument("--prefix-repeats", type=int, help=f"default {FULL['prefix_repeats']}")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-length", type=int, default=2048, help="kvwire's --max-length and llama.cpp's --n_ctx")
+    p.add_argument("--quantize", help="passed to kvwire serve (e.g. gguf); default none: float32")
+    p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
+    p.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to become ready")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    return p
+
+
+def resolve(args, p):
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.clients = sorted({int(c) for c in str(args.clients).split(",")})
+    except ValueError:
+        p.error(f"--clients must be comma-separated ints like 1,4,16, got {args.clients!r}")
+    if args.clients[0] < 1:
+        p.error(f"--clients must be >= 1, got {args.clients}")
+    return args
+
+
+def main(argv=None):
+    p = parser()
+    args = resolve(p.parse_args(argv), p)
+    gguf, file_type = gguf_of(args.model, p)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped below
+    print(header(args.threads), flush=True)
+    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or 'float32'}, "
+          f"llama.cpp the file's own blocks; {args.requests_per_client} requests per client, "
+          f"max_tokens {args.max_tokens}, greedy, streamed", flush=True)
+    servers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        vector = os.path.join(tmp, "happy.gguf")
+        control_vector(gguf, vector)
+        try:
+            servers, down = start(servers_to_start(args, gguf, vector), args.start_timeout)
+            for label, s in servers.items():  # a first request each (and a full batch) before timing
+                if label not in down:
+                    run_load(s.url, s.model, 1, 1, 2)
+                    run_load(s.url, s.model, max(args.clients), 1, 2)
+            loads = throughput_rows(servers, down, args)
+            prefix = prefix_rows(servers, down, args)
+            rss = {label: s.peak_rss_gb() for label, s in servers.items()}
+        finally:
+            for s in servers.values():
+                s.stop()
+    print("\npeak RSS GB (VmHWM): " + ", ".join(f"{label} {gb:.2f}" if gb == gb else f"{label} not running"
+                                                for label, gb in rss.items()))
+    most = max(args.clients)
+    goals(loads, prefix, down, most)
+    check = steering_check(loads, most)
+    print(f"the control vector is a random direction per block (a random one costs what a trained one costs)"
+          f"{'; ' + check if check else ''}")
+    print("tokens: kvwire's usage.completion_tokens; llama.cpp's server sends no usage when streaming, so its "
+          "chunks with text (one token each); TTFT: seconds from sending to the first chunk with text; "
+          "kvwire/llama.cpp rows: tokens/s above 1 is faster, TTFT below 1 is sooner")
+
+
+if __name__ == "__main__":
+    main()
