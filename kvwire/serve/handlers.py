@@ -166,7 +166,8 @@ class _Reply:
         ttft = f"{(min(firsts) - self.started) * 1000:.0f} ms" if firsts else "-"
         span = max(ends) - min(firsts) if firsts and ends else 0
         rate = f"{u['completion_tokens'] / span:.1f} tokens/s" if span > 0 else "-"
-        reasons = ",".join(sorted({str(s.finish_reason) for s in seqs}))
+        # a sequence not done here was cancelled: its client went away
+        reasons = ",".join(sorted({s.finish_reason or "cancelled" for s in seqs}))
         log.info("%s %s: prompt %d tokens (%d cached), completion %d tokens, first token %s, %s, finish %s",
                  self.rid, self.kind, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
                  u["completion_tokens"], ttft, rate, reasons)
