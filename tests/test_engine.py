@@ -291,3 +291,22 @@ def test_a_longer_turn_replaces_the_stored_turns_it_extends():
     store.store(cache, 0, 0, row[:5] + [1, 2], ())  # another branch: kept
     store.store(cache, 0, 0, row, ())
     assert sorted(len(t) for t, _ in store.entries) == [7, 20]
+
+
+def test_compiled_decode_steps_serve_rows_that_join_later():
+    """A compiled model's decode steps switch from one cache index (a batch admitted together) to
+    one per row when a row joins: a signature of its own, not guards skipped for the old one. The
+    rows still equal their single runs."""
+    lm = tiny("gemma3").compile(backend="eager", bucket=8)
+    rows = prompts(3, seed=11)
+    engine = Engine(lm, max_batch=2, max_length=32)
+    a, b = engine.submit(rows[0], 12), engine.submit(rows[1], 3)
+    drive(engine, [b])
+    assert engine.stats["per_row_steps"] == 0  # in step: one index
+    c = engine.submit(rows[2], 6)
+    drive(engine, [a, c])
+    assert engine.stats["per_row_steps"] > 0
+    assert {key[3] for key in lm._decode.seen} == {(), (2,)}
+    plain = tiny("gemma3")
+    for seq, row, n in ((a, rows[0], 12), (b, rows[1], 3), (c, rows[2], 6)):
+        assert seq.tokens == single(plain, row, n)[0]

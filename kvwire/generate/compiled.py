@@ -10,11 +10,12 @@ every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default m
 Inductor, ggml matmuls that read one input run as one call (`quant/ggml/fuse.py`).
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
-call of a signature (batch, cache length, input / cache / weight dtypes, grad mode) has run without
-compiling anything, later calls with it evaluate only the guards that tell compiled variants
-apart (`skip_guard_eval_unsafe`): safe because nothing else those guards check changes between
-the steps of a generation, and an edit makes a new model (or, swapped in place, is followed by
-`lm.reset_caches()`, which drops this object) and so a new `CompiledDecode`. A call that dynamo
+call of a signature (batch, cache length, one cache index or one per row, input / cache / weight
+dtypes, grad mode) has run without compiling anything, later calls with it evaluate only the
+guards that tell compiled variants apart (`skip_guard_eval_unsafe`): safe because nothing else
+those guards check changes between the steps of a generation, and an edit makes a new model (or,
+swapped in place, is followed by `lm.reset_caches()`, which drops this object) and so a new
+`CompiledDecode`. A call that dynamo
 still finds would need a new graph (say its tensors were made in inference mode, generation's
 were not) is refused before it runs and goes again with every guard, compiling what it needs.
 """
@@ -22,7 +23,7 @@ import torch
 
 
 class CompiledDecode:
-    """decode(ids (B, 1), positions (B, 1), cache_index (), mask (B, L), cache, extra) ->
+    """decode(ids (B, 1), positions (B, 1), cache_index () or (B,), mask (B, L), cache, extra) ->
     (logits (B, V), cache): the same values as the eager cached graph + head, compiled.
 
     Example:
@@ -51,7 +52,8 @@ class CompiledDecode:
         return rounded if limit is None or max_length > limit else min(rounded, limit)
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
-        key = (token_ids.device, tuple(token_ids.shape), tuple(attention_mask.shape), tuple(t.dtype for t in extra),
+        key = (token_ids.device, tuple(token_ids.shape), tuple(attention_mask.shape), tuple(cache_index.shape),
+               tuple(t.dtype for t in extra),
                cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
