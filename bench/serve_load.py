@@ -96,6 +96,8 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if not self.failure:  # kept when something went wrong: the failure names it
+            os.unlink(self.log.name)
 
 
 @dataclass
