@@ -1,4 +1,5 @@
-"""The `kvwire` command: generate, score, train control vectors (`steer train`), plot layer graphs."""
+"""The `kvwire` command: generate, chat, serve (OpenAI API), score, train control vectors (`steer train`),
+export, plot layer graphs."""
 import argparse
 import sys
 
@@ -95,6 +96,87 @@ def _report(prefill, new, steps, seconds):
     print(f"prefill {prefill * 1000:.0f} ms, {new} new tokens, decode {rate:.1f} tokens/s", file=sys.stderr)
 
 
+def _chat(args):
+    """An interactive, multi-turn chat on the terminal; each reply streams as it is produced and
+    the conversation's keys/values are reused by the next turn (lm.chat's prefix store)."""
+    sampler = make_sampler(args)
+    if isinstance(sampler, BeamSearch):
+        raise ValueError("kvwire chat samples (greedy, top-p, ...); beam search runs through kvwire generate")
+    lm = _load_model(args, args.quantize)
+    if lm.tokenizer is None or lm.tokenizer.chat_template is None:
+        raise ValueError(f"{args.model} has no chat template, so kvwire chat cannot render a conversation for it; "
+                         f"use kvwire generate, or a chat model (--model smollm2-135m-instruct)")
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length or lm.max_context,
+                   sampler=sampler, seed=args.seed, stop=tuple(args.stop or ()),
+                   repetition_penalty=args.repetition_penalty)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("kvwire chat: /reset clears the conversation, /exit (or Ctrl-D) quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        command = line.strip()
+        if command == "/exit":
+            break
+        if command == "/reset":
+            messages = list(start)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = "".join(_echo(lm.chat(messages, stream=True, **options)))
+        except ValueError as e:  # the conversation outgrew the context, the template refused it, ...
+            messages.pop()
+            print(f"\nkvwire: error: {e} (/reset starts over)", file=sys.stderr)
+            continue
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _echo(pieces):
+    for piece in pieces:
+        print(piece, end="", flush=True)
+        yield piece
+
+
+def _serve(args):
+    import logging
+
+    from .serve import create_app, serve
+    from .steer import ControlVector
+
+    named = _named_files(args.control_vector or [])  # refuse bad NAME=FILE before loading anything
+    vectors = {name: ControlVector.load(path) for name, path in named.items()}
+    lm = _load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
+    app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
+          f"{', '.join(vectors) or 'none'})", file=sys.stderr)
+    serve(app, host=args.host, port=args.port)
+
+
+def _named_files(pairs):
+    """--control-vector NAME=FILE options as {name: file}."""
+    from .serve.options import check_names
+
+    named = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--control-vector {pair!r}: expected NAME=FILE, e.g. happy=happy.gguf")
+        if name in named:
+            raise ValueError(f"--control-vector name {name!r} is given twice; each name steers with one vector")
+        named[name] = path
+    check_names(named)
+    return named
+
+
 def _score(args):
     lm = _load_model(args, args.quantize)
     with open(args.file, encoding="utf-8") as f:
@@ -177,23 +259,13 @@ def parser():
     _quantize_option(g)
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (about a minute first; pays with --quantize gguf)")
-    g.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="tokens to generate (default 32)")
-    g.add_argument("--max-length", type=int, default=None, metavar="N", help="prompt + new tokens at most")
-    g.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help="decoding method (default: greedy, or what the options below imply)")
-    g.add_argument("--temperature", type=float, default=None, help="softmax temperature (> 0)")
-    g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
-    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--min-p", type=float, default=None, metavar="P", help="keep tokens >= P x the top probability")
-    g.add_argument("--beams", type=int, default=None, metavar="N", help="beam search with N beams")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable; not printed)")
-    g.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="penalty > 0 on seen tokens")
+    _sampling_options(g)
     g.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
     g.add_argument("--runtime", default="eager", choices=["eager", "onnx", "executorch"],
                    help="eager (kvwire), or onnx / executorch: --model is then an exported .onnx / .pte file")
     _steer_options(g)
     g.set_defaults(run=_generate)
+    _chat_and_serve_parsers(commands)
     s = commands.add_parser("score", help="perplexity of a text file", description="Print the perplexity of a "
                             "UTF-8 text file under the model (one uncached pass).")
     s.add_argument("file", help="text file")
@@ -229,6 +301,51 @@ def parser():
     pl.add_argument("--depth", choices=["block", "layer"], default="block", help="granularity (default: block)")
     pl.set_defaults(run=_plot)
     return p
+
+
+def _sampling_options(p, max_new_tokens=None):
+    shown = 32 if max_new_tokens is None else max_new_tokens  # None: generate's own default
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                   help=f"tokens to generate (default {shown})")
+    p.add_argument("--max-length", type=int, default=None, metavar="N", help="prompt + new tokens at most")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
+                   help="decoding method (default: greedy, or what the options below imply)")
+    p.add_argument("--temperature", type=float, default=None, help="softmax temperature (> 0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--min-p", type=float, default=None, metavar="P", help="keep tokens >= P x the top probability")
+    p.add_argument("--beams", type=int, default=None, metavar="N", help="beam search with N beams")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable; not printed)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="penalty > 0 on seen tokens")
+
+
+def _chat_and_serve_parsers(commands):
+    c = commands.add_parser("chat", help="chat with a chat model on the terminal",
+                            description="Interactive multi-turn chat with the model's own chat template. Replies "
+                            "stream as they are produced; each turn reuses the conversation's cached keys/values. "
+                            "/reset clears the conversation, /exit or end of input quits.")
+    _model_options(c)
+    _quantize_option(c)
+    _sampling_options(c, max_new_tokens=256)
+    c.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation")
+    _steer_options(c)
+    c.set_defaults(run=_chat)
+    s = commands.add_parser("serve", help="serve the model over OpenAI's HTTP API",
+                            description="An OpenAI-compatible server: POST /v1/chat/completions, /v1/completions, "
+                            "GET /v1/models, /health. Requests choose control-vector strengths with "
+                            "\"steer\": {NAME: strength} (absent names: 0).")
+    _model_options(s)
+    _quantize_option(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--control-vector", action="append", default=None, metavar="NAME=FILE",
+                   help="a control vector requests may steer with as \"steer\": {NAME: strength} (repeatable)")
+    s.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoding at once (default 8); "
+                   "more requests wait")
+    s.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="prompt + completion per request (default: the model's context, at most 4096)")
+    s.set_defaults(run=_serve)
 
 
 def _steer_parser(commands):

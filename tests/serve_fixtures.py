@@ -49,7 +49,7 @@ def control_vectors(lm):
     width = lm.head.weight.shape[1]
     g = torch.Generator().manual_seed(0)
     return {"happy": kw.ControlVector({1: 3 * torch.randn(width, generator=g), 2: 3 * torch.randn(width, generator=g)}),
-            "formal": kw.ControlVector({0: 3 * torch.randn(width, generator=g), 3: 3 * torch.randn(width, generator=g)})}
+            "formal": kw.ControlVector({1: 3 * torch.randn(width, generator=g), 3: 3 * torch.randn(width, generator=g)})}
 
 
 class Server:

@@ -21,13 +21,18 @@ def steered_model(lm, control_vectors):
         >>> sorted(served.cached.runtime_inputs)
         ['happy_start', 'happy_strength']
     """
-    for name in control_vectors:
-        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-            raise ValueError(f"control vector name {name!r} is not a Python identifier; expected a name like "
-                             f"'happy' or 'formal_tone' (--control-vector NAME=FILE)")
+    check_names(control_vectors)
     for name, vector in control_vectors.items():
         lm = lm.steer(vector, 0.0, name=name)
     return lm
+
+
+def check_names(names):
+    """Refuse control vector names that are not Python identifiers (they name graph inputs)."""
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"control vector name {name!r} is not a Python identifier; expected a name like "
+                             f"'happy' or 'formal_tone' (--control-vector NAME=FILE)")
 
 
 def sampler(request):
