@@ -10,10 +10,13 @@ plain `linear`.
 
 Reduced-precision weights stream half the bytes in decode (bf16 GEMV: 36 ms against 102 ms for the
 head), but bf16 GEMM with many rows is slow on CPUs without native bf16 (512 x 640 x 2048: 86 ms
-against 15 ms in float32), so many rows are computed in float32 from upcast weights.
+against 15 ms in float32), so there many rows are computed in float32 from upcast weights; CPUs
+with bf16 units (AVX512_BF16, AMX) keep them in bf16 (`cpu.bf16_gemm`).
 """
 import torch
 from torch import nn
+
+from .cpu import bf16_gemm
 
 SMALL_ROWS = 64
 _UPCAST = (torch.bfloat16, torch.float16)
@@ -26,7 +29,8 @@ def linear(x, weight, bias=None):
         return nn.functional.linear(x, weight, bias)
     # bf16 GEMM costs about rows x GEMV here: from 8 rows, upcasting a (small) weight is cheaper
     upcast = rows > SMALL_ROWS or (rows > 4 and weight.numel() < 1 << 24)
-    if upcast and x.dtype in _UPCAST and x.device.type == "cpu":
+    if upcast and x.dtype in _UPCAST and x.device.type == "cpu" and not (x.dtype == torch.bfloat16
+                                                                        and bf16_gemm() == "native"):
         b = None if bias is None else bias.float()
         return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
     if rows > SMALL_ROWS or x.dtype != torch.float32:
