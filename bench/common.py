@@ -37,6 +37,13 @@ def header(threads, cpuinfo="/proc/cpuinfo"):
     return f"CPU: {name} ({os.cpu_count()} cores; {have}); torch {torch}, {threads} thread{'s' * (threads != 1)}"
 
 
+def cpu_paths():
+    """kvwire's kernel choices for this CPU (kvwire.layers.cpu.report), for benchmark headers."""
+    from kvwire.layers.cpu import report
+
+    return "kvwire " + report()
+
+
 def peak_rss_gb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 

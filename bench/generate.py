@@ -37,7 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (crash_if_asked, header, load_variant, parse_variant, peak_rss_gb, probe_peers,  # noqa: E402
+from common import (cpu_paths, crash_if_asked, header, load_variant, parse_variant, peak_rss_gb, probe_peers,  # noqa: E402
                     run_worker, seconds, with_fallback)
 
 TEXT = ("The history of the city of Paris begins with a small settlement on an island in the river Seine. "
@@ -267,6 +267,7 @@ def main(argv=None):
         return
     gguf, file_type = gguf_of(args.model, p)
     print(header(args.threads), flush=True)
+    print(cpu_paths(), flush=True)
     print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type})", flush=True)
     common = forwarded(args, gguf)
     floats = [v for v in args.variants if parse_variant(v)["quantize"] is None]
