@@ -160,6 +160,20 @@ def test_dropped_stream_cancels_its_row_and_others_go_on(server, client, caplog)
     assert httpx.get(server.url + "/health").json()["running"] == 0
 
 
+def test_client_leaving_a_whole_request_cancels_it(server, client, caplog):
+    caplog.set_level(logging.INFO, logger="kvwire.serve")
+    body = {"model": "tiny", "messages": HELLO, "temperature": 0, "max_tokens": 80}
+    with pytest.raises(httpx.TimeoutException):  # 80 tokens take far longer than 50 ms
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=0.05)
+    for _ in range(100):
+        if any("finish cancelled" in r.getMessage() for r in caplog.records):
+            break
+        threading.Event().wait(0.05)
+    cancelled = [r.getMessage() for r in caplog.records if "finish cancelled" in r.getMessage()]
+    assert len(cancelled) == 1 and "completion 80 tokens" not in cancelled[0]
+    assert chat(client).choices[0].finish_reason == "length"
+
+
 def test_failing_row_answers_with_an_error_and_others_go_on(client):
     expected = chat(client).choices[0].message.content
     with pytest.raises(openai.InternalServerError, match="non-finite logits"):
