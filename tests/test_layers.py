@@ -27,14 +27,17 @@ def test_one_row_pack_matches_linear_and_follows_weight_edits():
 
     if not torch.backends.mkl.is_available():
         pytest.skip("no MKL in this torch build")
-    pack = OneRowPack()
+    pack = OneRowPack(after=3)
     w = torch.randn(300, 48)
     x = torch.randn(1, 1, 48)
     with torch.inference_mode():
+        assert pack(x, w) is None and pack(x, w) is None and pack.packed is None  # not packed for short runs
         got = pack(x, w)
         assert got.shape == (1, 1, 300)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, w))
-        w.mul_(2.0)  # an in-place edit: the packed copy must follow
+        assert pack.packed is not None
+        w.mul_(2.0)  # an in-place edit: the packed copy must follow (packed again after 3 calls)
+        assert pack(x, w) is None and pack(x, w) is None
         torch.testing.assert_close(pack(x, w), torch.nn.functional.linear(x, w))
         assert pack(torch.randn(2, 48), w) is None  # several rows: `linear` does them
         assert pack(x.bfloat16(), w.bfloat16()) is None

@@ -51,14 +51,19 @@ class OneRowPack:
     model's 262144 x 640 head in 43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms
     with `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked
     (best of 4, interleaved), for a second copy of the weight in memory (671 MB there). The copy
-    is made on first use and rebuilt when the weight changes (in-place edits bump its version).
+    is made once `after` one-row products have read the same weight, and rebuilt when the weight
+    changes (in-place edits bump its version). Packing the default model's head takes about a
+    second, which ~100 decode steps win back: packing at the first call made every short run
+    (`kvwire generate`, a first token) that second slower.
 
     Call `pack(x, weight)`: the product (1, out), or None where it does not apply (other dtypes
-    or row counts, autograd, compilers and exporters, no MKL); the caller falls back to `linear`.
+    or row counts, autograd, compilers and exporters, no MKL, not yet `after` calls); the caller
+    falls back to `linear`.
     """
 
-    def __init__(self):
+    def __init__(self, after=64):
         self.key = self.packed = None
+        self.after, self.calls = after, (None, 0)  # (weight key, one-row calls seen with it)
 
     def __call__(self, x, weight):
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # first: compilers cannot trace the rest
@@ -70,6 +75,12 @@ class OneRowPack:
             return None
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         if key != self.key:
+            self.packed, self.key = None, None  # a stale copy (the weight changed) goes at once
+            seen, count = self.calls
+            count = count + 1 if seen == key else 1
+            self.calls = (key, count)
+            if count < self.after:
+                return None
             self.packed, self.key = None, None  # free the old copy before packing the new one
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 1)
             self.key = key
@@ -78,9 +89,10 @@ class OneRowPack:
 
     def clear(self):
         self.key = self.packed = None
+        self.calls = (None, 0)
 
     def __deepcopy__(self, memo):  # a copied model packs its own weight when it needs to
-        return OneRowPack()
+        return OneRowPack(self.after)
 
 
 class Linear(nn.Linear):
