@@ -208,7 +208,7 @@ def test_a_failing_row_ends_alone_with_a_clear_error():
     served = lm.steer(ControlVector({i: torch.randn(32, generator=g) for i in range(4)}), 0.0, name="s")
     rows = prompts(2, seed=8)
     engine = Engine(served, max_batch=2, max_length=40)
-    bad = engine.submit(rows[0], 8, inputs={"s_strength": float("inf")}, label="request 7")
+    bad = engine.submit(rows[0], 8, inputs={"s_strength": 3e38}, label="request 7")  # finite, overflows
     good = engine.submit(rows[1], 8)
     drive(engine, [bad, good])
     assert bad.finish_reason == "error" and bad.tokens == []
@@ -310,3 +310,34 @@ def test_compiled_decode_steps_serve_rows_that_join_later():
     plain = tiny("gemma3")
     for seq, row, n in ((a, rows[0], 12), (b, rows[1], 3), (c, rows[2], 6)):
         assert seq.tokens == single(plain, row, n)[0]
+
+
+def test_bad_values_are_refused_at_submit_not_inside_a_step():
+    lm = tiny("llama")
+    g = torch.Generator().manual_seed(0)
+    served = lm.steer(ControlVector({i: torch.randn(32, generator=g) for i in range(4)}), 0.0, name="s")
+    engine = Engine(served, max_batch=1, max_length=16)
+    with pytest.raises(ValueError, match=r"prompt token ids must lie in \[0, 96\); got values in \[3, 96\]"):
+        engine.submit([3, 96], 2)
+    with pytest.raises(TypeError, match="runtime input 's_strength' must be a number, got 'high'"):
+        engine.submit([3], 2, inputs={"s_strength": "high"})
+    with pytest.raises(ValueError, match="must be a finite float32 number, got nan"):
+        engine.submit([3], 2, inputs={"s_strength": float("nan")})
+    assert engine.idle
+
+
+def test_given_and_default_inputs_share_prefix_entries():
+    lm = tiny("llama")
+    g = torch.Generator().manual_seed(0)
+    served = lm.steer(ControlVector({i: torch.randn(32, generator=g) for i in range(4)}), 0.0, name="s")
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(served, max_batch=1, max_length=48, prefix_store=store)
+    row = prompts(1, seed=12, low=10, high=11)[0]
+    a = engine.submit(row, 4)
+    drive(engine, [a])
+    b = engine.submit(row + a.tokens + [7, 8], 4, inputs={"s_strength": 0.0})
+    drive(engine, [b])
+    assert b.cached_tokens > 0
+    c = engine.submit(row + a.tokens + [7, 8], 4, inputs={"s_strength": 1.0})
+    drive(engine, [c])
+    assert c.cached_tokens == 0  # steered keys/values are others

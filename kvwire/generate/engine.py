@@ -42,7 +42,8 @@ class Sequence:
     (id, log-probability) when asked for), `done`, `finish_reason` ("stop", "length", "cancelled",
     "error"), `error` (the exception of a failed row), `cached_tokens` (prompt tokens reused from
     the prefix store), timings (`submitted`, `first_token_at`, `finished_at`, perf_counter seconds).
-    `cancel()` may be called from any thread.
+    `cancel()` may be called from any thread. A row ended by a stop string keeps the tokens that
+    reach into it: callers cut the text (`Stopper.trim`), as `generate` does.
     """
 
     def __init__(self, prompt, max_new_tokens, sampler, generator, stopper, inputs, repetition_penalty,
@@ -56,6 +57,7 @@ class Sequence:
         self.submitted, self.first_token_at, self.finished_at = time.perf_counter(), None, None
         self.row, self.pending, self.seen, self.hit = None, None, None, None  # engine state
         self.steps = 0  # tokens sampled (the stop token included)
+        self.inputs_key = ()  # the runtime inputs' values, for the prefix store
         self._cancel = False
 
     @property
@@ -148,6 +150,9 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty; expected at least one token")
+        vocab = self.lm.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got values in [{min(prompt)}, {max(prompt)}]")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         limit = self.lm.max_context
@@ -161,11 +166,24 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown runtime inputs {sorted(unknown)}; this model takes "
                              f"{sorted(self.cached.runtime_inputs) or 'none'}")
+        for name, value in (inputs or {}).items():
+            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(f"runtime input {name!r} must be a number, got {value!r:.40}")
+            if self.cached.runtime_inputs[name].is_floating_point and not abs(number) <= 3.4e38:
+                raise ValueError(f"runtime input {name!r} must be a finite float32 number, got {number!r}")
         generator = None if seed is None else torch.Generator(device="cpu").manual_seed(int(seed))
         stopper = Stopper(stop_ids, stop_strings, self.lm.tokenizer if stop_strings else None)
         seq = Sequence(prompt, max_new_tokens, Greedy() if sampler is None else sampler, generator, stopper,
                        dict(inputs or {}), repetition_penalty, logprobs, top_logprobs, listener, reuse_prefix,
                        label or f"request {next(_numbers)}")
+        if self.prefix_store is not None and reuse_prefix:
+            # keys/values depend on every runtime input's value, given or default ({} and a strength
+            # of 0.0 compute the same thing and share entries)
+            defaults = self.cached.default_inputs(1, torch.tensor([len(prompt)], device=self.device))
+            values = {name: float(value[0]) for name, value in defaults.items()}
+            values.update({name: float(value) for name, value in seq.inputs.items()})
+            seq.inputs_key = tuple(sorted(values.items()))
         self._inbox.put(seq)
         return seq
 
@@ -286,7 +304,7 @@ class Engine:
                 seq.hit = (None, 0)
             else:
                 slots = [k.shape[2] for k, _ in self.cached.init_cache(1, len(seq.prompt), device="meta")]
-                seq.hit = store.lookup(seq.prompt, _inputs_key(seq.inputs), slots)
+                seq.hit = store.lookup(seq.prompt, seq.inputs_key, slots)
         return seq.hit
 
     def _start_job(self, seqs, direct, prefix=(None, 0), rows=None):
@@ -453,7 +471,7 @@ class Engine:
         its keys/values for reuse, free its row, finish it."""
         store = self.prefix_store
         if store is not None and seq.reuse_prefix and self.per_row and seq.row is not None:
-            store.store(self.cache, seq.row, self.pads[seq.row], seq.prompt + seq.tokens[:fed], _inputs_key(seq.inputs))
+            store.store(self.cache, seq.row, self.pads[seq.row], seq.prompt + seq.tokens[:fed], seq.inputs_key)
         self._release(seq)
         self._finish(seq, reason)
 
@@ -548,5 +566,3 @@ def _contiguous(rows):
     return rows == list(range(rows[0], rows[0] + len(rows)))
 
 
-def _inputs_key(inputs):
-    return tuple(sorted((k, float(v)) for k, v in inputs.items()))
