@@ -8,7 +8,8 @@ Measures, in one run, with the servers as child processes started (on free ports
 ready) and stopped by this script:
 1. throughput (completion tokens / wall seconds) and time to first token (TTFT, mean and p50) with
    1, 4 and 16 concurrent clients, each sending --requests-per-client streaming greedy chat
-   completions (short user prompts, --max-tokens each) one after the other. llama.cpp's server
+   completions (five short user prompts in turn, --max-tokens each) one after the other, each cell
+   the best of --repeat runs with the servers taking turns. llama.cpp's server
    answers one request at a time (started with --interrupt_requests False: by default a waiting
    request cuts the streaming one short);
 2. the same at the largest client count on a kvwire server started with --control-vector happy=FILE,
@@ -34,6 +35,7 @@ from generate import gguf_of  # noqa: E402
 from serve_load import Server, median, prefix_reuse, run_load  # noqa: E402
 
 STEER = {"happy": 0.8}
+NONE, HALF = (lambda k: None), (lambda k: STEER if k % 2 == 0 else None)  # steer_of(request index)
 FULL = dict(clients="1,4,16", max_tokens=32, requests_per_client=2, prefix_words=800, prefix_repeats=3)
 QUICK = dict(clients="1,4", max_tokens=8, requests_per_client=1, prefix_words=200, prefix_repeats=1)
 
@@ -74,7 +76,7 @@ def start(specs, timeout):
     return servers, down
 
 
-def measure(label, server, down, clients, args, steer_of=lambda k: None, steered=""):
+def measure(label, server, down, clients, args, steer_of=NONE, steered=""):
     """A `Load` of `server` (None, with down[label] saying why, when it is down or a request failed)."""
     if label in down:
         return None
@@ -86,27 +88,35 @@ def measure(label, server, down, clients, args, steer_of=lambda k: None, steered
 
 
 def throughput_rows(servers, down, args):
-    """Print the throughput table; returns {(label, clients): Load} of the runs that succeeded."""
-    cols = ["clients", "requests", "tokens", "wall s", "tokens/s", "TTFT mean s", "TTFT p50 s"]
+    """Print the throughput table (each cell the best of --repeat runs, the servers taking turns in
+    each); returns {(row name, clients): Load} of the runs that succeeded."""
+    cols = ["clients", "requests", "tokens", "wall s", "tokens/s", "TTFT mean s", "TTFT p50 s", "cached %"]
     print(f"{'server':34}" + "".join(f"{c:>12}" for c in cols))
     most, loads, said = max(args.clients), {}, set()
-    mixes = [("none steered", lambda k: None), ("half steered", lambda k: STEER if k % 2 == 0 else None)]
+    mixes = [("none steered", NONE), ("half steered", HALF)]
     for clients in args.clients:
-        runs = [(label, "", lambda k: None) for label in servers if label != "kvwire +happy"]
-        if clients == most:
-            runs += [("kvwire +happy", how, steer_of) for how, steer_of in mixes if "kvwire +happy" in servers]
-        for label, how, steer_of in runs:
-            name = f"{label}{' (' + how + ')' if how else ''}"
-            load = measure(label, servers[label], down, clients, args, steer_of, f" ({how})" if how else "")
-            if load is None or load.failure():
-                why = down.get(label) or load.failure()
-                print(f"{name:34}{clients:12}  {'(as above)' if why in said else why}")
-                said.add(why)
+        runs = [(label, label, NONE) for label in servers if label != "kvwire +happy"]
+        if clients == most and "kvwire +happy" in servers:
+            runs += [("kvwire +happy", f"kvwire +happy ({how})", steer_of) for how, steer_of in mixes]
+        failed = {}
+        for _ in range(args.repeat):
+            for label, name, steer_of in runs:
+                load = measure(label, servers[label], down, clients, args, steer_of, f" ({name})")
+                if load is None or load.failure():
+                    failed[name] = down.get(label) or load.failure()
+                elif (name, clients) not in loads or load.tokens_per_s > loads[(name, clients)].tokens_per_s:
+                    loads[(name, clients)] = load
+        for _, name, _ in runs:
+            if name in failed:
+                loads.pop((name, clients), None)
+                print(f"{name:34}{clients:12}  {'(as above)' if failed[name] in said else failed[name]}")
+                said.add(failed[name])
                 continue
-            loads[(name, clients)] = load
+            load = loads[(name, clients)]
             cells = [len(load.ok), load.tokens, load.wall, load.tokens_per_s, load.ttft(statistics.mean),
                      load.ttft(statistics.median)]
-            print(f"{name:34}{clients:12}" + "".join(f"{c:12}" if isinstance(c, int) else f"{c:12.2f}" for c in cells))
+            print(f"{name:34}{clients:12}" + "".join(f"{c:12}" if isinstance(c, int) else f"{c:12.2f}" for c in cells)
+                  + (f"{'n/a':>12}" if load.cached_share != load.cached_share else f"{load.cached_share:12.0%}"))
         ours, theirs = loads.get(("kvwire", clients)), loads.get(("llama.cpp", clients))
         if ours and theirs:
             print(f"{'  kvwire/llama.cpp':34}{clients:12}{'':36}{ours.tokens_per_s / theirs.tokens_per_s:12.2f}"
@@ -188,6 +198,7 @@ def parser():
     p.add_argument("--prefix-words", type=int, help=f"turn 1's long message (default {FULL['prefix_words']})")
     p.add_argument("--prefix-repeats", type=int, help=f"default {FULL['prefix_repeats']}")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="throughput runs per cell, the best kept (default 1)")
     p.add_argument("--max-length", type=int, default=2048, help="kvwire's --max-length and llama.cpp's --n_ctx")
     p.add_argument("--quantize", help="passed to kvwire serve (e.g. gguf); default none: float32")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
@@ -217,7 +228,8 @@ def main(argv=None):
     print(header(args.threads), flush=True)
     print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or 'float32'}, "
           f"llama.cpp the file's own blocks; {args.requests_per_client} requests per client, "
-          f"max_tokens {args.max_tokens}, greedy, streamed", flush=True)
+          f"max_tokens {args.max_tokens}, greedy, streamed; load average {os.getloadavg()[0]:.1f} at the start "
+          f"(other work on the machine makes timings noisy)", flush=True)
     servers = {}
     with tempfile.TemporaryDirectory() as tmp:
         vector = os.path.join(tmp, "happy.gguf")
@@ -227,7 +239,7 @@ def main(argv=None):
             for label, s in servers.items():  # a first request each (and a full batch) before timing
                 if label not in down:
                     run_load(s.url, s.model, 1, 1, 2)
-                    run_load(s.url, s.model, max(args.clients), 1, 2)
+                    run_load(s.url, s.model, max(args.clients), 1, 2, HALF if label == "kvwire +happy" else NONE)
             loads = throughput_rows(servers, down, args)
             prefix = prefix_rows(servers, down, args)
             rss = {label: s.peak_rss_gb() for label, s in servers.items()}
@@ -243,7 +255,9 @@ def main(argv=None):
           f"{'; ' + check if check else ''}")
     print("tokens: kvwire's usage.completion_tokens; llama.cpp's server sends no usage when streaming, so its "
           "chunks with text (one token each); TTFT: seconds from sending to the first chunk with text; "
-          "kvwire/llama.cpp rows: tokens/s above 1 is faster, TTFT below 1 is sooner")
+          "kvwire/llama.cpp rows: tokens/s above 1 is faster, TTFT below 1 is sooner; cached %: prompt tokens "
+          "kvwire's prefix store served (the short prompts repeat; llama.cpp reuses only the previous request's "
+          "prefix and does not say)")
 
 
 if __name__ == "__main__":

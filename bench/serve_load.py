@@ -158,6 +158,12 @@ class Load:
     def tokens_per_s(self):
         return self.tokens / self.wall if self.ok else float("nan")
 
+    @property
+    def cached_share(self):
+        """usage's cached_tokens / prompt_tokens over the replies (NaN when the server reports neither)."""
+        pairs = [(r.cached_tokens, r.prompt_tokens) for r in self.ok if r.cached_tokens is not None and r.prompt_tokens]
+        return sum(c for c, _ in pairs) / sum(p for _, p in pairs) if pairs else float("nan")
+
     def ttft(self, how):
         times = [r.ttft for r in self.ok if r.ttft == r.ttft]
         return how(times) if times else float("nan")
