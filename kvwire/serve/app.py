@@ -5,22 +5,22 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..generate.engine import Engine
-from ..generate.prefix import PrefixStore
 from . import errors
-from .bridge import EngineThread
 from .errors import APIError
 from .handlers import Handlers
-from .options import steered_model
+from .playground import install_playground
 from .schemas import ChatRequest, CompletionRequest
+from .vectors import ServedVectors
 
 DEFAULT_MAX_LENGTH = 4096  # per-row timeline when not given: decode attends over all of it, so not 32k
 
 
 def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control_vectors=None,
-               prefix_bytes=512 << 20):
+               prefix_bytes=512 << 20, playground=True):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health. The engine's thread runs while the app does (its lifespan).
+    With `playground`, also the steering page at / and its JSON endpoints under /kvwire/
+    (`kvwire.serve.playground`).
 
     Args:
         lm: a `CausalLM` with a tokenizer (chat needs its chat template).
@@ -32,6 +32,9 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
             strength for its own sequences (absent names: 0), so differently steered requests share
             a batch.
         prefix_bytes: the prefix store's budget (a conversation's next turn reuses its keys/values).
+        playground: serve the page and /kvwire/ endpoints (list, train, download vectors; graph; sweep).
+            A vector trained there joins the served model (the engine swaps models once the running
+            requests are done; new requests wait for that).
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec})
@@ -39,14 +42,14 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
     """
     if lm.tokenizer is None:
         raise ValueError("the served model has no tokenizer; the API takes text")
-    control_vectors = dict(control_vectors or {})
-    served = steered_model(lm, control_vectors)
     if max_length is None:
         context = lm.max_context
         max_length = DEFAULT_MAX_LENGTH if context is None else min(context, DEFAULT_MAX_LENGTH)
-    engine = Engine(served, max_batch, max_length, prefix_store=PrefixStore(max_bytes=prefix_bytes))
-    bridge = EngineThread(engine)
-    handlers = Handlers(served, model_name, bridge, control_vectors)
+    served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length),
+                           prefix_bytes=prefix_bytes)
+    bridge = served.bridge
+    handlers = Handlers(served.model, model_name, bridge, served.names)
+    served.listeners.append(handlers.use)
     created = int(time.time())
 
     @asynccontextmanager
@@ -58,8 +61,10 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
             bridge.stop()
 
     app = FastAPI(title="kvwire", summary=f"OpenAI-compatible API over kvwire ({model_name})", lifespan=lifespan)
-    app.state.engine, app.state.bridge = engine, bridge
+    app.state.bridge, app.state.served = bridge, served
     errors.install(app)
+    if playground:
+        install_playground(app, served, model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -71,7 +76,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
 
     def card():
         return {"id": model_name, "object": "model", "created": created, "owned_by": "kvwire",
-                "max_length": max_length, "control_vectors": sorted(control_vectors)}
+                "max_length": max_length, "control_vectors": sorted(served.names)}
 
     @app.get("/v1/models")
     async def models():
@@ -88,6 +93,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
     async def health():
         if not bridge.alive:
             return JSONResponse({"status": "error", "error": repr(bridge.failure)}, status_code=503)
+        engine = bridge.engine
         return {"status": "ok", "model": model_name, "waiting": len(engine.waiting),
                 "running": sum(r is not None for r in engine.rows)}
 

@@ -1,5 +1,10 @@
 """The engine's thread and asyncio: one thread runs `engine.serve_forever`; each request's
-sequences report new tokens into that request's asyncio.Queue through `loop.call_soon_threadsafe`."""
+sequences report new tokens into that request's asyncio.Queue through `loop.call_soon_threadsafe`.
+
+`swap(engine)` replaces the served engine (a model with one more control vector) by draining: new
+requests go to the new engine at once and wait in its queue, the thread finishes what the old
+engine is running, then serves the new one. A running sequence never changes model mid-stream.
+"""
 import asyncio
 import logging
 import threading
@@ -25,6 +30,7 @@ class EngineThread:
         self.engine = engine
         self.failure = None  # the exception that stopped the engine thread, if any
         self._stop, self._thread, self._runs = threading.Event(), None, set()
+        self.swaps = 0  # engines the thread has moved on to
 
     @property
     def alive(self):
@@ -40,9 +46,25 @@ class EngineThread:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def swap(self, engine):
+        """Send new requests to `engine` from now on; the thread moves to it once the current engine
+        has finished its running and queued sequences. Call on the event loop (as `run`), so no
+        request is checked against one engine and submitted to the other."""
+        if not self.alive:
+            raise APIError(f"the engine is not running ({self.failure!r})", status=503, type="server_error",
+                           code="engine_stopped")
+        self.engine = engine
+
     def _serve(self):
         try:
-            self.engine.serve_forever(self._stop)
+            engine = self.engine
+            while True:
+                engine.serve_forever(_Until(self._stop, lambda: self.engine is not engine and engine.idle))
+                if self._stop.is_set():
+                    return
+                engine = self.engine
+                self.swaps += 1
+                log.info("serving the new model (swap %d)", self.swaps)
         except BaseException as e:  # a bug inside a step: the engine's state is unknown, so stop serving
             log.exception("the engine thread stopped")
             self.failure = e
@@ -64,6 +86,16 @@ class EngineThread:
             raise APIError(str(e), code="invalid_value") from None
         self._runs.add(run)
         return run
+
+
+class _Until:
+    """A stop flag for `serve_forever` (it only calls `is_set`): the server stops, or `drained()`."""
+
+    def __init__(self, stop, drained):
+        self.stop, self.drained = stop, drained
+
+    def is_set(self):
+        return self.stop.is_set() or self.drained()
 
 
 class Run:

@@ -23,6 +23,10 @@ class Handlers:
         self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
         self.tokenizer = lm.tokenizer
 
+    def use(self, lm, names):
+        """Serve a new steered model of the same base (a control vector was added); on the loop."""
+        self.lm, self.names = lm, tuple(names)
+
     async def chat(self, body, request: Request):
         self._check(body)
         if body.top_logprobs is not None and not (0 <= body.top_logprobs <= 20 and body.logprobs):

@@ -1,0 +1,217 @@
+"""The steering playground: the page at / (plain files in kvwire/serve/static/, no build step, no
+network) and kvwire's own JSON endpoints under /kvwire/ that it uses:
+
+    GET  /kvwire/info                 model, context, blocks, training methods, vectors
+    GET  /kvwire/vectors              the loaded control vectors
+    GET  /kvwire/vectors/NAME.gguf    one of them as a llama.cpp control-vector GGUF
+    POST /kvwire/train                {name, positive, negative, layers?, method?} -> a job (202)
+    GET  /kvwire/jobs/ID              the job's state: queued/training/installing/done/error
+    GET  /kvwire/graph                {svg, steer_nodes}: kw.plot of the served backbone
+    POST /kvwire/sweep                {vector, strengths, prompt?, ...} -> kw.steer.sweep's data
+
+Errors have OpenAI's shape ({"error": {"message", ...}}), as the API's, so the page shows
+`error.message`."""
+import asyncio
+import logging
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import Response
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+from typing import Union
+
+from ..steer import ControlVector
+from ..steer.vector import METHODS, _check_pairs, parse_layers
+from .errors import APIError
+
+log = logging.getLogger("kvwire.serve")
+STATIC = Path(__file__).parent / "static"
+Number = Union[StrictInt, StrictFloat]
+MAX_SWEEP = 41  # strengths in one sweep request
+MAX_PROMPTS = 4096  # training prompts per side in one request
+
+
+class TrainRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    positive: list[str]
+    negative: list[str]
+    layers: str | list[StrictInt] | None = None
+    method: str = "pca_center"
+
+
+class SweepRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    vector: str
+    strengths: list[Number]
+    prompt: str | None = None
+    max_tokens: StrictInt = 24
+    positive_words: list[str] | None = None
+    negative_words: list[str] | None = None
+    probe_prompts: list[str] | None = None
+
+
+class Jobs:
+    """Training jobs, one at a time (they share the CPU with serving): {id: state dict}."""
+
+    def __init__(self, served):
+        self.served, self.jobs, self.running = served, {}, None
+
+    def start(self, body):
+        self._check(body)
+        if self.running is not None:
+            raise APIError(f"a vector is already training (job {self.running}); wait for it to finish",
+                           code="busy", status=409)
+        job = {"id": uuid.uuid4().hex[:12], "name": body.name, "state": "queued", "pairs": len(body.positive),
+               "message": f"training {body.name!r} on {len(body.positive)} pairs", "error": None,
+               "started": time.time(), "seconds": 0.0, "vector": None}
+        self.jobs[job["id"]], self.running = job, job["id"]
+        asyncio.get_running_loop().create_task(self._run(job, body))
+        return job
+
+    def _check(self, body):
+        """What can be refused before training (the page shows these at once)."""
+        self.served.check_new_name(body.name)
+        for side in ("positive", "negative"):
+            if len(getattr(body, side)) > MAX_PROMPTS:
+                raise APIError(f"{side} has {len(getattr(body, side))} prompts; at most {MAX_PROMPTS}",
+                               param=side, code="invalid_value")
+        try:
+            _check_pairs(body.positive, body.negative)
+        except ValueError as e:
+            raise APIError(str(e), param="positive", code="invalid_value") from None
+        if body.method not in METHODS:
+            raise APIError(f"method must be one of {list(METHODS)}, got {body.method!r}", param="method",
+                           code="invalid_value")
+        try:
+            parse_layers(body.layers or None, self.served.blocks())
+        except ValueError as e:
+            raise APIError(str(e), param="layers", code="invalid_value") from None
+
+    async def _run(self, job, body):
+        try:
+            job.update(state="training", message=f"reading hidden states of {2 * len(body.positive)} prompts")
+            vector = await asyncio.to_thread(ControlVector.train, self.served.lm, body.positive, body.negative,
+                                             layers=body.layers or None, method=body.method, progress=False)
+            job.update(state="installing", message="building the steered model")
+            await self.served.add(body.name, vector)
+            job.update(state="done", message=f"{body.name!r} is ready", vector=self.served.describe(body.name))
+        except (ValueError, TypeError, APIError, RuntimeError) as e:
+            job.update(state="error", error=getattr(e, "message", str(e)), message="training failed")
+        except Exception as e:  # noqa: BLE001 - a bug: the job says so, the server goes on
+            log.exception("training job %s failed", job["id"])
+            job.update(state="error", error=f"{type(e).__name__}: {e}", message="training failed")
+        finally:
+            job["seconds"] = round(time.time() - job["started"], 2)
+            self.running = None
+
+    def get(self, job_id):
+        if job_id not in self.jobs:
+            raise APIError(f"no training job {job_id!r}", code="not_found", status=404)
+        job = dict(self.jobs[job_id])
+        if job["state"] not in ("done", "error"):
+            job["seconds"] = round(time.time() - job["started"], 2)
+        return job
+
+
+def install_playground(app, served, model_name):
+    """Add the page and the /kvwire/ endpoints to `app` (see the module docstring)."""
+    jobs = Jobs(served)
+    graphs = {}  # served.version -> the graph's answer (drawing takes dot a moment)
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/kvwire/info")
+    async def info():
+        return {"model": model_name, "max_length": served.max_length, "blocks": sorted(served.blocks()),
+                "methods": list(METHODS), "vectors": [served.describe(n) for n in served.names],
+                "version": served.version}
+
+    @app.get("/kvwire/vectors")
+    async def vectors():
+        return {"data": [served.describe(n) for n in served.names]}
+
+    @app.get("/kvwire/vectors/{file}")
+    async def download(file: str):
+        name = file[:-len(".gguf")] if file.endswith(".gguf") else file
+        if name not in served.vectors:
+            raise APIError(f"no control vector named {name!r}; loaded: {', '.join(served.names) or 'none'}",
+                           code="not_found", status=404)
+        data = await asyncio.to_thread(_gguf_bytes, served.vectors[name])
+        return Response(data, media_type="application/octet-stream",
+                        headers={"Content-Disposition": f'attachment; filename="{name}.gguf"'})
+
+    @app.post("/kvwire/train", status_code=202)
+    async def train(body: TrainRequest):
+        return jobs.start(body)
+
+    @app.get("/kvwire/jobs/{job_id}")
+    async def job(job_id: str):
+        return jobs.get(job_id)
+
+    @app.get("/kvwire/graph")
+    async def graph():
+        version = served.version
+        if version not in graphs:
+            svg = await asyncio.to_thread(_graph_svg, served.model)
+            graphs.clear()
+            graphs[version] = {"svg": svg, "steer_nodes": served.steer_nodes(), "version": version}
+        return graphs[version]
+
+    @app.post("/kvwire/sweep")
+    async def sweep(body: SweepRequest):
+        return JSONResponse(await asyncio.to_thread(_sweep, served, body))
+
+
+def _gguf_bytes(vector):
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "vector.gguf"
+        try:
+            vector.save(path)
+        except ValueError as e:
+            raise APIError(str(e), code="unsupported") from None
+        return path.read_bytes()
+
+
+def _graph_svg(model):
+    from ..graph import plot
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "graph.svg"
+        try:
+            plot(model.backbone, path)
+        except (RuntimeError, ImportError) as e:  # no Graphviz `dot` (or no graphviz package)
+            raise APIError(f"cannot draw the graph: {e}", code="no_graphviz", status=503,
+                           type="server_error") from None
+        return path.read_text(encoding="utf-8")
+
+
+def _sweep(served, body):
+    from ..steer.sweep import WordGap, sweep
+
+    if body.vector not in served.vectors:
+        raise APIError(f"no control vector named {body.vector!r}; loaded: {', '.join(served.names) or 'none'}",
+                       param="vector", code="not_found", status=404)
+    if not 1 <= len(body.strengths) <= MAX_SWEEP:
+        raise APIError(f"strengths must list 1 to {MAX_SWEEP} numbers, got {len(body.strengths)}",
+                       param="strengths", code="invalid_value")
+    if not 1 <= body.max_tokens <= 256:
+        raise APIError(f"max_tokens must lie in [1, 256], got {body.max_tokens}", param="max_tokens",
+                       code="invalid_value")
+    words = {k: v for k, v in dict(positive=body.positive_words, negative=body.negative_words,
+                                   prompts=body.probe_prompts).items() if v is not None}
+    options = {} if body.prompt is None else {"prompt": body.prompt}
+    try:
+        result = sweep(served.lm, served.vectors[body.vector], body.strengths, probe=WordGap(**words),
+                       max_new_tokens=body.max_tokens, **options)
+    except ValueError as e:
+        raise APIError(str(e), code="invalid_value") from None
+    return {"vector": body.vector, **result.to_dict()}

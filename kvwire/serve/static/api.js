@@ -1,0 +1,123 @@
+// The server's endpoints, the stream reader and the page's shared helpers (message banner,
+// connection status, number parsing).
+export const $ = (id) => document.getElementById(id);
+
+export class ServerGone extends Error {}
+
+// A message for the user from a failed response: OpenAI's error shape ({error: {message}}) or text.
+async function failure(response) {
+  let text = await response.text();
+  try {
+    const body = JSON.parse(text);
+    if (body && body.error && body.error.message) text = body.error.message;
+  } catch (e) { /* not JSON: keep the text */ }
+  return new Error(`${text || response.statusText} (HTTP ${response.status})`);
+}
+
+async function call(path, options = {}) {
+  let response;
+  try {
+    response = await fetch(path, options);
+  } catch (e) {
+    lost(e);
+    throw new ServerGone(`cannot reach the server (${e.message})`);
+  }
+  if (!response.ok) throw await failure(response);
+  return response;
+}
+
+export async function getJSON(path) { return (await call(path)).json(); }
+
+export async function postJSON(path, body, signal) {
+  return (await call(path, { method: "POST", headers: { "content-type": "application/json" },
+    body: JSON.stringify(body), signal })).json();
+}
+
+// POST a streaming request; onEvent(obj) for each server-sent event until [DONE]. A stream that
+// breaks (or ends without [DONE]) raises ServerGone; an {error} event raises Error.
+export async function stream(path, body, signal, onEvent) {
+  const response = await call(path, { method: "POST", headers: { "content-type": "application/json" },
+    body: JSON.stringify({ ...body, stream: true }), signal });
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    let chunk;
+    try {
+      chunk = await reader.read();
+    } catch (e) {
+      if (signal && signal.aborted) return "stopped";
+      lost(e);
+      throw new ServerGone(`the server went away mid-stream (${e.message})`);
+    }
+    if (chunk.done) {
+      lost(new Error("the stream ended early"));
+      throw new ServerGone("the server went away mid-stream (the stream ended before [DONE])");
+    }
+    buffer += decoder.decode(chunk.value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return "done";
+      const obj = JSON.parse(data);
+      if (obj.error) throw new Error(obj.error.message);
+      onEvent(obj);
+    }
+  }
+}
+
+// The banner under the header: kind "error" or "info"; show("") hides it.
+export function show(text, kind = "info") {
+  const box = $("message");
+  box.textContent = text;
+  box.className = `message ${kind}`;
+  box.hidden = !text;
+}
+
+// When the server stops answering: say so, poll /health until it answers, then say that too.
+let polling = null;
+const backListeners = [];
+export function onBack(fn) { backListeners.push(fn); }
+
+function lost(error) {
+  const pill = $("connection");
+  pill.textContent = "server unreachable";
+  pill.className = "pill down";
+  if (polling) return;
+  show(`Lost the connection to the server (${error.message}). Waiting for it to come back…`, "error");
+  polling = setInterval(async () => {
+    try {
+      const r = await fetch("/health", { cache: "no-store" });
+      if (!r.ok) return;
+    } catch (e) { return; }
+    clearInterval(polling);
+    polling = null;
+    pill.textContent = "connected";
+    pill.className = "pill ok";
+    show("The server is back. Press Regenerate to run the interrupted request again.");
+    backListeners.forEach((fn) => fn());
+  }, 1000);
+}
+
+const NUMBER = /^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$/;
+
+// A number typed in a box, or an Error saying what was expected.
+export function parseNumber(text, what, { integer = false, min = -Infinity, max = Infinity } = {}) {
+  const t = String(text).trim();
+  if (!NUMBER.test(t) || !Number.isFinite(Number(t))) {
+    throw new Error(`${what} must be a number${integer ? " (a whole one)" : " like 0.5 or -1"}, got "${t}"`);
+  }
+  const value = Number(t);
+  if (integer && !Number.isInteger(value)) throw new Error(`${what} must be a whole number, got "${t}"`);
+  if (value < min || value > max) throw new Error(`${what} must lie in [${min}, ${max}], got ${value}`);
+  return value;
+}
+
+export function parseList(text, what) {
+  const parts = String(text).split(",").map((s) => s.trim()).filter((s) => s);
+  if (!parts.length) throw new Error(`${what} is empty: give numbers separated by commas, like -1, 0, 1`);
+  return parts.map((p) => parseNumber(p, `each of ${what}`));
+}

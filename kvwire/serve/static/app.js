@@ -1,0 +1,108 @@
+// The page: tabs, the model and its control vectors (a slider and a number box each), sampling
+// settings; the tabs' own code is in play.js, train.js, graph.js and sweep.js.
+import { $, getJSON, onBack, parseNumber, show } from "./api.js";
+import { setupPlay } from "./play.js";
+import { setupTrain } from "./train.js";
+import { loadGraph, setupGraph } from "./graph.js";
+import { setupSweep } from "./sweep.js";
+
+export const state = { info: null, strengths: {} };
+
+function setupTabs() {
+  document.querySelectorAll("#tabs button").forEach((button) => {
+    button.addEventListener("click", () => {
+      document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b === button));
+      document.querySelectorAll(".tab").forEach((t) => { t.hidden = t.id !== `tab-${button.dataset.tab}`; });
+      if (button.dataset.tab === "graph") loadGraph(state);
+    });
+  });
+}
+
+// The strength of each vector as the request should carry it; throws on a box that holds no number.
+export function strengths() {
+  const out = {};
+  for (const v of state.info.vectors) {
+    const box = $(`strength-box-${v.name}`);
+    out[v.name] = parseNumber(box.value, `the strength of "${v.name}"`);
+  }
+  return out;
+}
+
+function vectorItem(v) {
+  const li = document.createElement("li");
+  li.dataset.name = v.name;
+  const value = state.strengths[v.name] ?? "0";
+  li.innerHTML = `<div class="head"><span class="name"></span>
+      <a class="download" title="llama.cpp control-vector GGUF">GGUF</a></div>
+    <div class="controls"><input type="range" min="-2" max="2" step="0.05">
+      <input type="text" inputmode="decimal"></div><div class="hint layers"></div>`;
+  li.querySelector(".name").textContent = v.name;
+  const link = li.querySelector(".download");
+  link.href = `/kvwire/vectors/${encodeURIComponent(v.name)}.gguf`;
+  link.download = `${v.name}.gguf`;
+  li.querySelector(".layers").textContent = `blocks ${blocks(v.layers)}` + (v.method ? ` · ${v.method}` : "");
+  const slider = li.querySelector("input[type=range]");
+  const box = li.querySelector("input[type=text]");
+  slider.id = `strength-${v.name}`;
+  box.id = `strength-box-${v.name}`;
+  slider.setAttribute("aria-label", `strength of ${v.name}`);
+  box.value = value;
+  slider.value = Number.isFinite(Number(value)) ? value : 0;
+  slider.addEventListener("input", () => {
+    box.value = slider.value;
+    box.classList.remove("invalid");
+    state.strengths[v.name] = box.value;
+  });
+  box.addEventListener("input", () => {
+    state.strengths[v.name] = box.value;
+    try {
+      slider.value = parseNumber(box.value, v.name);
+      box.classList.remove("invalid");
+    } catch (e) {
+      box.classList.add("invalid");
+    }
+  });
+  return li;
+}
+
+export function blocks(layers) {
+  if (!layers.length) return "none";
+  const contiguous = layers.every((l, i) => i === 0 || l === layers[i - 1] + 1);
+  return contiguous && layers.length > 2 ? `${layers[0]}-${layers[layers.length - 1]}` : layers.join(", ");
+}
+
+// (Re)load the model's description and draw the vector list and the vector pickers.
+export async function refresh() {
+  state.info = await getJSON("/kvwire/info");
+  $("model-name").textContent = `${state.info.model} · context ${state.info.max_length}`;
+  const list = $("vector-list");
+  list.replaceChildren(...state.info.vectors.map(vectorItem));
+  $("no-vectors").hidden = state.info.vectors.length > 0;
+  for (const id of ["compare-vector", "sweep-vector", "graph-vector"]) {
+    const select = $(id);
+    const keep = select.value;
+    const names = state.info.vectors.map((v) => v.name);
+    const options = id === "graph-vector" ? ["(none)", ...names] : names;
+    select.replaceChildren(...options.map((n) => new Option(n, n)));
+    if (options.includes(keep)) select.value = keep;
+  }
+  const method = $("train-method");
+  if (!method.options.length) method.replaceChildren(...state.info.methods.map((m) => new Option(m, m)));
+}
+
+async function main() {
+  setupTabs();
+  setupPlay(state);
+  setupTrain(state);
+  setupGraph(state);
+  setupSweep(state);
+  onBack(() => refresh().catch((e) => show(e.message, "error")));
+  try {
+    await refresh();
+    document.body.dataset.ready = "1";
+  } catch (e) {
+    show(`Could not load the model's description: ${e.message}`, "error");
+  }
+}
+
+main();

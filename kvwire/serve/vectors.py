@@ -1,0 +1,95 @@
+"""The served model's named control vectors, which can grow while the server runs: adding one
+builds `lm.steer(v, 0.0, name=...)` over all of them and swaps the engine thread onto it (see
+`EngineThread.swap`: running requests finish on the old model, new ones wait for them)."""
+import asyncio
+
+from ..generate.engine import Engine
+from ..generate.prefix import PrefixStore
+from ..graph import numbered_blocks
+from ..steer import Steer
+from .errors import APIError
+from .options import check_names, steered_model
+
+
+class ServedVectors:
+    """The base model, its named vectors, and the steered model the engine runs.
+
+    Args:
+        lm: the unsteered `CausalLM`. vectors: {name: kw.ControlVector}.
+        engine_options: `Engine` keyword arguments (max_batch, max_length); prefix_bytes: each
+            engine's prefix-store budget (every model gets a fresh store: keys/values of one
+            model are never reused by another).
+
+    Example:
+        >>> served = ServedVectors(lm, {"happy": vec}, dict(max_batch=8, max_length=1024))
+        >>> served.bridge.start(); await served.add("formal", formal_vec)
+    """
+
+    def __init__(self, lm, vectors, engine_options, prefix_bytes=512 << 20):
+        from .bridge import EngineThread
+
+        check_names(vectors)
+        self.lm, self.vectors = lm, dict(vectors)
+        self.engine_options, self.prefix_bytes = dict(engine_options), prefix_bytes
+        self.model = steered_model(lm, self.vectors)
+        self.bridge = EngineThread(self._engine(self.model))
+        self.version = 0  # bumped by every added vector (the page reloads its graph)
+        self.listeners = []  # called with (model, names) after a swap (the handlers)
+        self._adding = asyncio.Lock()
+
+    @property
+    def names(self):
+        return tuple(self.vectors)
+
+    @property
+    def max_length(self):
+        return self.bridge.engine.max_length
+
+    def _engine(self, model):
+        return Engine(model, **self.engine_options, prefix_store=PrefixStore(max_bytes=self.prefix_bytes))
+
+    def check_new_name(self, name):
+        """Refuse a name that is not an identifier or is taken (a vector is never replaced: clients
+        may be steering with it)."""
+        try:
+            check_names([name])
+        except ValueError as e:
+            raise APIError(str(e).replace(" (--control-vector NAME=FILE)", ""), param="name",
+                           code="invalid_value") from None
+        if name in self.vectors:
+            raise APIError(f"a control vector named {name!r} is already loaded; pick another name",
+                           param="name", code="name_taken", status=409)
+
+    async def add(self, name, vector):
+        """Serve `vector` as `name`: build the steered model and its engine off the event loop,
+        then swap on it. Returns once new requests may steer with `name`."""
+        async with self._adding:
+            self.check_new_name(name)
+            vectors = {**self.vectors, name: vector}
+            model = await asyncio.to_thread(steered_model, self.lm, vectors)
+            engine = await asyncio.to_thread(self._engine, model)
+            self.bridge.swap(engine)  # on the loop, between requests' checks and submits
+            self.vectors, self.model = vectors, model
+            self.version += 1
+            for listener in self.listeners:
+                listener(model, self.names)
+
+    def describe(self, name):
+        vector = self.vectors[name]
+        return {"name": name, "layers": vector.layers, "width": vector.width, "method": vector.method or None,
+                "model_hint": vector.model_hint or None}
+
+    def steer_nodes(self):
+        """{graph node name: control-vector name} for the served backbone's Steer layers (how the
+        page tells which orange box of the graph belongs to which vector)."""
+        backbone = self.model.backbone
+        nodes = {}
+        for node in getattr(backbone, "graph", None).nodes if hasattr(backbone, "graph") else ():
+            if node.op == "call_module":
+                module = backbone.get_submodule(node.target)
+                if isinstance(module, Steer):
+                    nodes[node.name] = module.name
+        return nodes
+
+    def blocks(self):
+        return numbered_blocks(self.lm.backbone)
