@@ -107,10 +107,24 @@ def test_a_server_that_crashes_or_never_answers_says_why():
     assert not crashed.wait(timeout=30)
     assert crashed.failure == "RuntimeError: weights do not fit" and not crashed.alive()
     crashed.stop()
+    os.unlink(crashed.log.name)  # kept by stop() for a server that failed
     silent = serve_load.Server("silent", ["-c", "import time; time.sleep(60)"], "/health")
     try:
         assert not silent.wait(timeout=1) and silent.failure.startswith("not ready after 1 s")
         assert silent.alive() and silent.peak_rss_gb() > 0
     finally:
         silent.stop()
+        os.unlink(silent.log.name)
     assert silent.proc.returncode is not None
+
+
+def test_goal_lines_say_met_not_met_and_why_not_measured(capsys):
+    import serve
+
+    fast, slow = (serve_load.Load([serve_load.Reply(ttft=0.1, tokens=n)], wall=1.0) for n in (10, 8))
+    loads = {("kvwire", 16): fast, ("llama.cpp", 16): slow, ("kvwire +happy (half steered)", 16): slow}
+    serve.goals(loads, {}, {"kvwire": "died during the 16-client run: killed by SIGSEGV"}, 16)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("kvwire 10.0 / llama.cpp 8.0 tokens/s = 1.25x (goal >= 1.0x): met")
+    assert lines[1].endswith("1 - 8.0 / 10.0 tokens/s (no control vector) = 20.0% (goal < 10 %): NOT met")
+    assert lines[2] == "goal: prefix reuse, turn-2 TTFT: not measured (died during the 16-client run: killed by SIGSEGV)"
