@@ -238,6 +238,29 @@ def _steer_train(args):
           f"width {vec.width}, method {vec.method}", file=sys.stderr)
 
 
+def _steer_sweep(args):
+    import json
+
+    from .load import load
+    from .steer import ControlVector, WordGap, sweep
+
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"--plot must name a .png, .svg or .pdf file, got {args.plot!r}")
+    probe = WordGap(*(args.positive_words, args.negative_words) if args.positive_words or args.negative_words
+                    else (), **({"prompts": args.probe_prompt} if args.probe_prompt else {}))
+    vector = ControlVector.load(args.control_vector)
+    lm = load(args.model, dtype=args.dtype)
+    result = sweep(lm, vector, args.strengths, probe=probe, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+    print(result)
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
 def _plot(args):
     from .graph import plot
 
@@ -349,7 +372,7 @@ def _chat_and_serve_parsers(commands):
 
 
 def _steer_parser(commands):
-    st = commands.add_parser("steer", help="control vectors: `steer train`")
+    st = commands.add_parser("steer", help="control vectors: `steer train`, `steer sweep`")
     actions = st.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = actions.add_parser("train", help="train a control vector from contrastive prompts",
                            description="Train a control vector from paired prompts (one per line; line i of "
@@ -362,6 +385,24 @@ def _steer_parser(commands):
     t.add_argument("-o", "--output", required=True, metavar="VEC.gguf", help="where to write the vector")
     _model_options(t)
     t.set_defaults(run=_steer_train)
+    w = actions.add_parser("sweep", help="a probe and a sample per strength (optionally plotted)",
+                           description="Steer with a control vector at each strength; print the probe (mean "
+                           "log-probability of the positive words minus the negative words as the next token "
+                           "after neutral prompts; default happy vs sad words) and a greedy sample.")
+    w.add_argument("--control-vector", required=True, metavar="VEC.gguf", help="the vector to sweep")
+    w.add_argument("--strengths", type=float, nargs="+", default=[-1.0, -0.5, 0.0, 0.5, 1.0], metavar="S",
+                   help="strengths (default: -1 -0.5 0 0.5 1)")
+    w.add_argument("--prompt", default="I think that today is", help="the samples' prompt")
+    w.add_argument("--max-new-tokens", type=int, default=24, metavar="N", help="tokens per sample (default 24)")
+    w.add_argument("--positive-words", nargs="+", default=None, metavar="W",
+                   help="words the vector should make likelier (give the leading space: ' happy')")
+    w.add_argument("--negative-words", nargs="+", default=None, metavar="W", help="words it should make rarer")
+    w.add_argument("--probe-prompt", action="append", default=None, metavar="TEXT",
+                   help="a prompt the probe reads the next word after (repeatable; default: five neutral ones)")
+    w.add_argument("--plot", default=None, metavar="SWEEP.png", help="draw probe vs strength and the samples")
+    w.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    _model_options(w)
+    w.set_defaults(run=_steer_sweep)
 
 
 def _steer_options(p):

@@ -36,7 +36,9 @@ class WordGap:
         with torch.inference_mode():
             for prompt in self.prompts:
                 ids = torch.tensor([lm.tokenizer.encode(prompt)], device=lm.device)
-                logp = torch.log_softmax(lm(ids)[0, -1].float(), -1)
+                lm.check_uncached_input(ids)
+                # the head at the last position only: lm(ids)[0, -1], without the other positions' logits
+                logp = torch.log_softmax(lm.head(lm.backbone(ids)[:, -1:])[0, -1].float(), -1)
                 gap += float(logp[pos].mean() - logp[neg].mean())
         return gap / len(self.prompts)
 
@@ -100,10 +102,11 @@ def sweep(lm, vector, strengths, probe=None, prompt="I think that today is", max
     values, samples = [], []
     for s in strengths:
         steered = lm.steer(vector, float(s))
-        values.append(float(probe(steered)))
+        with torch.inference_mode():
+            values.append(float(probe(steered)))
         samples.append(steered.generate(prompt, max_new_tokens=max_new_tokens, sampler=sampler))
-    return Sweep([float(s) for s in strengths], values, samples, getattr(probe, "name", type(probe).__name__),
-                 prompt, vector.layers)
+    name = getattr(probe, "name", None) or getattr(probe, "__name__", None) or type(probe).__name__
+    return Sweep([float(s) for s in strengths], values, samples, str(name), prompt, vector.layers)
 
 
 def _first_ids(lm, words):

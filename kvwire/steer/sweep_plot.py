@@ -35,7 +35,7 @@ def plot_sweep(result, path, title=None):
 
 
 def _cell(prompt, text, width=95):
-    line = " ".join(text.split())  # newlines would break the row
+    line = "".join(c if c.isprintable() else "·" for c in " ".join(text.split()))  # one row each, printable
     return "…" + line[:width] + ("…" if len(line) > width else "")
 
 
