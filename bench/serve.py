@@ -32,7 +32,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 from common import header  # noqa: E402
 from generate import gguf_of  # noqa: E402
-from serve_load import Server, median, prefix_reuse, run_load  # noqa: E402
+from serve_load import PROMPTS, Server, median, prefix_reuse, prompt_tokens, run_load  # noqa: E402
 
 STEER = {"happy": 0.8}
 NONE, HALF = (lambda k: None), (lambda k: STEER if k % 2 == 0 else None)  # steer_of(request index)
@@ -55,7 +55,8 @@ def control_vector(gguf, path, scale=0.05, seed=0):
 
 def servers_to_start(args, gguf, vector):
     """{label: (argv after python, ready path, env)}."""
-    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+               **({"OMP_WAIT_POLICY": args.omp_wait_policy} if args.omp_wait_policy else {})}
     batch = max(args.clients)
     kvwire = ["-m", "kvwire.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "{port}",
               "--max-batch", str(batch), "--max-length", str(args.max_length)]
@@ -201,6 +202,9 @@ def parser():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1, help="throughput runs per cell, the best kept (default 1)")
     p.add_argument("--max-length", type=int, default=2048, help="kvwire's --max-length and llama.cpp's --n_ctx")
+    p.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"],
+                   help="OMP_WAIT_POLICY of kvwire's servers (default: unset, OpenMP's own; on a CPU other work "
+                   "keeps busy, PASSIVE spares torch's threads from spinning at every op's barrier)")
     p.add_argument("--quantize", help="passed to kvwire serve (e.g. gguf); default none: float32")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to become ready")
@@ -227,7 +231,8 @@ def main(argv=None):
     gguf, file_type = gguf_of(args.model, p)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped below
     print(header(args.threads), flush=True)
-    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or 'float32'}, "
+    policy = f" (OMP_WAIT_POLICY={args.omp_wait_policy})" if args.omp_wait_policy else ""
+    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or 'float32'}{policy}, "
           f"llama.cpp the file's own blocks; {args.requests_per_client} requests per client, "
           f"max_tokens {args.max_tokens}, greedy, streamed; load average {os.getloadavg()[0]:.1f} at the start "
           f"(other work on the machine makes timings noisy)", flush=True)
@@ -241,6 +246,10 @@ def main(argv=None):
                 if label not in down:
                     run_load(s.url, s.model, 1, 1, 2)
                     run_load(s.url, s.model, max(args.clients), 1, 2, HALF if label == "kvwire +happy" else NONE)
+            sizes = {label: prompt_tokens(s.url, s.model, PROMPTS[0]) for label, s in servers.items()
+                     if label not in down}
+            print("the first prompt rendered by each server's chat template: " + ", ".join(
+                f"{label} {n} tokens" for label, n in sizes.items()), flush=True)
             loads = throughput_rows(servers, down, args)
             prefix = prefix_rows(servers, down, args)
             rss = {label: s.peak_rss_gb() for label, s in servers.items()}

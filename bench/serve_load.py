@@ -174,6 +174,15 @@ class Load:
         return f"{len(bad)} of {len(self.replies)} requests failed: {bad[0].error}" if bad else ""
 
 
+def prompt_tokens(url, model, text):
+    """usage.prompt_tokens of a one-token, non-streamed chat completion of `text` (None if not reported):
+    both servers should render the same chat template."""
+    body = {"model": model or "default", "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+            "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    return (r.json().get("usage") or {}).get("prompt_tokens") if r.status_code == 200 else None
+
+
 def openai_client(url, timeout=600):
     import openai
 
