@@ -1,6 +1,11 @@
 """The engine's thread and asyncio: one thread runs `engine.serve_forever`; each request's
 sequences report new tokens into that request's asyncio.Queue through `loop.call_soon_threadsafe`.
 
+`gate` keeps model work off the engine thread (training a vector, building a steered model, a
+sweep) from overlapping an engine step: torch.fx patches `nn.Module.__call__` process-wide while it
+traces, so a forward on another thread during a trace breaks both. Such work waits for the step
+that is running, and the engine waits for it (generation pauses while a vector trains).
+
 `swap(engine)` replaces the served engine (a model with one more control vector) by draining: new
 requests go to the new engine at once and wait in its queue, the thread finishes what the old
 engine is running, then serves the new one. A running sequence never changes model mid-stream.
@@ -8,6 +13,7 @@ engine is running, then serves the new one. A running sequence never changes mod
 import asyncio
 import logging
 import threading
+from contextlib import contextmanager
 
 from .errors import APIError
 
@@ -31,6 +37,7 @@ class EngineThread:
         self.failure = None  # the exception that stopped the engine thread, if any
         self._stop, self._thread, self._runs = threading.Event(), None, set()
         self.swaps = 0  # engines the thread has moved on to
+        self.gate = Gate()
 
     @property
     def alive(self):
@@ -59,7 +66,7 @@ class EngineThread:
         try:
             engine = self.engine
             while True:
-                engine.serve_forever(_Until(self._stop, lambda: self.engine is not engine and engine.idle))
+                engine.serve_forever(_Until(self._stop, lambda: self.engine is not engine and engine.idle, self.gate))
                 if self._stop.is_set():
                     return
                 engine = self.engine
@@ -70,6 +77,8 @@ class EngineThread:
             self.failure = e
             for run in list(self._runs):
                 run.notify(_FAILED)
+        finally:
+            self.gate.engine_stopped()
 
     def run(self, requests):
         """Submit sequences (each a dict of `Engine.submit` arguments) for one HTTP request; call on
@@ -88,13 +97,61 @@ class EngineThread:
         return run
 
 
-class _Until:
-    """A stop flag for `serve_forever` (it only calls `is_set`): the server stops, or `drained()`."""
+class Gate:
+    """Engine steps on one side, `exclusive()` blocks of other threads on the other: never both.
 
-    def __init__(self, stop, drained):
-        self.stop, self.drained = stop, drained
+    The engine thread calls `checkpoint()` between steps (serve_forever's stop check, so also every
+    poll while idle); `exclusive()` waits for the next checkpoint and holds the engine there.
+
+    Example:
+        >>> with bridge.gate.exclusive():
+        ...     vector = kw.ControlVector.train(lm, positive, negative)   # traces: no step meanwhile
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._stepping, self._held, self._waiting = False, False, 0
+
+    def checkpoint(self):
+        with self._cond:
+            self._stepping = False
+            self._cond.notify_all()
+            while self._held or self._waiting:
+                self._cond.wait()
+            self._stepping = True
+
+    def engine_stopped(self):
+        with self._cond:
+            self._stepping = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._stepping or self._held:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
+
+
+class _Until:
+    """A stop flag for `serve_forever` (it only calls `is_set`, between steps): the server stops, or
+    `drained()`; each call is also the gate's checkpoint."""
+
+    def __init__(self, stop, drained, gate):
+        self.stop, self.drained, self.gate = stop, drained, gate
 
     def is_set(self):
+        self.gate.checkpoint()
         return self.stop.is_set() or self.drained()
 
 

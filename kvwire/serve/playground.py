@@ -9,6 +9,8 @@ network) and kvwire's own JSON endpoints under /kvwire/ that it uses:
     GET  /kvwire/graph                {svg, steer_nodes}: kw.plot of the served backbone
     POST /kvwire/sweep                {vector, strengths, prompt?, ...} -> kw.steer.sweep's data
 
+Training, a sweep and drawing the graph run off the event loop with the engine paused between
+steps (`EngineThread.gate`: torch.fx tracing must not overlap a forward on another thread).
 Errors have OpenAI's shape ({"error": {"message", ...}}), as the API's, so the page shows
 `error.message`."""
 import asyncio
@@ -95,8 +97,9 @@ class Jobs:
     async def _run(self, job, body):
         try:
             job.update(state="training", message=f"reading hidden states of {2 * len(body.positive)} prompts")
-            vector = await asyncio.to_thread(ControlVector.train, self.served.lm, body.positive, body.negative,
-                                             layers=body.layers or None, method=body.method, progress=False)
+            vector = await asyncio.to_thread(self.served.exclusive, ControlVector.train, self.served.lm,
+                                             body.positive, body.negative, layers=body.layers or None,
+                                             method=body.method, progress=False)
             job.update(state="installing", message="building the steered model")
             await self.served.add(body.name, vector)
             job.update(state="done", message=f"{body.name!r} is ready", vector=self.served.describe(body.name))
@@ -161,14 +164,14 @@ def install_playground(app, served, model_name):
     async def graph():
         version = served.version
         if version not in graphs:
-            svg = await asyncio.to_thread(_graph_svg, served.model)
+            svg = await asyncio.to_thread(served.exclusive, _graph_svg, served.model)
             graphs.clear()
             graphs[version] = {"svg": svg, "steer_nodes": served.steer_nodes(), "version": version}
         return graphs[version]
 
     @app.post("/kvwire/sweep")
     async def sweep(body: SweepRequest):
-        return JSONResponse(await asyncio.to_thread(_sweep, served, body))
+        return JSONResponse(await asyncio.to_thread(served.exclusive, _sweep, served, body))
 
 
 def _gguf_bytes(vector):

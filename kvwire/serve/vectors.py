@@ -45,6 +45,15 @@ class ServedVectors:
     def max_length(self):
         return self.bridge.engine.max_length
 
+    def exclusive(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) with no engine step running meanwhile (it may trace; see `Gate`)."""
+        with self.bridge.gate.exclusive():
+            return fn(*args, **kwargs)
+
+    def _build(self, vectors):
+        model = steered_model(self.lm, vectors)
+        return model, self._engine(model)
+
     def _engine(self, model):
         return Engine(model, **self.engine_options, prefix_store=PrefixStore(max_bytes=self.prefix_bytes))
 
@@ -66,8 +75,7 @@ class ServedVectors:
         async with self._adding:
             self.check_new_name(name)
             vectors = {**self.vectors, name: vector}
-            model = await asyncio.to_thread(steered_model, self.lm, vectors)
-            engine = await asyncio.to_thread(self._engine, model)
+            model, engine = await asyncio.to_thread(self.exclusive, self._build, vectors)
             self.bridge.swap(engine)  # on the loop, between requests' checks and submits
             self.vectors, self.model = vectors, model
             self.version += 1

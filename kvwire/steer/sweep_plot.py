@@ -27,6 +27,9 @@ def plot_sweep(result, path, title=None):
              for s, v, t in zip(result.strengths, result.values, result.samples)]
     table = table_ax.table(cellText=cells, colLabels=["strength", "probe", f"sample: {result.prompt} …"],
                            colWidths=[0.1, 0.1, 0.8], loc="upper center", cellLoc="left")
+    for (row, col), cell in table.get_celld().items():
+        cell.set_text_props(ha="left" if col == 2 else "right")
+        cell.PAD = 0.02
     table.auto_set_font_size(False)
     table.set_fontsize(8)
     table.scale(1, 1.3)
@@ -34,7 +37,7 @@ def plot_sweep(result, path, title=None):
     plt.close(fig)
 
 
-def _cell(prompt, text, width=95):
+def _cell(prompt, text, width=80):
     line = "".join(c if c.isprintable() else "·" for c in " ".join(text.split()))  # one row each, printable
     return "…" + line[:width] + ("…" if len(line) > width else "")
 

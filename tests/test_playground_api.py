@@ -1,0 +1,110 @@
+"""The playground's /kvwire/ endpoints over httpx (tiny chat model): a vector trained while a stream
+runs joins the served model without touching that stream (the engine drains, then swaps), and
+refusals come in OpenAI's error shape."""
+import json
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import kvwire as kw  # noqa: E402
+from kvwire.serve import create_app  # noqa: E402
+
+from .serve_fixtures import Server, control_vectors, tiny_chat_lm  # noqa: E402
+
+PAIRS = dict(positive=["I am so happy today", "What a wonderful surprise"],
+             negative=["I am so sad today", "What a terrible surprise"])
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_chat_lm()
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    s = Server(create_app(lm, "tiny", max_batch=4, max_length=128, control_vectors=control_vectors(lm)))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def finish(api, job):
+    deadline = time.monotonic() + 120
+    while job["state"] not in ("done", "error"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+        job = api.get(f"/kvwire/jobs/{job['id']}").json()
+    return job
+
+
+def test_training_during_a_stream_swaps_after_it(lm, server, api):
+    vectors = control_vectors(lm)
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "steer": {"happy": 0.5}}
+    pieces, first = [], threading.Event()
+
+    def stream():
+        with api.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    pieces.append(line)
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60)
+    job = api.post("/kvwire/train", json={"name": "joy", **PAIRS, "layers": "1-2", "method": "mean_diff"})
+    assert job.status_code == 202 and job.json()["state"] == "queued"
+    job = finish(api, job.json())
+    assert job["state"] == "done" and job["vector"]["layers"] == [1, 2] and job["vector"]["method"] == "mean_diff"
+    joy = api.post("/v1/completions", json={**body, "max_tokens": 6, "steer": {"joy": 3.0}}).json()
+    reader.join(600)
+    assert not reader.is_alive()
+    streamed = "".join(json.loads(p[6:])["choices"][0]["text"] for p in pieces)
+    assert streamed == lm.steer(vectors["happy"], 0.5).generate(body["prompt"], max_new_tokens=24)
+    trained = server.app.state.served.vectors["joy"]
+    assert trained == kw.ControlVector.train(lm, PAIRS["positive"], PAIRS["negative"], layers="1-2",
+                                             method="mean_diff", progress=False)
+    assert joy["choices"][0]["text"] == lm.steer(trained, 3.0).generate(body["prompt"], max_new_tokens=6)
+    assert server.app.state.bridge.swaps == 1
+    assert "joy" in api.get("/v1/models/tiny").json()["control_vectors"]
+    assert [v["name"] for v in api.get("/kvwire/vectors").json()["data"]] == ["happy", "formal", "joy"]
+    graph = api.get("/kvwire/graph").json()
+    assert sorted(n for n, v in graph["steer_nodes"].items() if v == "joy") == ["layers_1__steer_2", "layers_2__steer_1"]
+    assert graph["svg"].count("#ffb347") == 6  # every Steer layer orange
+
+
+@pytest.mark.parametrize("method, path, body, status, message", [
+    ("get", "/kvwire/vectors/sad.gguf", None, 404, "no control vector named 'sad'; loaded: happy, formal"),
+    ("get", "/kvwire/jobs/nope", None, 404, "no training job 'nope'"),
+    ("post", "/kvwire/train", {"name": "x", **PAIRS, "epochs": 3}, 400, "epochs: extra inputs are not permitted"),
+    ("post", "/kvwire/train", {"name": "class", **PAIRS}, 400, "control vector name 'class' is not a Python identifier"),
+    ("post", "/kvwire/train", {"name": "x", **PAIRS, "method": "svd"}, 400,
+     "method must be one of ['pca_diff', 'pca_center', 'mean_diff'], got 'svd'"),
+    ("post", "/kvwire/train", {"name": "x", "positive": ["a", ""], "negative": ["b", "c"]}, 400,
+     "positive must contain only non-empty str"),
+    ("post", "/kvwire/sweep", {"vector": "happy", "strengths": ["1"]}, 400, "strengths.0: input should be a number"),
+    ("post", "/kvwire/sweep", {"vector": "sad", "strengths": [1]}, 404, "no control vector named 'sad'"),
+    ("post", "/kvwire/sweep", {"vector": "happy", "strengths": [1], "max_tokens": 0}, 400,
+     "max_tokens must lie in [1, 256], got 0"),
+])
+def test_refusals(api, method, path, body, status, message):
+    r = getattr(api, method)(path, **({} if body is None else {"json": body}))
+    assert r.status_code == status and message in r.json()["error"]["message"], r.json()
+
+
+def test_page_and_static_files_are_served(api):
+    page = api.get("/")
+    assert page.status_code == 200 and 'src="/static/app.js"' in page.text
+    for name in ("app.js", "api.js", "play.js", "train.js", "graph.js", "sweep.js", "snippet.js", "style.css"):
+        assert api.get(f"/static/{name}").status_code == 200, name
+    assert "http" not in page.text.replace("http://www.w3.org", "")  # nothing from the network
