@@ -179,7 +179,10 @@ def prompt_tokens(url, model, text):
     both servers should render the same chat template."""
     body = {"model": model or "default", "messages": [{"role": "user", "content": text}], "max_tokens": 1,
             "temperature": 0}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    except httpx.HTTPError:  # a server that died: its rows say so
+        return None
     return (r.json().get("usage") or {}).get("prompt_tokens") if r.status_code == 200 else None
 
 
