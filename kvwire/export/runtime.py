@@ -178,11 +178,13 @@ class ExportedLM(CausalLM):
         return Session(self.cached, self.head, rows, self.meta["max_length"], inputs=inputs,
                        multiple=self._multiple(rows, max_length))
 
-    def _engine(self, rows, max_length):
-        """The engine runs the program in lockstep (it takes one cache index for the batch)."""
+    def _engine(self, rows, max_length, prefix_store=None):
+        """The engine runs the program in lockstep (it takes one cache index for the batch); the
+        prefix store is not used (a row's cache cannot be seeded at another index there)."""
         from ..generate.engine import Engine
 
-        return Engine(self, len(rows), self.meta["max_length"], multiple=self._multiple(rows, max_length))
+        return Engine(self, len(rows), self.meta["max_length"], multiple=self._multiple(rows, max_length),
+                      prefix_store=prefix_store)
 
     def edit(self, fn, depth="block"):
         raise TypeError("an exported model cannot be edited; edit the eager model and export it again")

@@ -67,7 +67,7 @@ class PrefixStore:
 
     Example:
         >>> store = PrefixStore(max_bytes=256 << 20)
-        >>> lm.chat(messages, prefix_store=store)   # the next turn reuses this one's keys/values
+        >>> engine = kw.Engine(lm, prefix_store=store)   # its finished rows are kept; a prompt extending one reuses it
     """
 
     def __init__(self, max_bytes=512 << 20, min_tokens=16):
