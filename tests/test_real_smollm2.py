@@ -232,3 +232,26 @@ def test_compiled_decode_equals_eager(lm):
     ids = torch.tensor(lm.tokenizer.encode(PROMPTS[0]))
     assert compiled.generate(ids, max_new_tokens=16, ignore_eos=True).tolist() == \
         lm.generate(ids, max_new_tokens=16, ignore_eos=True).tolist()
+
+
+def test_chat_stops_at_the_end_of_turn_and_the_next_turn_reuses_the_first(lm, hf_tokenizer, prompts):
+    """lm.chat renders the file's template as transformers does, ends the reply at <|im_end|>, and
+    the second turn prefills only what is new (same reply as a full prefill)."""
+    chat_text = prompts[-1]
+    assert lm.tokenizer.apply_chat_template(CHAT, tokenize=False) == chat_text
+    assert lm.tokenizer.apply_chat_template(CHAT, tokenize=True) == hf_tokenizer(chat_text)["input_ids"]
+    im_end = lm.tokenizer.backend.token_to_id("<|im_end|>")
+    assert im_end in lm.tokenizer.end_of_turn_ids
+    quick = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
+    ids = torch.tensor(lm.tokenizer.apply_chat_template(quick, tokenize=True))
+    free = lm.generate(ids, max_new_tokens=24, ignore_eos=True).tolist()
+    assert im_end in free  # the model ends its turn: the reply is what comes before
+    store = lm.prefix_store
+    store.clear()
+    reply = lm.chat(quick, max_new_tokens=24)
+    assert reply == lm.tokenizer.decode(free[:free.index(im_end)]) and "Paris" in reply
+    turn2 = quick + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And of Italy?"}]
+    hits = store.hits
+    again = lm.chat(turn2, max_new_tokens=24)
+    assert store.hits == hits + 1
+    assert again == lm.chat(turn2, max_new_tokens=24, reuse_prefix=False)
