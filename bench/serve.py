@@ -3,6 +3,11 @@ the preset's GGUF file on 127.0.0.1 with the same number of threads.
 
     python bench/serve.py [--model smollm2-135m-instruct] [--clients 1,4,16] [--max-tokens 32]
                           [--requests-per-client 2] [--threads 2] [--quantize gguf] [--skip-peer] [--quick]
+                          [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE]
+
+On a CPU that other work keeps busy, torch's OpenMP threads spinning at every op's barrier make
+kvwire's server many times slower (measured: 0.7 vs 12.9 tokens/s at one client, 2 threads, load
+average 9); --omp-wait-policy PASSIVE sets OMP_WAIT_POLICY for kvwire's servers.
 
 Measures, in one run, with the servers as child processes started (on free ports, polled until
 ready) and stopped by this script:
