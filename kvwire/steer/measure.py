@@ -12,12 +12,7 @@ def word_logprob(lm, prompts, words):
     """
     if not prompts or not words:
         raise ValueError("word_logprob needs at least one prompt and one word")
-    firsts = []
-    for word in words:
-        ids = lm.tokenizer.encode(word, add_bos=False)
-        if not ids:
-            raise ValueError(f"word {word!r} encodes to no tokens")
-        firsts.append(ids[0])
+    firsts = first_ids(lm, words)
     total = 0.0
     with torch.inference_mode():
         for prompt in prompts:
@@ -25,3 +20,14 @@ def word_logprob(lm, prompts, words):
             logp = torch.log_softmax(lm(ids)[0, -1].float(), -1)
             total += float(logp[firsts].mean())
     return total / len(prompts)
+
+
+def first_ids(lm, words):
+    """The first token id of each word (as the model's tokenizer splits it, without BOS)."""
+    ids = []
+    for word in words:
+        encoded = lm.tokenizer.encode(word, add_bos=False)
+        if not encoded:
+            raise ValueError(f"word {word!r} encodes to no tokens")
+        ids.append(encoded[0])
+    return ids

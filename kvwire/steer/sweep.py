@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .measure import first_ids
 from .vector import ControlVector
 
 # the demo's held-out probe (examples/steer_demo.py): neutral prompts and sentiment words, none of
@@ -31,7 +32,7 @@ class WordGap:
         self.name = f"log p({_short(self.positive)}) - log p({_short(self.negative)})"
 
     def __call__(self, lm):
-        pos, neg = _first_ids(lm, self.positive), _first_ids(lm, self.negative)
+        pos, neg = first_ids(lm, self.positive), first_ids(lm, self.negative)
         gap = 0.0
         with torch.inference_mode():
             for prompt in self.prompts:
@@ -107,16 +108,6 @@ def sweep(lm, vector, strengths, probe=None, prompt="I think that today is", max
         samples.append(steered.generate(prompt, max_new_tokens=max_new_tokens, sampler=sampler))
     name = getattr(probe, "name", None) or getattr(probe, "__name__", None) or type(probe).__name__
     return Sweep([float(s) for s in strengths], values, samples, str(name), prompt, vector.layers)
-
-
-def _first_ids(lm, words):
-    ids = []
-    for word in words:
-        encoded = lm.tokenizer.encode(word, add_bos=False)
-        if not encoded:
-            raise ValueError(f"word {word!r} encodes to no tokens")
-        ids.append(encoded[0])
-    return ids
 
 
 def _short(words):
