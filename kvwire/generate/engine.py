@@ -233,8 +233,14 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         if self.jobs:
-            start = time.perf_counter()
-            self._advance(self.jobs[0])
+            # prefill chunks up to `prefill_chunk` prompt tokens a step, oldest job first: a burst of
+            # short prompts (or of prefix hits with a few new tokens each) joins in one step, while
+            # a long prompt still takes one chunk a step between decode steps
+            start, budget = time.perf_counter(), self.prefill_chunk
+            while self.jobs and budget > 0:
+                job = self.jobs[0]
+                budget -= job.next_chunk_tokens()
+                self._advance(job)
             self.prefill_seconds += time.perf_counter() - start
         if any(s is not None and s.pending is not None for s in self.rows):
             start = time.perf_counter()
@@ -552,10 +558,17 @@ class _Prefill:
     def row_inputs(self, i):
         return {name: value[i] for name, value in self.inputs.items()}
 
+    def next_chunk_tokens(self):
+        """Prompt tokens (all rows) that the next `advance` runs."""
+        return (self._stop() - self.at) * self.ids.shape[0]
+
+    def _stop(self):
+        end = self.ids.shape[1]
+        return end if self.direct else min(end, self.at + self.engine.prefill_chunk)
+
     def advance(self):
         """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""
-        end = self.ids.shape[1]
-        stop = end if self.direct else min(end, self.at + self.engine.prefill_chunk)
+        end, stop = self.ids.shape[1], self._stop()
         hidden, self.cache = self.engine.cached(self.ids[:, self.at:stop], self.positions[:, self.at:stop],
                                                 self.at, self.mask, self.cache, **self.inputs)
         self.at = stop
