@@ -322,7 +322,7 @@ class Engine:
         job = _Prefill(self, seqs, rows, direct, prefix)
         self.stats["direct_prefills" if direct else "scratch_prefills"] += 1
         for seq in seqs:
-            seq.row = None
+            seq.row, seq.hit = None, (None, 0)  # restored into the job: the entry may be evicted now
         self.jobs.append(job)
 
     def _advance(self, job):
