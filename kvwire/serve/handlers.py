@@ -134,7 +134,7 @@ class _Reply:
                     if piece or span[1] > span[0]:
                         yield _sse({**self._head(), "choices": [{"index": i, **self._content(i, piece, span),
                                                                  "finish_reason": None}], **extra})
-                    if seq.done:
+                    if self.texts[i].final:  # what update saw: a sequence done after it is sent next round
                         finished.add(i)
                         yield _sse({**self._head(), "choices": [{"index": i, **self._content(i, "", (0, 0)),
                                                                  "finish_reason": seq.finish_reason}], **extra})

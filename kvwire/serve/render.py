@@ -19,10 +19,14 @@ class ChoiceText:
     def __init__(self, tokenizer, stops=(), track_tokens=False):
         self.tokenizer, self.stops, self.track = tokenizer, tuple(stops), track_tokens
         self.sent, self.covered, self.offsets = "", 0, []
+        self.final = False  # whether the last update saw the sequence done (its text is then whole)
 
     def update(self, seq):
+        # `done` first: the engine thread appends a sequence's last token before marking it done,
+        # so tokens copied after seeing done are complete (read the other way round, the last token
+        # could be missing from the final text)
+        done = self.final = seq.done
         tokens = list(seq.tokens)  # a copy: the engine thread may append meanwhile
-        done = seq.done
         text = self.tokenizer.decode(tokens)
         if done:
             cut = Stopper((), self.stops).cut(text)
