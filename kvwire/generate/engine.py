@@ -25,10 +25,10 @@ from collections import Counter, deque
 
 import torch
 
-from .loop import Stopper, nonfinite_error
+from .loop import Stopper, nonfinite_error, penalize
 from .prefix import PrefixStore, copy_positions
 from .samplers import Greedy
-from .session import left_pad
+from .session import decode_step, left_pad
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _numbers = itertools.count(1)
@@ -309,7 +309,8 @@ class Engine:
             if store is None or not seq.reuse_prefix or not self.per_row:
                 seq.hit = (None, 0)
             else:
-                slots = [k.shape[2] for k, _ in self.cached.init_cache(1, len(seq.prompt), device="meta")]
+                # the slots a scratch cache for this prompt has per layer (rings: at most window - 1)
+                slots = [slot.module.cache_spec(1, len(seq.prompt), None)[0][2] for slot in self.cached.slots]
                 seq.hit = store.lookup(seq.prompt, seq.inputs_key, slots)
         return seq.hit
 
@@ -383,13 +384,8 @@ class Engine:
             self.stats["per_row_steps"] += 1
         mask = self.mask[:span]
         inputs = {name: value[:span] for name, value in self.inputs.items()}
-        if self.decode is None:
-            hidden, new_cache = self.cached(tokens[:, None], positions, index, mask, cache, **inputs)
-            logits = self.head(hidden[:, -1])
-        else:
-            self.cached.check_call(tokens[:, None], positions, index, mask, cache)
-            extra = self.cached.runtime_values(span, inputs)
-            logits, new_cache = self.decode(tokens[:, None], positions, index, mask, cache, extra)
+        logits, new_cache = decode_step(self.cached, self.head, self.decode, tokens, positions, index, mask, cache,
+                                        inputs)
         if span == self.capacity:
             self.cache = new_cache
         elif cache and new_cache[0][0].data_ptr() != cache[0][0].data_ptr():  # a functional step: copy back
@@ -402,7 +398,7 @@ class Engine:
         live = [(r, s) for r, s in enumerate(rows) if s is not None and not s.done and s.pending is not None]
         for _, s in live:
             s.pending = None
-        self._sample(logits[[r for r, _ in live]], [s for _, s in live])
+        self._sample(_take(logits, [r for r, _ in live]), [s for _, s in live])
 
     def _sample(self, logits, seqs):
         """Choose each sequence's next token from its logits row (len(seqs), V)."""
@@ -426,21 +422,19 @@ class Engine:
         if penalized:
             scores = logits.clone()
             for i in penalized:
-                s = seqs[i]
-                scaled = torch.where(logits[i] > 0, logits[i] / s.repetition_penalty, logits[i] * s.repetition_penalty)
-                scores[i] = torch.where(s.seen, scaled, logits[i])
+                scores[i] = penalize(logits[i], seqs[i].seen, seqs[i].repetition_penalty)
         tokens = [0] * len(seqs)
         by_sampler = {}
         for i, s in enumerate(seqs):
             by_sampler.setdefault(s.sampler, []).append(i)
         for sampler, idx in by_sampler.items():
-            chosen = sampler.sample_rows(scores[idx], [seqs[i].generator for i in idx]).tolist()
+            chosen = sampler.sample_rows(_take(scores, idx), [seqs[i].generator for i in idx]).tolist()
             for i, t in zip(idx, chosen):
                 tokens[i] = t
         want = [i for i, s in enumerate(seqs) if s.want_logprobs or s.want_top]
         chosen_lp, tops = {}, {}
         if want:
-            logp = torch.log_softmax(logits[want].float(), -1)
+            logp = torch.log_softmax(_take(logits, want).float(), -1)
             picked = torch.tensor([tokens[i] for i in want], device=logp.device)[:, None]
             for j, (i, lp) in enumerate(zip(want, logp.gather(1, picked)[:, 0].tolist())):
                 chosen_lp[i] = lp
@@ -573,6 +567,12 @@ class _Prefill:
                                                 self.at, self.mask, self.cache, **self.inputs)
         self.at = stop
         return self.engine.head(hidden[:, -1]) if stop == end else None
+
+
+def _take(t, rows):
+    """t[rows], without a copy when rows are all of t's rows in order (a decode step's usual case:
+    the logits of every row, (B, V) over a vocabulary of up to 262k)."""
+    return t if rows == list(range(t.shape[0])) else t[rows]
 
 
 def _contiguous(rows):

@@ -102,7 +102,7 @@ def _seen_tokens(session, vocab_size):
     return seen
 
 
-def _penalize(logits, seen, penalty):
+def penalize(logits, seen, penalty):
     """transformers' repetition penalty: seen tokens' logits divided (if > 0) or multiplied by it."""
     scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, scaled, logits)
@@ -136,7 +136,7 @@ def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None)
     seen = None if repetition_penalty is None else _seen_tokens(session, V).repeat_interleave(n, 0)
     session.expand(n)
     raw = raw.repeat_interleave(n, 0)
-    logp = raw if seen is None else _penalize(raw, seen, repetition_penalty)
+    logp = raw if seen is None else penalize(raw, seen, repetition_penalty)
     scores = [[0.0] + [float("-inf")] * (n - 1) for _ in range(B)]  # the n copies are identical: start from one
     seqs = [[[] for _ in range(n)] for _ in range(B)]
     lps = [[[] for _ in range(n)] for _ in range(B)]
@@ -188,7 +188,7 @@ def beam_search(session, beam, max_new_tokens, stopper, repetition_penalty=None)
         raw = torch.log_softmax(logits.float(), -1)
         if seen is not None:
             seen = seen[order].scatter_(1, chosen[:, None], True)
-        logp = raw if seen is None else _penalize(raw, seen, repetition_penalty)
+        logp = raw if seen is None else penalize(raw, seen, repetition_penalty)
         steps += 1
     for b in range(B):
         if not done[b]:

@@ -15,6 +15,18 @@ def left_pad(rows, pad_id=0, multiple=1, device="cpu"):
     return ids.to(device), positions.to(device), pads.to(device)
 
 
+def decode_step(cached, head, decode, tokens, positions, cache_index, mask, cache, inputs):
+    """One token per row through the cached graph and the head: tokens (B,), positions (B, 1),
+    cache_index () or (B,) -> (logits (B, V), next cache); through `decode` (a `CompiledDecode`)
+    when given, with the same checks as the eager graph's."""
+    if decode is None:
+        hidden, cache = cached(tokens[:, None], positions, cache_index, mask, cache, **inputs)
+        return head(hidden[:, -1]), cache
+    cached.check_call(tokens[:, None], positions, cache_index, mask, cache)
+    extra = cached.runtime_values(tokens.shape[0], inputs)
+    return decode(tokens[:, None], positions, cache_index, mask, cache, extra)
+
+
 class Session:
     """Runs one batch through a `CachedGraph` and a head: `prefill()` then `step(tokens)`.
 
@@ -55,12 +67,9 @@ class Session:
     def step(self, tokens):
         """Feed one token per row (B,); logits of the next: (B, V)."""
         positions = (self.index - self.pads)[:, None]
-        if self.decode is None:
-            return self._run(tokens[:, None], positions)
-        self.cached.check_call(tokens[:, None], positions, self.index, self.mask, self.cache)
-        extra = self.cached.runtime_values(tokens.shape[0], self.inputs)
         index = torch.tensor(self.index, device=self.device)
-        logits, self.cache = self.decode(tokens[:, None], positions, index, self.mask, self.cache, extra)
+        logits, self.cache = decode_step(self.cached, self.head, self.decode, tokens, positions, index, self.mask,
+                                         self.cache, self.inputs)
         self.index += 1
         return logits
 
