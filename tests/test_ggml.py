@@ -48,7 +48,7 @@ def test_blocks_mean_what_the_gguf_package_says(name, max_rel):
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_forward_equals_dequantized_matmul(name, rows):
     from kvwire.quant.ggml import GGMLLinear
-    from kvwire.quant.ggml.linear import MANY_ROWS
+    from kvwire.quant.ggml.linear import MANY_ROWS, UNTILED
 
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(48, 256, generator=g), torch.randn(48, generator=g), torch.randn(rows, 256, generator=g)
@@ -56,10 +56,43 @@ def test_forward_equals_dequantized_matmul(name, rows):
     expected = x @ q.dequantize().t() + b
     got = q(x.view(1, rows, 256))
     assert got.shape == (1, rows, 48)
-    # few rows: the kernel quantises activations to 8 bits per block (as llama.cpp does), ~0.5 %
-    # relative error; many rows: float32 GEMM on the dequantised weight
-    tol = 0.02 * expected.abs().max().item() if rows <= MANY_ROWS else 1e-4
+    # ggml's kernels (the row loop at 1-2 rows, ggml's graph from 3) quantise activations to 8 bits per
+    # block as llama.cpp does, ~0.5 % relative error; many rows of a format without a tiled kernel:
+    # float32 GEMM on the dequantised weight
+    dequantized = rows > MANY_ROWS and q.qtype in UNTILED
+    tol = 1e-4 if dequantized else 0.02 * expected.abs().max().item()
     torch.testing.assert_close(got[0], expected, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_row_loop_and_ggmls_graph_compute_the_same_products(name):
+    """matmul.c picks the row loop or ggml's graph by row count; both read the same blocks and the
+    same 8-bit activations, so they agree to float32 summation order, fused weights included."""
+    import ctypes
+
+    from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.lib import library
+
+    g = torch.Generator().manual_seed(3)
+    qs = [GGMLLinear.quantize(torch.randn(out, 256, generator=g), kind) for out, kind in [(72, name), (40, "q8_0")]]
+    x = torch.randn(5, 256, generator=g)
+    lib, P, I64 = library(), ctypes.c_void_p, ctypes.c_int64
+
+    def run(fn):
+        ys = [torch.full((5, q.out_features), float("nan")) for q in qs]
+        rc = fn(2, (ctypes.c_int * 2)(*[int(q.qtype) for q in qs]), (P * 2)(*[q.blocks.data_ptr() for q in qs]),
+                (I64 * 2)(*[q.out_features for q in qs]), I64(256), P(x.data_ptr()), I64(5),
+                (P * 2)(*[y.data_ptr() for y in ys]), 2)
+        assert rc == 0
+        return ys
+
+    for loop, graph in zip(run(lib.kvw_loop_matmuls), run(lib.kvw_graph_matmuls)):
+        torch.testing.assert_close(graph, loop, atol=1e-5 * loop.abs().max().item(), rtol=0)
+    for rows in (1, 2, 3, 7, 8, 33):  # every row count the dispatch separates, through the operator
+        xr = torch.randn(rows, 256, generator=g)
+        expected = xr @ qs[0].dequantize().t()
+        got = torch.ops.kvwire.ggml_matmul(xr, qs[0].blocks, int(qs[0].qtype), 256)
+        torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0)
 
 
 def test_one_fused_call_equals_separate_calls():

@@ -65,7 +65,9 @@ def test_quantised_gguf_loads_dequantised_and_on_its_own_blocks(tmp_path, case, 
     torch.testing.assert_close(_logits(kw.load(tmp_path / "m.gguf", progress=False), kvwire=True), expected,
                                atol=2e-5, rtol=0)
     blocks = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
-    # ggml quantises activations to Q8 for its dot products: ~1e-2 on logits of O(10)
+    # ggml quantises activations to Q8 for its products (80 rows: ggml's tiled graph; before it ran
+    # these rows as float32 GEMM, so this bound only saw the rounded weights): measured largest
+    # error over the logits' largest magnitude 1.9 % llama, 1.4 % qwen2, 1.8 % phi3, 5.8 % gemma2
     got = _logits(blocks, kvwire=True)
-    assert (got - expected).abs().max() < 0.1
+    assert (got - expected).abs().max() < 0.1 * expected.abs().max()
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9

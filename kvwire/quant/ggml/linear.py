@@ -1,10 +1,11 @@
 """`GGMLLinear`: a linear map whose weight stays in a GGUF block format (Q8_0, Q5_0, Q4_K, ...).
 
-Decode at batch 1 streams every weight once per token, so it runs ggml's own dot products on the
-blocks (`lib.py`, `matmul.c`): the weights a GGUF file ships are used as they are, with no
-re-quantisation and so no further loss. Activations are quantised per row to ggml's partner
-format (8-bit) inside the kernel, as llama.cpp does. Many rows (a prefill chunk) instead
-dequantise the weight with ggml and use MKL's float32 GEMM, which wins there (`MANY_ROWS`).
+The weights a GGUF file ships are used as they are, with no re-quantisation and so no further
+loss: ggml's own kernels run on the blocks (`lib.py`, `matmul.c`), with activations quantised per
+row to ggml's partner format (8-bit) as llama.cpp does. One or two rows (decode) run a dot product
+per weight row; more rows run ggml's own matrix product, tiled as llama.cpp's is. The formats ggml
+has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's float32 GEMM
+beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
 """
 import torch
 from gguf import GGMLQuantizationType
@@ -12,10 +13,12 @@ from torch import nn
 
 from .lib import library
 
-# above these many rows, dequantising + float32 GEMM beats the row-by-row dot products (default
-# model, 2 threads, kernel vs dequantise + GEMM at 32 rows: Q5_0 2048x640 2.31 vs 2.41 ms, Q6_K
-# 640x2048 1.43 vs 2.79, Q4_K 640x1024 0.75 vs 0.75; at 64 rows 4.55 vs 3.20, 2.87 vs 3.36, 1.43 vs
-# 1.04; ggml's dequantisation is most of the second number)
+# Formats whose matrix product ggml runs row by row (no tiled kernel): above MANY_ROWS rows,
+# dequantising + float32 GEMM beats them (bench/ggml_matmul.py, 1536x1024, 2 threads, AMD EPYC
+# AVX-512: Q4_1 at 64 rows 3.32 vs 2.65 ms, at 512 26.2 vs 11.0; Q5_1 4.36 vs 3.12, 33.1 vs 12.4).
+# Every other format stays on ggml's kernels at any size: Q4_K at 512 rows 4.97 vs 13.3 ms, Q8_0 12.1
+# vs 11.5 (a tie, without a float copy of the weight).
+UNTILED = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
 MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
@@ -76,7 +79,7 @@ class GGMLLinear(nn.Module):
     def forward(self, x):
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
-        if rows > MANY_ROWS:
+        if rows > MANY_ROWS and self.qtype in UNTILED:
             out = nn.functional.linear(x2, self.dequantize())
         else:  # op.cpp's kernel; an opaque op to torch.compile
             out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, int(self.qtype), self.in_features)

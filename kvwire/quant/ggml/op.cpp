@@ -50,9 +50,11 @@ static std::vector<at::Tensor> ggml_matmuls(const at::Tensor &x, at::TensorList 
         outs.push_back(w.size(0));
         y_ptrs.push_back(ys.back().data_ptr<float>());
     }
-    if (x.size(0) > 0 && kvw_matmuls((int)types.size(), types.data(), ws.data(), outs.data(), in_features,
-                                     xc.data_ptr<float>(), x.size(0), y_ptrs.data(), at::get_num_threads()))
-        TORCH_CHECK(false, "ggml_matmul could not allocate ", x.size(0), " quantised activation rows");
+    const int rc = x.size(0) == 0 ? 0 : kvw_matmuls((int)types.size(), types.data(), ws.data(), outs.data(),
+                                                     in_features, xc.data_ptr<float>(), x.size(0), y_ptrs.data(),
+                                                     at::get_num_threads());
+    TORCH_CHECK(rc != -1, "ggml_matmul could not allocate memory for ", x.size(0), " quantised activation rows");
+    TORCH_CHECK(rc == 0, "ggml_matmul: ggml's compute failed (status ", rc, ") for ", x.size(0), " rows");
     return ys;
 }
 
