@@ -15,6 +15,7 @@ from .generate import CausalLM
 from .io import weights_cache
 from .io.chat_template import template_from_transformers
 from .io.gguf import GGUFFile
+from .io.heap import give_back_freed_memory
 from .io.safetensors_dir import read_config, read_state_dict
 from .io.tokenizer import CHAT_FILE, Tokenizer, eos_list, tokenizer_from_gguf, tokenizer_from_hf_folder
 from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
@@ -61,8 +62,11 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
                          f"file (use a ggml type such as 'q8_0' to quantise other weights)")
     lm = _load(source, dtype, progress).to(device)
     if quantize == "gguf":
-        return use_gguf_blocks(lm, source)
-    return lm if quantize is None else quantize_lm(lm, quantize)
+        lm = use_gguf_blocks(lm, source)
+    elif quantize is not None:
+        lm = quantize_lm(lm, quantize)
+    give_back_freed_memory()  # what reading the tokenizer and converting weights freed (io/heap.py)
+    return lm
 
 
 def _is_ggml_type(name):

@@ -1,12 +1,17 @@
 """Graph modules kvwire makes give back torch.fx's copy of their generated source when collected:
 a steered copy per request must not grow memory (bench/long_run.py --steer-each-call measures it)."""
+import ctypes
+import ctypes.util
 import gc
 import linecache
+import os
 
+import pytest
 import torch
 
 import kvwire as kw
 from kvwire.graph.release import _source_key, kept_source_bytes
+from kvwire.io import heap
 
 from .conftest import FAMILIES
 
@@ -28,3 +33,27 @@ def test_collected_copies_leave_no_generated_source_behind():
     assert kept_source_bytes() > before
     key = _source_key(live.cached.graph_module)
     assert key is not None and "forward_cached" in "".join(linecache.getlines(key))  # tracebacks still read it
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(heap._TRIM is None, reason="no glibc malloc_trim on this platform: nothing to give back")
+def test_freed_heap_pages_go_back_to_the_os():
+    """What a large tokenizer load leaves: many small chunks freed below one still in use, which
+    free() alone never returns (the heap's top is pinned)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    chunks = [libc.malloc(200) for _ in range(300_000)]  # ~64 MB of small chunks
+    for c in chunks:
+        ctypes.memset(c, 1, 200)
+    pin = libc.malloc(200)
+    for c in chunks:
+        libc.free(c)
+    before = _rss_bytes()
+    assert heap.give_back_freed_memory()
+    assert before - _rss_bytes() > 32 << 20
+    libc.free(pin)
