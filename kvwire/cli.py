@@ -157,7 +157,7 @@ def _serve(args):
     app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
-          f"{', '.join(vectors) or 'none'})", file=sys.stderr)
+          f"{', '.join(vectors) or 'none'}); playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)
 
 

@@ -341,3 +341,23 @@ def test_given_and_default_inputs_share_prefix_entries():
     c = engine.submit(row + a.tokens + [7, 8], 4, inputs={"s_strength": 1.0})
     drive(engine, [c])
     assert c.cached_tokens == 0  # steered keys/values are others
+
+
+def test_a_serving_engine_gives_freed_memory_back_on_its_schedule(monkeypatch):
+    import threading
+    import time
+
+    from kvwire.generate import engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "give_back_freed_memory", lambda: calls.append(time.monotonic()))
+    engine = Engine(tiny("gemma3"), max_batch=2, max_length=40)
+    stop = threading.Event()
+    worker = threading.Thread(target=engine.serve_forever, args=(stop,), kwargs={"trim_every": 0.1}, daemon=True)
+    worker.start()
+    seq = engine.submit([3, 4, 5], 4)  # served while the schedule runs: idle polls and steps alike
+    time.sleep(0.6)
+    stop.set()
+    worker.join(10)
+    assert seq.done and len(seq.tokens) == 4
+    assert 2 <= len(calls) <= 8  # about every 0.1 s of 0.6 s; not every poll (0.05 s, 12) or step

@@ -25,6 +25,7 @@ from collections import Counter, deque
 
 import torch
 
+from ..io.heap import give_back_freed_memory
 from .loop import Stopper, nonfinite_error, penalize
 from .prefix import PrefixStore, copy_positions
 from .samplers import Greedy
@@ -200,12 +201,18 @@ class Engine:
             self.step()
             yield
 
-    def serve_forever(self, stop, poll=0.05):
+    def serve_forever(self, stop, poll=0.05, trim_every=60.0):
         """Step while there is work, until the threading.Event `stop` is set (a server's thread).
 
         A step that raises (a runtime failure, a bug) fails the sequences it was running, with that
-        error, and the engine goes on with the waiting ones: one bad batch never stops a server."""
+        error, and the engine goes on with the waiting ones: one bad batch never stops a server.
+        Every `trim_every` seconds the heap's freed pages go back to the OS (`io/heap.py`): requests
+        of every size free key/value and activation tensors that glibc would otherwise keep."""
+        next_trim = time.monotonic() + trim_every
         while not stop.is_set():
+            if time.monotonic() >= next_trim:
+                give_back_freed_memory()
+                next_trim = time.monotonic() + trim_every
             if self.idle:
                 try:
                     self.waiting.append(self._inbox.get(timeout=poll))  # wait for work without spinning
