@@ -112,6 +112,9 @@ def test_one_fused_call_equals_separate_calls():
         torch.ops.kvwire.ggml_matmul(x, qs[0].blocks, int(qs[1].qtype), 256)  # Q5_0 blocks read as Q4_K
     with pytest.raises(RuntimeError, match=r"expected x of shape \(rows, 256\) float32, got \[3, 128\]"):
         torch.ops.kvwire.ggml_matmul(x[:, :128], qs[0].blocks, int(qs[0].qtype), 256)
+    # a width that is not whole blocks: ggml itself would abort the process
+    with pytest.raises(RuntimeError, match="packs 32 weights a block; in_features = 250 is not a positive multiple"):
+        torch.ops.kvwire.ggml_matmul(x[:, :250].contiguous(), qs[0].blocks, int(qs[0].qtype), 250)
 
 
 def test_a_saved_ggml_linear_runs_in_a_fresh_process(tmp_path):

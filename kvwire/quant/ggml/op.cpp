@@ -15,6 +15,7 @@
 
 extern "C" {
 int kvw_supported(int type);
+int64_t kvw_block_size(int type);
 int64_t kvw_row_bytes(int type, int64_t n);
 int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                 const float *x, int64_t rows, float *const *ys, int threads);
@@ -40,6 +41,9 @@ static std::vector<at::Tensor> ggml_matmuls(const at::Tensor &x, at::TensorList 
         const at::Tensor &w = blocks[i];
         const int type = (int)qtypes[i];
         TORCH_CHECK(kvw_supported(type), "ggml_matmul: ggml has no CPU dot product for type ", type);
+        TORCH_CHECK(in_features > 0 && in_features % kvw_block_size(type) == 0, "ggml_matmul: type ", type,
+                    " packs ", kvw_block_size(type), " weights a block; in_features = ", in_features,
+                    " is not a positive multiple of it");  // ggml aborts the process on such a row
         const int64_t row_bytes = kvw_row_bytes(type, in_features);  // blocks are read unchecked
         TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == row_bytes && w.is_contiguous(),
                     "ggml_matmul: expected contiguous (out, ", row_bytes, ") uint8 blocks for ", in_features,
