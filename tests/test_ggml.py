@@ -117,6 +117,34 @@ def test_one_fused_call_equals_separate_calls():
         torch.ops.kvwire.ggml_matmul(x[:, :250].contiguous(), qs[0].blocks, int(qs[0].qtype), 250)
 
 
+def test_requantize_equals_quantizing_the_dequantized_weight():
+    from kvwire.quant.ggml import GGMLLinear
+
+    g = torch.Generator().manual_seed(4)
+    q = GGMLLinear.quantize(torch.randn(16384 + 7, 64, generator=g), "q8_0")  # more than one chunk
+    r = q.requantize("q5_0")
+    assert r.qtype.name == "Q5_0" and r.blocks.shape[0] == 16384 + 7
+    assert torch.equal(r.blocks, GGMLLinear.quantize(q.dequantize(), "q5_0").blocks)
+    with pytest.raises(ValueError, match="kvwire quantises to q8_0, .*; got iq4_nl"):
+        q.requantize("iq4_nl")
+
+
+def test_a_gguf_head_is_requantized_from_its_blocks_not_the_float_table(tmp_path, monkeypatch):
+    from kvwire.quant.ggml import GGMLLinear
+
+    write_gemma3(tmp_path / "m.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
+    lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
+    expected = GGMLLinear.quantize(lm.head.quantized.dequantize(), "q5_0").blocks
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the head was quantised from its float weight")
+
+    monkeypatch.setattr(GGMLLinear, "quantize", refuse)
+    kw.quantize(lm, "q5_0", layers=False)
+    assert lm.head.quantized.qtype.name == "Q5_0" and torch.equal(lm.head.quantized.blocks, expected)
+    _rollout_equals_cached(lm, torch.tensor([[5, 17, 42, 9]]))
+
+
 def test_a_saved_ggml_linear_runs_in_a_fresh_process(tmp_path):
     import subprocess
     import sys

@@ -14,23 +14,28 @@ _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6
 
 def quantize_ggml(lm, qtype, head=True, layers=True):
     """Quantise every `nn.Linear` of `lm.backbone` (`layers`) and the head (`head`) to a ggml
-    format, in place. The head is quantised from its float weight (the tied embedding table).
+    format, in place. The head is quantised from its float weight (the tied embedding table), or,
+    when it already runs on ggml blocks (a GGUF's own), re-quantised from those blocks.
 
     K-quant formats (q4_k, q6_k, ...) fall back per matrix to a 32-weight format when a row's
     length is not a multiple of 256, as llama.cpp does (q4_k -> q5_0, q6_k -> q8_0)."""
     qtype = qtype_of(qtype)
 
+    def kind(width):
+        return qtype_of(_FALLBACK[qtype.name]) if width % 256 and qtype.name in _FALLBACK else qtype
+
     def make(weight, bias):
-        kind = qtype
-        if weight.shape[1] % 256 and qtype.name in _FALLBACK:
-            kind = qtype_of(_FALLBACK[qtype.name])
-        return GGMLLinear.quantize(weight, kind, bias)
+        return GGMLLinear.quantize(weight, kind(weight.shape[1]), bias)
 
     swaps = linears(lm) if layers else []
     target = quantizable_head(lm) if head else None
     # every weight is quantised before the model changes: a failure leaves it as it was
     new = [make(child.weight, child.bias) for _, _, child in swaps]
-    head_weights = make(lm.head.weight, None) if head else None
+    head_weights = None
+    if head:  # a head already in ggml blocks (a GGUF's own) is re-quantised from them, not the float table
+        old = target.quantized
+        head_weights = old.requantize(kind(old.in_features)) if isinstance(old, GGMLLinear) else \
+            make(lm.head.weight, None)
     for (parent, name, _), module in zip(swaps, new):
         setattr(parent, name, module)
     if head:
