@@ -99,8 +99,6 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
 int kvw_graph_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                       const float *x, int64_t rows, float *const *ys, int threads) {
     enum { MAX_WEIGHTS = 8 };
-    static __thread void *work = NULL;  /* grows to the largest plan seen on this thread */
-    static __thread size_t work_bytes = 0;
     if (count > MAX_WEIGHTS) return -2;
     const size_t nodes = 2 * MAX_WEIGHTS + 2;
     const size_t mem = ggml_tensor_overhead() * nodes + ggml_graph_overhead_custom(nodes, false) + 1024;
@@ -118,17 +116,15 @@ int kvw_graph_matmuls(int count, const int *types, const void *const *ws, const 
         ggml_build_forward_expand(graph, y);
     }
     struct ggml_cplan plan = ggml_graph_plan(graph, threads, NULL);
-    if (plan.work_size > work_bytes) {
-        free(work);
-        work = malloc(plan.work_size);
-        work_bytes = work == NULL ? 0 : plan.work_size;
-        if (work == NULL) {
-            ggml_free(ctx);
-            return -1;
-        }
+    /* the quantised activation rows: a buffer a call, so no thread keeps one after it is gone */
+    void *work = plan.work_size ? malloc(plan.work_size) : NULL;
+    if (plan.work_size && work == NULL) {
+        ggml_free(ctx);
+        return -1;
     }
     plan.work_data = work;
     const enum ggml_status status = ggml_graph_compute(graph, &plan);
+    free(work);
     ggml_free(ctx);
     return status == GGML_STATUS_SUCCESS ? 0 : -3;
 }
@@ -136,7 +132,7 @@ int kvw_graph_matmuls(int count, const int *types, const void *const *ws, const 
 /* The row loop or ggml's graph, whichever is faster for these shapes. Measured on the default model
  * (bench/ggml_matmul.py, 2 threads, AMD EPYC AVX-512): the graph is 1.1-1.8x faster from 3 rows
  * (2-5x at 32-512), the loop up to 1.3x faster at one row; a vocabulary-sized head (262k rows) streams
- * fastest through the loop up to 4 rows (2 rows: 11 vs 21 ms). */
+ * fastest through the loop below 8 rows (2 rows: 9.3 vs 16.8 ms; at 8 a tie). */
 int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                 const float *x, int64_t rows, float *const *ys, int threads) {
     int graph = rows >= 8;
