@@ -132,14 +132,15 @@ int kvw_graph_matmuls(int count, const int *types, const void *const *ws, const 
 /* The row loop or ggml's graph, whichever is faster for these shapes. Measured on the default model
  * (bench/ggml_matmul.py, 2 threads, AMD EPYC AVX-512): the graph is 1.1-1.8x faster from 3 rows
  * (2-5x at 32-512), the loop up to 1.3x faster at one row; a vocabulary-sized head (262k rows) streams
- * fastest through the loop below 8 rows (2 rows: 9.3 vs 16.8 ms; at 8 a tie). */
+ * fastest through the loop below 8 rows (2 rows: 9.3 vs 16.8 ms; at 8 a tie), and so do Q4_1 and
+ * Q5_1, which ggml runs row by row too (3 rows, 1536x1024 Q4_1: 0.135 vs 0.177 ms; at 8 a tie). */
 int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                 const float *x, int64_t rows, float *const *ys, int threads) {
     int graph = rows >= 8;
     if (rows >= 3 && rows < 8) {
         graph = 1;
-        for (int i = 0; i < count; i++)
-            if (outs[i] > 65536) graph = 0;
+        for (int i = 0; i < count; i++)  /* Q4_1 / Q5_1: no tiled kernel, the graph only adds its cost */
+            if (outs[i] > 65536 || types[i] == GGML_TYPE_Q4_1 || types[i] == GGML_TYPE_Q5_1) graph = 0;
     }
     return (graph ? kvw_graph_matmuls : kvw_loop_matmuls)(count, types, ws, outs, n, x, rows, ys, threads);
 }
