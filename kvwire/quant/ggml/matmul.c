@@ -8,7 +8,8 @@
  * (the process's one libgomp: torch's, when torch is loaded first).
  *
  * That loop serves one or two rows (decode); more rows go through ggml's own graph
- * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on (bench/ggml_matmul.py).
+ * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on for most formats
+ * (`kvw_matmuls` chooses; bench/ggml_matmul.py measures).
  *
  * Built by kvwire/quant/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
  */
@@ -40,7 +41,7 @@ int kvw_supported(int type) {
  * partner format, and all the weights' output rows are split across threads in one parallel loop.
  * Returns 0, -1 on no memory, -2 for more than 8 weights. */
 int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
-                const float *x, int64_t rows, float *const *ys, int threads) {
+                     const float *x, int64_t rows, float *const *ys, int threads) {
     enum { MAX_WEIGHTS = 8 };
     const int64_t block = 16; /* output rows a task: a weight row is read once for every activation row */
     if (count > MAX_WEIGHTS) return -2;
