@@ -2,8 +2,9 @@
 
 The weights a GGUF file ships are used as they are, with no re-quantisation and so no further
 loss: ggml's own kernels run on the blocks (`lib.py`, `matmul.c`), with activations quantised per
-row to ggml's partner format (8-bit) as llama.cpp does. One or two rows (decode) run a dot product
-per weight row; more rows run ggml's own matrix product, tiled as llama.cpp's is. The formats ggml
+row to ggml's partner format (8-bit) as llama.cpp does. One or two rows (decode; up to seven for a
+vocabulary-sized head and for Q4_1 / Q5_1) run a dot product per weight row; more rows run ggml's
+own matrix product, tiled as llama.cpp's is (`matmul.c`'s `kvw_matmuls` chooses). The formats ggml
 has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's float32 GEMM
 beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
 """
