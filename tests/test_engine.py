@@ -1,5 +1,7 @@
 """The engine: rows joining and leaving a running batch (per-row cache index), per-row seeds and
 steering, prefix reuse, cancellation and failing rows. Reference: single runs of `generate`."""
+import random
+
 import pytest
 import torch
 
@@ -161,7 +163,7 @@ def test_prefix_store_keeps_its_budget_and_respects_inputs():
     cache = lm.cached.init_cache(1, 32)
     lm.cached(torch.tensor([row]), torch.arange(20)[None], 0, torch.ones(1, 32, dtype=torch.bool), cache)
     per_token = sum(k[0, :, :1].numel() * 4 * 2 for k, _ in cache)
-    store = PrefixStore(max_bytes=per_token * 30, min_tokens=4)
+    store = PrefixStore(max_bytes=per_token * 30, min_tokens=4, page_tokens=5)
     store.store(cache, 0, 0, row, ())
     store.store(cache, 0, 0, row[:15], (("steer_strength", 1.0),))
     assert len(store) == 1 and store.nbytes == per_token * 15  # the first was evicted for the second
@@ -169,6 +171,8 @@ def test_prefix_store_keeps_its_budget_and_respects_inputs():
     assert store.lookup(row + [1], (), slots) == (None, 0)  # other inputs: not reused
     entry, c = store.lookup(row + [1], (("steer_strength", 1.0),), slots)
     assert c == 15 and entry.tokens == tuple(row[:15])
+    store.store(cache, 0, 0, row[:11], ())  # 11 positions take 3 pages of 5: 15 positions' bytes
+    assert len(store) == 2 and store.nbytes == per_token * 30
 
 
 def test_per_request_steering_shares_the_batch():
@@ -279,6 +283,42 @@ def test_a_server_thread_serves_submissions_from_other_threads_and_survives_a_fa
         stop.set()
         worker.join(10)
     assert not worker.is_alive()
+
+
+def test_prefix_pages_are_reused_and_never_shared():
+    """Entries of random lengths stored and evicted through a small budget: every surviving entry
+    restores exactly the keys/values it was stored from (no page given to two entries), the pages
+    in use add up to the store's bytes, and the buffers are the ones allocated at the first store."""
+    lm = tiny("gemma3")  # full and ring layers: entries keep different positions per layer
+    rng = random.Random(0)
+    store = PrefixStore(max_bytes=200_000, min_tokens=1, page_tokens=4)
+    caches, buffers = {}, None
+    for i in range(40):
+        n = rng.randint(1, 40)
+        row = [rng.randrange(3, 96) for _ in range(n)]
+        cache = lm.cached.init_cache(1, 48)
+        lm.cached(torch.tensor([row]), torch.arange(n)[None], 0, torch.ones(1, 48, dtype=torch.bool), cache)
+        store.store(cache, 0, 0, row, (("i", i),))
+        caches[(tuple(row), (("i", i),))] = (n, cache)
+        if buffers is None:
+            buffers = {key: pool.keys.data_ptr() for key, pool in store.pools.items()}
+        for (tokens, inputs), entry in store.entries.items():
+            m, original = caches[(tokens, inputs)]
+            out = lm.cached.init_cache(1, 48)
+            store.restore(entry, m, out, 0, 0)
+            for (first, _, _), (k, v), (k2, v2) in zip(entry.layers, original, out):
+                S = k.shape[2]
+                slots = (torch.arange(first, m)) % S
+                assert torch.equal(k2[0][:, slots], k[0][:, slots]) and torch.equal(v2[0][:, slots], v[0][:, slots])
+        held = sum(len(pages) * pool.page_bytes for e in store.entries.values() for _, pool, pages in e.layers)
+        assert held == store.nbytes <= 200_000
+        used = [(id(pool), p) for e in store.entries.values() for _, pool, pages in e.layers for p in pages.tolist()]
+        assert len(used) == len(set(used))
+        assert {key: pool.keys.data_ptr() for key, pool in store.pools.items()} == buffers
+    assert len(store) < 40  # the budget evicted some
+    free = sum(len(pool.free) for pool in store.pools.values())
+    capacity = sum(pool.keys.shape[0] // 4 for pool in store.pools.values())
+    assert free + len(used) == capacity
 
 
 def test_a_longer_turn_replaces_the_stored_turns_it_extends():

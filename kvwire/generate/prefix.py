@@ -11,7 +11,11 @@ The prefix store keeps recent sequences' keys/values so that a prompt starting w
 so the keys/values of positions < c depend only on the first c tokens: any common prefix of a
 stored sequence can be reused from a full layer. A ring keeps only its last S positions, so from
 a model with sliding layers a stored sequence is reused only where those positions suffice.
+Stored keys/values live in pages of buffers allocated once (vLLM's block idea, for the store
+only): a long-running server then holds constant memory instead of a heap fragmenting under
+entries of every length.
 """
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,21 +39,51 @@ def copy_positions(src, src_row, src_pad, dst, dst_row, dst_pad, start, stop):
 
 @dataclass
 class Prefix:
-    """A stored sequence: its tokens, the runtime inputs it ran with, and per layer the keys and
-    values (kv_heads, n, head_dim) of its last n positions (n = all of them for a full layer)."""
+    """A stored sequence: its tokens, the runtime inputs it ran with, and per layer where the
+    keys/values of its last n positions (n = all of them for a full layer) live in the store's
+    pages: (first position, pool, page ids), position `first + j` at row j of those pages."""
 
     tokens: tuple
     inputs: tuple
-    layers: list  # [(first position, keys, values)]
+    layers: list  # [(first position, _Pool, page ids: int64 tensor)]
 
     @property
     def nbytes(self):
-        return sum(k.numel() * k.element_size() * 2 for _, k, _ in self.layers)
+        """Bytes of the pages it holds (its last page may be partly used)."""
+        return sum(len(pages) * pool.page_bytes for _, pool, pages in self.layers)
 
     def usable(self, c, slots):
         """Whether its first c positions can fill a cache with these layer `slots` (a ring of S
         slots needs positions [c - S, c), which a stored ring may have dropped)."""
         return c <= len(self.tokens) and all(first <= max(0, c - S) for (first, _, _), S in zip(self.layers, slots))
+
+
+class _Pool:
+    """Pages of `page_tokens` positions for the layers of one layout (kv_heads, head_dim, dtype,
+    device): keys and values as (capacity * page_tokens, kv_heads, head_dim) rows, one buffer each,
+    allocated once. Pages are handed out lowest id first, so the memory an operating system backs
+    (CPU memory is touched lazily) is the most ever held at once, never more than the budget."""
+
+    def __init__(self, like, capacity, page_tokens):
+        _, kv_heads, _, head_dim = like.shape
+        self.page_tokens = page_tokens
+        self.keys = torch.empty(capacity * page_tokens, kv_heads, head_dim, dtype=like.dtype, device=like.device)
+        self.values = torch.empty_like(self.keys)
+        self.page_bytes = 2 * page_tokens * kv_heads * head_dim * like.element_size()
+        self.free = list(range(capacity))  # a heap: the lowest free id first
+        heapq.heapify(self.free)
+
+    def take(self, n):
+        return torch.tensor([heapq.heappop(self.free) for _ in range(n)], dtype=torch.long)
+
+    def give(self, pages):
+        for p in pages.tolist():
+            heapq.heappush(self.free, p)
+
+    def rows(self, pages, start, stop):
+        """Buffer rows of positions [start, stop) counted from the first position of `pages`."""
+        j = torch.arange(start, stop)
+        return (pages[j // self.page_tokens] * self.page_tokens + j % self.page_tokens).to(self.keys.device)
 
 
 class PrefixStore:
@@ -59,6 +93,11 @@ class PrefixStore:
         max_bytes: memory budget; storing past it evicts the least recently used entries first
             (an entry larger than the budget is not stored).
         min_tokens: shorter common prefixes are not worth a lookup's copy and are ignored.
+        page_tokens: positions a page holds. Entries live in fixed-size pages of buffers allocated
+            once (per layer layout, on the first store), not in tensors of their own: a server that
+            stores and evicts sequences of every length all day then holds a constant amount of
+            memory, where separate tensors would leave the heap ever more fragmented. On CPU the
+            buffers' memory is backed only once used; on an accelerator the budget is allocated up front.
 
     Entries are keyed by tokens and by the runtime inputs (steering strengths) they ran with:
     keys/values of a steered prompt are not those of an unsteered one. Reuse gives the same
@@ -70,11 +109,14 @@ class PrefixStore:
         >>> engine = kw.Engine(lm, prefix_store=store)   # its finished rows are kept; a prompt extending one reuses it
     """
 
-    def __init__(self, max_bytes=512 << 20, min_tokens=16):
+    def __init__(self, max_bytes=512 << 20, min_tokens=16, page_tokens=16):
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes, self.min_tokens = max_bytes, min_tokens
+        if not isinstance(page_tokens, int) or page_tokens < 1:
+            raise ValueError(f"page_tokens must be an int >= 1, got {page_tokens!r}")
+        self.max_bytes, self.min_tokens, self.page_tokens = max_bytes, min_tokens, page_tokens
         self.entries = OrderedDict()  # (tokens, inputs) -> Prefix, least recently used first
+        self.pools = {}  # (kv_heads, head_dim, dtype, device) -> _Pool
         self.nbytes = 0
         self.hits = self.lookups = 0
 
@@ -82,7 +124,9 @@ class PrefixStore:
         return len(self.entries)
 
     def clear(self):
+        """Forget every entry and free the pages' buffers (the next store allocates them again)."""
         self.entries.clear()
+        self.pools.clear()
         self.nbytes = 0
 
     def store(self, cache, row, pad, tokens, inputs):
@@ -91,22 +135,40 @@ class PrefixStore:
         tokens, n = tuple(tokens), len(tokens)
         if n < self.min_tokens or (tokens, inputs) in self.entries:
             return
-        layers = []
-        for k, v in cache:
-            S = k.shape[2]
-            first = max(0, n - S)
-            slots = (torch.arange(first, n, device=k.device) + pad) % S
-            layers.append((first, k[row].index_select(1, slots), v[row].index_select(1, slots)))
-        entry = Prefix(tokens, inputs, layers)
         for key in [k for k in self.entries if k[1] == inputs and tokens[:len(k[0])] == k[0]]:
-            self.nbytes -= self.entries.pop(key).nbytes  # a conversation's earlier turns: covered now
-        if entry.nbytes > self.max_bytes:
+            self._drop(key)  # a conversation's earlier turns: covered now
+        pools = [self._pool(k) for k, _ in cache]
+        firsts = [max(0, n - k.shape[2]) for k, _ in cache]
+        counts = [-(-(n - first) // self.page_tokens) for first in firsts]
+        need = sum(c * pool.page_bytes for c, pool in zip(counts, pools))
+        if need > self.max_bytes:
             return
-        self.entries[(tokens, inputs)] = entry
-        self.nbytes += entry.nbytes
-        while self.nbytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+        while self.nbytes + need > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+        layers = []
+        for (k, v), pool, first, count in zip(cache, pools, firsts, counts):
+            S, pages = k.shape[2], pool.take(count)
+            slots = (torch.arange(first, n, device=k.device) + pad) % S
+            rows = pool.rows(pages, 0, n - first)
+            pool.keys.index_copy_(0, rows, k[row].index_select(1, slots).transpose(0, 1).to(pool.keys.device))
+            pool.values.index_copy_(0, rows, v[row].index_select(1, slots).transpose(0, 1).to(pool.keys.device))
+            layers.append((first, pool, pages))
+        self.entries[(tokens, inputs)] = Prefix(tokens, inputs, layers)
+        self.nbytes += need
+
+    def _pool(self, k):
+        """The pool of layers shaped like cache keys `k` (batch, kv_heads, slots, head_dim), made on first use."""
+        key = (k.shape[1], k.shape[3], k.dtype, k.device)
+        if key not in self.pools:
+            page_bytes = 2 * self.page_tokens * k.shape[1] * k.shape[3] * k.element_size()
+            self.pools[key] = _Pool(k, self.max_bytes // page_bytes, self.page_tokens)
+        return self.pools[key]
+
+    def _drop(self, key):
+        entry = self.entries.pop(key)
+        for _, pool, pages in entry.layers:
+            pool.give(pages)
+        self.nbytes -= entry.nbytes
 
     def lookup(self, tokens, inputs, slots):
         """The longest usable stored prefix of `tokens` (leaving at least the last token to run)
@@ -126,14 +188,15 @@ class PrefixStore:
 
     def restore(self, entry, c, cache, row, pad):
         """Write the entry's first c positions into `row` of `cache` (first real token at `pad`)."""
-        for (first, k, v), (kd, vd) in zip(entry.layers, cache):
+        for (first, pool, pages), (kd, vd) in zip(entry.layers, cache):
             S = kd.shape[2]
             lo = max(first, c - S)
             if lo >= c:
                 continue
-            slots = ((torch.arange(lo, c, device=k.device) + pad) % S).to(kd.device)
-            kd[row].index_copy_(1, slots, k[:, lo - first:c - first].to(kd.device))
-            vd[row].index_copy_(1, slots, v[:, lo - first:c - first].to(vd.device))
+            slots = ((torch.arange(lo, c, device=kd.device) + pad) % S)
+            rows = pool.rows(pages, lo - first, c - first)
+            kd[row].index_copy_(1, slots, pool.keys.index_select(0, rows).transpose(0, 1).to(kd.device))
+            vd[row].index_copy_(1, slots, pool.values.index_select(0, rows).transpose(0, 1).to(vd.device))
 
 
 def _common(a, b, limit):
