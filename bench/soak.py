@@ -15,8 +15,8 @@ the client drops after a few events; and bad requests, which must get a 4xx in O
 shape. Every answer is checked (status, shape, finish reasons, token counts, non-empty text where
 a completion ran to its length, no stop string in the text) and failures are counted by kind.
 
-Every 30 s it prints the server's RSS (/proc/PID/status VmRSS), requests done and tokens/s over the
-interval; at the end the RSS at minute ~2 (after warm-up) against the end and the max, growth per
+Every 30 s it prints the server's RSS (/proc/PID/status VmRSS, and RssAnon: its own allocations
+without mapped files), requests done and tokens/s over the interval; at the end the RSS at minute ~2 (after warm-up) against the end and the max, growth per
 10 minutes, and a verdict: "steady" when the growth from warm-up to the end is below 5 % of the
 warm-up RSS or 50 MB, whichever is larger, else "GROWING". After the load stops, /health must show
 no sequence running or waiting (a dropped stream that kept its slot would). The exit status is 1
@@ -289,12 +289,14 @@ def client_loop(url, seed, deadline, stop, stats, max_length):
                 stats.error(kind, type(e).__name__, repr(e))
 
 
-def rss_mb(pid):
+def rss_mb(pid, field="VmRSS"):
+    """A process's resident memory in MB: VmRSS (all of it), or RssAnon (its own allocations: a
+    leak shows here) / RssFile (mapped files: the weights cache, libraries' code as it is first run)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    raise RuntimeError(f"no {field} for process {pid}")
 
 
 def make_vector(model, path, seed):
@@ -369,7 +371,8 @@ def monitor(proc, url, stats, start, deadline, curve):
     """Every EVERY_S seconds, one line: minute, server RSS, requests done, tokens/s, errors, queue.
     Returns False when the server died."""
     last_t, last_tokens = start, 0
-    print(f"{'minute':>7}{'RSS MB':>9}{'requests':>10}{'tokens/s':>10}{'errors':>8}{'running':>9}{'waiting':>9}", flush=True)
+    print(f"{'minute':>7}{'RSS MB':>9}{'anon MB':>9}{'requests':>10}{'tokens/s':>10}{'errors':>8}{'running':>9}"
+          f"{'waiting':>9}", flush=True)
     while True:
         wake = min(last_t + EVERY_S, deadline)
         while time.time() < wake:
@@ -377,13 +380,13 @@ def monitor(proc, url, stats, start, deadline, curve):
                 return False
             time.sleep(min(1.0, max(0.0, wake - time.time())))
         now = time.time()
-        rss, h = rss_mb(proc.pid), health(url)
+        rss, anon, h = rss_mb(proc.pid), rss_mb(proc.pid, "RssAnon"), health(url)
         with stats.lock:
             requests, tokens, errors = stats.requests, stats.tokens, sum(stats.errors.values())
         rate = (tokens - last_tokens) / max(1e-9, now - last_t)
         minute = (now - start) / 60
         curve.append((minute, rss))
-        print(f"{minute:7.1f}{rss:9.1f}{requests:10d}{rate:10.1f}{errors:8d}{h.get('running', '-'):>9}"
+        print(f"{minute:7.1f}{rss:9.1f}{anon:9.1f}{requests:10d}{rate:10.1f}{errors:8d}{h.get('running', '-'):>9}"
               f"{h.get('waiting', '-'):>9}", flush=True)
         last_t, last_tokens = now, tokens
         if now >= deadline:
