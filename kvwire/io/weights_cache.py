@@ -18,12 +18,12 @@ def cache_root():
 def entry_for(path):
     """The cache folder of a GGUF file (it may not exist yet)."""
     st = Path(path).stat()
-    key = json.dumps([str(Path(path).resolve()), st.st_size, st.st_mtime_ns, FORMAT, _sample_digest(path, st.st_size)])
+    key = json.dumps([str(Path(path).resolve()), st.st_size, st.st_mtime_ns, FORMAT, sample_digest(path, st.st_size)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / f"{Path(path).stem}-{digest}"
 
 
-def _sample_digest(path, size):
+def sample_digest(path, size):
     """sha256 of the first 16 MiB and the last 1 MiB (~10 ms): every byte of a small file."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
