@@ -215,3 +215,46 @@ def test_a_tensor_type_rewritten_in_the_padding_slack_is_caught(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="the padding after tensor 'blk.0.attn_q_norm.weight' .* is not zero"):
         kw.load(tmp_path / "bad.gguf", progress=False)
+
+
+def test_long_string_arrays_read_lazily_equal_the_gguf_package(tmp_path):
+    """Arrays of >= 1024 strings are walked at open and decoded when read (`Strings`): the values
+    are gguf's own, bad UTF-8 is replaced as before, and a file cut anywhere inside the array is
+    the same clear error as for a short one."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from kvwire.io.gguf import GGUFFile
+    from kvwire.io.gguf_header import LAZY_STRINGS, GGUFError, Strings
+
+    rng = np.random.default_rng(0)
+    words = ["".join(chr(c) for c in rng.integers(32, 0x3000, size=rng.integers(1, 9))) for _ in range(3000)]
+    path = tmp_path / "strings.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("test.words", words)
+    w.add_array("test.short", words[:LAZY_STRINGS - 1])
+    w.add_tensor("t", np.zeros(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    lazy, short = f.field("test.words"), f.field("test.short")
+    assert isinstance(lazy, Strings) and type(short) is list
+    reader = GGUFReader(str(path))
+    theirs = [str(bytes(reader.fields["test.words"].parts[i]), "utf-8") for i in reader.fields["test.words"].data]
+    assert list(lazy) == theirs == words and lazy == words and len(lazy) == 3000
+    assert lazy[-1] == words[-1] and lazy[5:8] == words[5:8]
+    with pytest.raises(IndexError):
+        lazy[3000]
+    data = bytearray(path.read_bytes())
+    where = data.index(b"".join(len(x.encode()).to_bytes(8, "little") + x.encode() for x in words[1499:1501])) + 8
+    where += len(words[1499].encode()) + 8  # the first byte of words[1500]
+    data[where:where + 1] = b"\xff"  # invalid UTF-8 inside one word: replaced, as short arrays are
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    bad = GGUFFile(tmp_path / "bad.gguf").field("test.words")
+    assert "\ufffd" in bad[1500] and bad[1499] == words[1499] and bad[1501] == words[1501]
+    for cut in (where - 3, where, where + 5):
+        (tmp_path / "cut.gguf").write_bytes(bytes(data[:cut]))
+        with pytest.raises(GGUFError, match=r"the value of 'test.words' needs \d+ bytes at offset \d+, but the file "
+                                            rf"ends at {cut} \(truncated\?\)"):
+            GGUFFile(tmp_path / "cut.gguf")

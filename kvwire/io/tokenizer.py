@@ -6,6 +6,7 @@ from tokenizers import Tokenizer as Backend
 
 from .chat_template import (ChatTemplate, template_end_of_turn_ids, template_from_gguf, template_from_hf_folder,
                             token_strings)
+from .gguf_header import Strings
 from .tokenizer_gguf import PRE_TOKENIZER_SPLITS, add_special_tokens, byte_level_bpe, sentencepiece_bpe
 
 # deriving sentencepiece merges costs the sum of squared token lengths: Gemma 3's 262k tokens sum
@@ -163,7 +164,11 @@ def read_json(path):
 def tokenizer_from_gguf(gguf):
     """Build the tokenizer a GGUF file describes (`tokenizer.ggml.*` metadata), every field checked
     first: errors name the file and the key."""
-    path, field = gguf.path, gguf.field
+    path = gguf.path
+
+    def field(key, default=None):  # long string arrays are read lazily (`Strings`): all are needed here
+        value = gguf.field(key, default)
+        return list(value) if isinstance(value, Strings) else value
     kind = field("tokenizer.ggml.model")
     tokens = field("tokenizer.ggml.tokens")
     if tokens is None:
