@@ -321,6 +321,40 @@ def test_prefix_pages_are_reused_and_never_shared():
     assert free + len(used) == capacity
 
 
+def test_a_failed_store_keeps_its_pages_and_an_evicted_entry_is_not_restored():
+    lm = tiny("llama")
+    row = prompts(1, seed=6, low=20, high=21)[0]
+    cache = lm.cached.init_cache(1, 32)
+    lm.cached(torch.tensor([row]), torch.arange(20)[None], 0, torch.ones(1, 32, dtype=torch.bool), cache)
+    per_token = sum(k[0, :, :1].numel() * 4 * 2 for k, _ in cache)
+    store = PrefixStore(max_bytes=per_token * 20, min_tokens=4, page_tokens=4)
+    store.store(cache, 0, 0, row[:8], ())
+    entry, _ = store.lookup(row[:8] + [1], (), [32] * len(cache))
+    free = [len(p.free) for p in store.pools.values()]
+    broken = list(cache)
+    broken[-1] = (cache[-1][0], cache[-1][1][..., :-1])  # the last layer's values lack a column
+    with pytest.raises(RuntimeError):
+        store.store(broken, 0, 0, row[:12], (("other", 1),))
+    assert [len(p.free) for p in store.pools.values()] == free and len(store) == 1
+    store.store(cache, 0, 0, row[:16], (("other", 1),))  # evicts the first entry for room
+    assert len(store) == 1 and not entry.alive
+    with pytest.raises(RuntimeError, match="was evicted"):
+        store.restore(entry, 8, lm.cached.init_cache(1, 32), 0, 0)
+
+
+def test_a_store_that_cannot_allocate_its_buffer_serves_on_without_reuse():
+    lm = tiny("llama")
+    store = PrefixStore(max_bytes=1 << 62, min_tokens=4)  # no machine backs 4 EiB
+    engine = Engine(lm, max_batch=1, max_length=32, prefix_store=store)
+    row = prompts(1, seed=7, low=10, high=11)[0]
+    with pytest.warns(RuntimeWarning, match="could not allocate"):
+        a = engine.submit(row, 4)
+        drive(engine, [a])
+    b = engine.submit(row + a.tokens + [5], 4)
+    drive(engine, [b])
+    assert len(store) == 0 and b.cached_tokens == 0 and b.tokens == single(lm, row + a.tokens + [5], 4)[0]
+
+
 def test_a_longer_turn_replaces_the_stored_turns_it_extends():
     lm = tiny("llama")
     row = prompts(1, seed=10, low=20, high=21)[0]

