@@ -20,6 +20,15 @@ def tiny(family, seed=0):
     return kw.from_hf(FAMILIES[family](seed=seed))
 
 
+def filled_cache(lm, row, length):
+    """A one-row cache of `length` slots holding the keys/values of `row`; (cache, bytes a
+    token's keys and values take over all layers, float32)."""
+    cache = lm.cached.init_cache(1, length)
+    n = len(row)
+    lm.cached(torch.tensor([row]), torch.arange(n)[None], 0, torch.ones(1, length, dtype=torch.bool), cache)
+    return cache, sum(k[0, :, :1].numel() * 4 * 2 for k, _ in cache)
+
+
 def prompts(n, seed=0, low=3, high=14):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 96, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
@@ -160,9 +169,7 @@ def test_prefix_reuse_equals_a_full_prefill(family):
 def test_prefix_store_keeps_its_budget_and_respects_inputs():
     lm = tiny("llama")
     row = prompts(1, seed=5, low=20, high=21)[0]
-    cache = lm.cached.init_cache(1, 32)
-    lm.cached(torch.tensor([row]), torch.arange(20)[None], 0, torch.ones(1, 32, dtype=torch.bool), cache)
-    per_token = sum(k[0, :, :1].numel() * 4 * 2 for k, _ in cache)
+    cache, per_token = filled_cache(lm, row, 32)
     store = PrefixStore(max_bytes=per_token * 30, min_tokens=4, page_tokens=5)
     store.store(cache, 0, 0, row, ())
     store.store(cache, 0, 0, row[:15], (("steer_strength", 1.0),))
@@ -296,8 +303,7 @@ def test_prefix_pages_are_reused_and_never_shared():
     for i in range(40):
         n = rng.randint(1, 40)
         row = [rng.randrange(3, 96) for _ in range(n)]
-        cache = lm.cached.init_cache(1, 48)
-        lm.cached(torch.tensor([row]), torch.arange(n)[None], 0, torch.ones(1, 48, dtype=torch.bool), cache)
+        cache, _ = filled_cache(lm, row, 48)
         store.store(cache, 0, 0, row, (("i", i),))
         caches[(tuple(row), (("i", i),))] = (n, cache)
         if buffers is None:
@@ -324,9 +330,7 @@ def test_prefix_pages_are_reused_and_never_shared():
 def test_a_failed_store_keeps_its_pages_and_an_evicted_entry_is_not_restored():
     lm = tiny("llama")
     row = prompts(1, seed=6, low=20, high=21)[0]
-    cache = lm.cached.init_cache(1, 32)
-    lm.cached(torch.tensor([row]), torch.arange(20)[None], 0, torch.ones(1, 32, dtype=torch.bool), cache)
-    per_token = sum(k[0, :, :1].numel() * 4 * 2 for k, _ in cache)
+    cache, per_token = filled_cache(lm, row, 32)
     store = PrefixStore(max_bytes=per_token * 20, min_tokens=4, page_tokens=4)
     store.store(cache, 0, 0, row[:8], ())
     entry, _ = store.lookup(row[:8] + [1], (), [32] * len(cache))
@@ -358,8 +362,7 @@ def test_a_store_that_cannot_allocate_its_buffer_serves_on_without_reuse():
 def test_a_longer_turn_replaces_the_stored_turns_it_extends():
     lm = tiny("llama")
     row = prompts(1, seed=10, low=20, high=21)[0]
-    cache = lm.cached.init_cache(1, 32)
-    lm.cached(torch.tensor([row]), torch.arange(20)[None], 0, torch.ones(1, 32, dtype=torch.bool), cache)
+    cache, _ = filled_cache(lm, row, 32)
     store = PrefixStore(min_tokens=4)
     store.store(cache, 0, 0, row[:10], ())
     store.store(cache, 0, 0, row[:5] + [1, 2], ())  # another branch: kept
