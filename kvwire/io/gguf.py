@@ -42,6 +42,8 @@ class GGUFFile:
         return self.metadata.get("general.architecture")
 
     def field(self, name, default=None):
+        """A metadata value; arrays of 1024 or more strings (a vocabulary) come as a read-only
+        `gguf_header.Strings` sequence that decodes an item when it is read (`list()` it for all)."""
         return self.metadata.get(name, default)
 
     @property
