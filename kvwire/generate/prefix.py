@@ -63,17 +63,18 @@ class Prefix:
 class _Pool:
     """Pages of `page_tokens` positions for the layers of one layout (kv_heads, head_dim, dtype,
     device): keys and values as (capacity * page_tokens, kv_heads, head_dim) rows, one buffer each,
-    allocated once, able to hold the whole budget. Pages are handed out lowest id first, so the CPU
+    allocated once, with as many pages as the whole `budget` (bytes) holds. Pages are handed out lowest id first, so the CPU
     memory backed (touched lazily) is the most this pool ever held at once: at most the budget for
     a model whose layers share one layout (every family kvwire has); each further layout (an
     edited-in cache of another shape) has a pool of its own."""
 
-    def __init__(self, like, capacity, page_tokens):
+    def __init__(self, like, budget, page_tokens):
         _, kv_heads, _, head_dim = like.shape
         self.page_tokens = page_tokens
+        self.page_bytes = 2 * page_tokens * kv_heads * head_dim * like.element_size()
+        capacity = budget // self.page_bytes
         self.keys = torch.empty(capacity * page_tokens, kv_heads, head_dim, dtype=like.dtype, device=like.device)
         self.values = torch.empty_like(self.keys)
-        self.page_bytes = 2 * page_tokens * kv_heads * head_dim * like.element_size()
         self.free = list(range(capacity))  # a heap: the lowest free id first
         heapq.heapify(self.free)
 
@@ -179,8 +180,7 @@ class PrefixStore:
         """The pool of layers shaped like cache keys `k` (batch, kv_heads, slots, head_dim), made on first use."""
         key = (k.shape[1], k.shape[3], k.dtype, k.device)
         if key not in self.pools:
-            page_bytes = 2 * self.page_tokens * k.shape[1] * k.shape[3] * k.element_size()
-            self.pools[key] = _Pool(k, self.max_bytes // page_bytes, self.page_tokens)
+            self.pools[key] = _Pool(k, self.max_bytes, self.page_tokens)
         return self.pools[key]
 
     def _drop(self, key):
