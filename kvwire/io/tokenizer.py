@@ -1,5 +1,6 @@
 """Tokenizers built with Hugging Face's `tokenizers` library: from tokenizer.json or GGUF metadata."""
 import json
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer as Backend
@@ -13,6 +14,9 @@ from .tokenizer_gguf import PRE_TOKENIZER_SPLITS, add_special_tokens, byte_level
 # to 1.1e7 (~2 s); a hostile vocabulary of long tokens must not take hours
 _MERGE_WORK = 5e7
 CHAT_FILE = "kvwire_chat.json"  # what `save` writes beside the tokenizer: template, token strings
+# beside a tokenizer.json `save` wrote with merges in their shorter form; its absence (a folder saved by
+# kvwire before it) makes `load` rewrite the file once
+COMPACT_MARK = "kvwire_merges_compact"
 
 
 class Tokenizer:
@@ -101,7 +105,8 @@ class Tokenizer:
 
     def save(self, folder):
         folder = Path(folder)
-        self.backend.save(str(folder / "tokenizer.json"))
+        write_backend(self.backend, folder / "tokenizer.json")
+        (folder / COMPACT_MARK).write_text("1")
         meta = {"bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids), "add_bos": self.add_bos}
         (folder / "kvwire_tokenizer.json").write_text(json.dumps(meta))
         # a file of its own, so kvwire versions from before chat templates still read the folder
@@ -118,11 +123,39 @@ class Tokenizer:
         chat = json.loads(chat_path.read_text()) if chat_path.is_file() else {}
         source = chat.pop("chat_template", None)
         template = None if source is None else ChatTemplate(source, f"{chat_path}: chat_template")
-        return cls(Backend.from_file(str(folder / "tokenizer.json")), chat_template=template, **meta, **chat)
+        backend = Backend.from_file(str(folder / "tokenizer.json"))
+        if not (folder / COMPACT_MARK).is_file():
+            try:  # once: later loads parse the shorter form
+                write_backend(backend, folder / "tokenizer.json")
+                (folder / COMPACT_MARK).write_text("1")
+            except OSError:  # a read-only folder: the file still loads as it is
+                pass
+        return cls(backend, chat_template=template, **meta, **chat)
 
     @classmethod
     def from_file(cls, path, **kwargs):
         return cls(Backend.from_file(str(path)), **kwargs)
+
+
+def write_backend(backend, path):
+    """Write a `tokenizers.Tokenizer` as JSON with its BPE merges as "left right" strings, the
+    form every `tokenizers` version reads, when no merge holds a space (else as pairs, the form
+    `backend.save` writes). Gemma 3's 514,906 merges parse faster so: `Tokenizer.from_file` 0.75 s
+    against 0.96 s as pairs (medians of 6, interleaved). Written to a temporary file, then moved
+    over `path`, so a process loading it meanwhile reads the old file or the new one whole.
+    """
+    data = json.loads(backend.to_str())
+    model = data.get("model") or {}
+    merges = model.get("merges")
+    if merges and all(isinstance(m, list) and " " not in m[0] and " " not in m[1] for m in merges):
+        model["merges"] = [f"{left} {right}" for left, right in merges]
+    path = Path(path)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def eos_list(value):
