@@ -359,6 +359,29 @@ def test_a_store_that_cannot_allocate_its_buffer_serves_on_without_reuse():
     assert len(store) == 0 and b.cached_tokens == 0 and b.tokens == single(lm, row + a.tokens + [5], 4)[0]
 
 
+def test_a_store_that_raises_ends_reuse_not_the_sequence(monkeypatch):
+    lm = tiny("llama")
+    store = PrefixStore(max_bytes=1 << 24, min_tokens=4)
+    engine = Engine(lm, max_batch=2, max_length=32, prefix_store=store)
+    row = prompts(1, seed=8, low=10, high=11)[0]
+    a = engine.submit(row, 4)
+    drive(engine, [a])
+    assert len(store) == 1
+
+    def broken(*args):
+        raise ValueError("a bug in the store")
+    monkeypatch.setattr(store, "store", broken)
+    b, c = engine.submit(row + [3, 4], 4), engine.submit(prompts(1, seed=9)[0], 3)
+    with pytest.warns(RuntimeWarning, match="failed to store a sequence .ValueError: a bug in the store"):
+        drive(engine, [b, c])
+    assert b.error is None and b.tokens == single(lm, row + [3, 4], 4)[0]
+    assert c.error is None and c.tokens == single(lm, c.prompt, 3)[0]
+    assert engine.prefix_store is None and len(store) == 0
+    d = engine.submit(row + a.tokens + [5], 4)  # served without the store
+    drive(engine, [d])
+    assert d.cached_tokens == 0 and d.tokens == single(lm, row + a.tokens + [5], 4)[0]
+
+
 def test_a_longer_turn_replaces_the_stored_turns_it_extends():
     lm = tiny("llama")
     row = prompts(1, seed=10, low=20, high=21)[0]

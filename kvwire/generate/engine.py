@@ -21,6 +21,7 @@ graph on the one-index path `torch.compile`d decode steps were built for.
 import itertools
 import queue
 import time
+import warnings
 from collections import Counter, deque
 
 import torch
@@ -478,7 +479,15 @@ class Engine:
         its keys/values for reuse, free its row, finish it."""
         store = self.prefix_store
         if store is not None and seq.reuse_prefix and self.per_row and seq.row is not None:
-            store.store(self.cache, seq.row, self.pads[seq.row], seq.prompt + seq.tokens[:fed], seq.inputs_key)
+            try:
+                store.store(self.cache, seq.row, self.pads[seq.row], seq.prompt + seq.tokens[:fed], seq.inputs_key)
+            except Exception as e:  # noqa: BLE001 - storing is an optimisation: the sequence is done
+                # a store that failed where it should not have may hold anything: stop using it,
+                # so no later prompt is restored from it
+                warnings.warn(f"the prefix store failed to store a sequence ({type(e).__name__}: {e}); "
+                              f"this engine no longer reuses prefixes", RuntimeWarning, stacklevel=2)
+                self.prefix_store = None
+                store.clear()
         self._release(seq)
         self._finish(seq, reason)
 
