@@ -16,8 +16,9 @@ shape. Every answer is checked (status, shape, finish reasons, token counts, non
 a completion ran to its length, no stop string in the text) and failures are counted by kind.
 
 Every 30 s it prints the server's RSS (/proc/PID/status VmRSS, and RssAnon: its own allocations
-without mapped files), requests done and tokens/s over the interval; at the end the RSS at minute ~2 (after warm-up) against the end and the max, growth per
-10 minutes, and a verdict: "steady" when the growth from warm-up to the end is below 5 % of the
+without mapped files), requests done and tokens/s over the interval; at the end the RSS after
+warm-up (the first sample past minute 2 and 100 requests, at most half-way) against the end and
+the max, growth per 10 minutes, and a verdict: "steady" when the growth from warm-up to the end is below 5 % of the
 warm-up RSS or 50 MB, whichever is larger, else "GROWING". After the load stops, /health must show
 no sequence running or waiting (a dropped stream that kept its slot would). The exit status is 1
 when the server died (how: signal or exit code, and its stderr's tail), a check failed, or RSS grew.
@@ -46,7 +47,10 @@ QUESTIONS = ("How was your day?", "Tell me about rivers.", "What is a good name 
              "Why do towns grow near rivers?", "Describe an old market.", "Write one line about spring.")
 STOPS = (".", "\n", " the", "!")
 EVERY_S = 30
-WARM_UP_MIN = 2
+# warm-up ends at the first sample past both: by then the prefix store has filled and the server has
+# seen every kind of request. By the clock alone a slowed server is still warming up at minute 2
+# (a run sharing the cores had served 34 requests then, and stepped up 107 MB at request ~55)
+WARM_UP_MIN, WARM_UP_REQUESTS = 2, 100
 
 
 class Stats:
@@ -385,7 +389,7 @@ def monitor(proc, url, stats, start, deadline, curve):
             requests, tokens, errors = stats.requests, stats.tokens, sum(stats.errors.values())
         rate = (tokens - last_tokens) / max(1e-9, now - last_t)
         minute = (now - start) / 60
-        curve.append((minute, rss))
+        curve.append((minute, rss, requests))
         print(f"{minute:7.1f}{rss:9.1f}{anon:9.1f}{requests:10d}{rate:10.1f}{errors:8d}{h.get('running', '-'):>9}"
               f"{h.get('waiting', '-'):>9}", flush=True)
         last_t, last_tokens = now, tokens
@@ -394,15 +398,18 @@ def monitor(proc, url, stats, start, deadline, curve):
 
 
 def verdict(curve, minutes):
-    """(line, steady): RSS at the sample nearest minute ~2 against the last one."""
-    warm = min(WARM_UP_MIN, minutes / 2)
-    base = min(curve, key=lambda c: abs(c[0] - warm))
+    """(line, steady): RSS at the end of warm-up against the last sample. curve: (minute, RSS MB,
+    requests done) samples. Warm-up ends at the first sample past WARM_UP_MIN minutes and
+    WARM_UP_REQUESTS requests, or at the one nearest half-way if that comes later."""
+    half = minutes / 2
+    warm = [c for c in curve if c[0] >= min(WARM_UP_MIN, half) and c[2] >= WARM_UP_REQUESTS]
+    base = warm[0] if warm and warm[0][0] <= half else min(curve, key=lambda c: abs(c[0] - half))
     end, top = curve[-1], max(c[1] for c in curve)
     growth = end[1] - base[1]
     per10 = growth * 10 / max(1e-9, end[0] - base[0])
     limit = max(0.05 * base[1], 50.0)
     steady = growth < limit
-    return (f"RSS {base[1]:.1f} MB at minute {base[0]:.1f} (after warm-up) -> {end[1]:.1f} MB at minute {end[0]:.1f}, "
+    return (f"RSS {base[1]:.1f} MB at minute {base[0]:.1f} (after warm-up: {base[2]} requests) -> {end[1]:.1f} MB at minute {end[0]:.1f}, "
             f"max {top:.1f} MB: {growth:+.1f} MB ({growth / base[1]:+.1%}), {per10:+.1f} MB per 10 minutes\n"
             f"verdict: {'steady' if steady else 'GROWING'} (threshold: growth after warm-up < {limit:.1f} MB, "
             f"the larger of 5 % of {base[1]:.1f} MB and 50 MB)"), steady

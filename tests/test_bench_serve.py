@@ -128,3 +128,17 @@ def test_goal_lines_say_met_not_met_and_why_not_measured(capsys):
     assert lines[0].endswith("kvwire 10.0 / llama.cpp 8.0 tokens/s = 1.25x (goal >= 1.0x): met")
     assert lines[1].endswith("1 - 8.0 / 10.0 tokens/s (no control vector) = 20.0% (goal < 10 %): NOT met")
     assert lines[2] == "goal: prefix reuse, turn-2 TTFT: not measured (died during the 16-client run: killed by SIGSEGV)"
+
+
+def test_soak_warm_up_ends_past_minute_two_and_a_hundred_requests():
+    import soak
+
+    # a slowed server: 44 requests at minute 2, a 107 MB step at minute 5, flat after it
+    slow = [(m / 2, 1550.0 if m < 10 else 1657.0, 11 * m) for m in range(1, 61)]
+    line, steady = soak.verdict(slow, 30)
+    assert steady and "at minute 5.0 (after warm-up: 110 requests)" in line
+    quiet = [(m / 2, 1600.0 + m, 70 * m) for m in range(1, 61)]
+    assert "at minute 2.0 (after warm-up: 280 requests)" in soak.verdict(quiet, 30)[0]
+    stalled = [(m / 2, 1600.0 + 10 * m, 1) for m in range(1, 61)]  # never warms up: half-way
+    line, steady = soak.verdict(stalled, 30)
+    assert not steady and "at minute 15.0" in line
