@@ -1,4 +1,5 @@
-"""Tokenizer.save writes merges in their shorter form; the tokenizer read back is the same one."""
+"""Tokenizer.save writes the form tokenizers parses fastest (string merges, vocabulary in key order);
+the tokenizer read back is the same one."""
 import json
 
 import pytest
@@ -24,8 +25,10 @@ def sentencepiece():
 def test_saved_merges_are_strings_and_load_to_the_same_tokenizer(tmp_path, make):
     backend = make()
     write_backend(backend, tmp_path / "tokenizer.json")
-    merges = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"]
+    model = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+    merges, keys = model["merges"], list(model["vocab"])
     assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    assert keys == sorted(keys) != list(json.loads(backend.to_str())["model"]["vocab"])  # not in id order
     again = Backend.from_file(str(tmp_path / "tokenizer.json"))
     assert again.to_str() == backend.to_str()  # tokenizers writes the pairs back: every field equal
     for text in TEXTS:
