@@ -35,13 +35,32 @@ def test_saved_merges_are_strings_and_load_to_the_same_tokenizer(tmp_path, make)
         assert again.encode(text).ids == backend.encode(text).ids
 
 
-def test_merges_with_a_space_stay_pairs(tmp_path):
-    vocab = {"a": 0, " ": 1, "a ": 2, "b": 3, "a b": 4}
-    backend = Backend(models.BPE(vocab=vocab, merges=[("a", " "), ("a ", "b")]))
+@pytest.mark.parametrize("vocab, merges", [
+    ({"a": 0, " ": 1, "a ": 2, "b": 3, "a b": 4}, [("a", " "), ("a ", "b")]),
+    # the string form skips a line starting with "#version" (a header in merges.txt files)
+    ({"#version": 0, "1": 1, "#version1": 2, "a": 3, "b": 4, "ab": 5}, [("a", "b"), ("#version", "1")]),
+])
+def test_merges_the_string_form_cannot_hold_stay_pairs(tmp_path, vocab, merges):
+    backend = Backend(models.BPE(vocab=vocab, merges=merges))
     write_backend(backend, tmp_path / "tokenizer.json")
-    merges = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["merges"]
-    assert merges == [["a", " "], ["a ", "b"]]
-    assert Backend.from_file(str(tmp_path / "tokenizer.json")).encode("a b").ids == [4]
+    assert json.loads((tmp_path / "tokenizer.json").read_text())["model"]["merges"] == [list(m) for m in merges]
+    assert Backend.from_file(str(tmp_path / "tokenizer.json")).to_str() == backend.to_str()
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_a_folder_that_cannot_be_rewritten_loads_as_it_is(tmp_path, monkeypatch):
+    ours = Tokenizer(sentencepiece(), bos_token_id=None, eos_token_ids=[2])
+    ours.save(tmp_path)
+    ours.backend.save(str(tmp_path / "tokenizer.json"))  # as kvwire wrote it before
+    (tmp_path / COMPACT_MARK).unlink()
+    before = (tmp_path / "tokenizer.json").read_bytes()
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("os.replace", full)
+    loaded = Tokenizer.load(tmp_path)
+    assert [loaded.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
+    assert (tmp_path / "tokenizer.json").read_bytes() == before and not (tmp_path / COMPACT_MARK).exists()
     assert not list(tmp_path.glob("*.partial"))
 
 
@@ -56,6 +75,7 @@ def test_a_folder_saved_with_pairs_is_rewritten_once(tmp_path):
     assert isinstance(json.loads((tmp_path / "tokenizer.json").read_text())["model"]["merges"][0], str)
     assert (tmp_path / COMPACT_MARK).is_file()
     assert [loaded.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
+    assert (tmp_path / "tokenizer.json").stat().st_mode & 0o777 == 0o644
     stamp = (tmp_path / "tokenizer.json").stat().st_mtime_ns
     Tokenizer.load(tmp_path)
     assert (tmp_path / "tokenizer.json").stat().st_mtime_ns == stamp  # not rewritten again

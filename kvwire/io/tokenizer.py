@@ -1,6 +1,7 @@
 """Tokenizers built with Hugging Face's `tokenizers` library: from tokenizer.json or GGUF metadata."""
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer as Backend
@@ -128,8 +129,8 @@ class Tokenizer:
             try:  # once: later loads parse the shorter form
                 write_backend(backend, folder / "tokenizer.json")
                 (folder / COMPACT_MARK).write_text("1")
-            except OSError:  # a read-only folder: the file still loads as it is
-                pass
+            except OSError:  # a read-only or full folder: the file still loads as it is (the
+                pass  # temporary file comes first, so a read-only folder costs no serialising)
         return cls(backend, chat_template=template, **meta, **chat)
 
     @classmethod
@@ -139,28 +140,38 @@ class Tokenizer:
 
 def write_backend(backend, path):
     """Write a `tokenizers.Tokenizer` as JSON in the form it parses fastest, the same tokenizer:
-    BPE merges as "left right" strings, which every `tokenizers` version reads, when no merge holds
-    a space (else as pairs, the form `backend.save` writes); the vocabulary in key order, not id
-    order (the ids are the values either way), because the parse first inserts every key into a
-    sorted map, and sorted keys go in faster. Gemma 3's tokenizer (262,144 tokens, 514,906 merges):
-    `Tokenizer.from_file` 0.96 -> 0.75 s with string merges, then 0.91 -> 0.76 s sorted (medians
-    of 6, interleaved, two sessions' phases of this machine). Written to a temporary file, then
-    moved over `path`, so a process loading it meanwhile reads the old file or the new one whole.
+    BPE merges as "left right" strings, which every `tokenizers` version reads, where that form
+    holds them (no part with a space, none starting with "#version", a line that form skips), else
+    as pairs (what `backend.save` writes); the vocabulary in key order, not id order (the ids are the
+    values either way), because the parse first inserts every key into a sorted map, and sorted
+    keys go in faster. Gemma 3's tokenizer (262,144 tokens, 514,906 merges): `Tokenizer.from_file`
+    0.96 -> 0.75 s with string merges, then 0.91 -> 0.76 s sorted (medians of 6, interleaved, two
+    phases of this machine). Written to a temporary file of its own beside `path` (made first, so a
+    read-only folder fails before the work), synced, then moved over `path`: a process loading it
+    meanwhile reads the old file or the new one whole, and a crash leaves one of them.
     """
-    data = json.loads(backend.to_str())
+    path = Path(path)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".partial")
+    try:
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp's is 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(_fast_form(json.loads(backend.to_str())), ensure_ascii=False))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+
+
+def _fast_form(data):
     model = data.get("model") or {}
     merges = model.get("merges")
-    if merges and all(isinstance(m, list) and " " not in m[0] and " " not in m[1] for m in merges):
+    if merges and all(isinstance(m, list) and " " not in m[0] and " " not in m[1] and not m[0].startswith("#version")
+                      for m in merges):
         model["merges"] = [f"{left} {right}" for left, right in merges]
     if isinstance(model.get("vocab"), dict):  # code point order is the UTF-8 byte order Rust sorts by
         model["vocab"] = dict(sorted(model["vocab"].items()))
-    path = Path(path)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    try:
-        partial.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    return data
 
 
 def eos_list(value):
