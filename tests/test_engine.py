@@ -376,10 +376,34 @@ def test_a_store_that_raises_ends_reuse_not_the_sequence(monkeypatch):
         drive(engine, [b, c])
     assert b.error is None and b.tokens == single(lm, row + [3, 4], 4)[0]
     assert c.error is None and c.tokens == single(lm, c.prompt, 3)[0]
-    assert engine.prefix_store is None and len(store) == 0
-    d = engine.submit(row + a.tokens + [5], 4)  # served without the store
-    drive(engine, [d])
-    assert d.cached_tokens == 0 and d.tokens == single(lm, row + a.tokens + [5], 4)[0]
+    assert store.disabled == "ValueError: a bug in the store" and len(store) == 0
+    monkeypatch.undo()
+    for served in (engine, Engine(lm, max_batch=1, max_length=32, prefix_store=store)):  # every user of it
+        d = served.submit(row + a.tokens + [5], 4)
+        drive(served, [d])
+        assert d.cached_tokens == 0 and d.tokens == single(lm, row + a.tokens + [5], 4)[0] and len(store) == 0
+
+
+def test_a_store_out_of_memory_skips_that_sequence_only(monkeypatch):
+    lm = tiny("llama")
+    store = PrefixStore(max_bytes=1 << 24, min_tokens=4)
+    engine = Engine(lm, max_batch=1, max_length=32, prefix_store=store)
+    row = prompts(1, seed=10, low=10, high=11)[0]
+    real = store.store
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("no memory for the copy")
+    monkeypatch.setattr(store, "store", out_of_memory)
+    a = engine.submit(row, 4)
+    with pytest.warns(RuntimeWarning, match="ran out of memory"):
+        drive(engine, [a])
+    assert a.error is None and len(store) == 0 and store.disabled is None
+    monkeypatch.setattr(store, "store", real)
+    b = engine.submit(row + [3], 4)
+    drive(engine, [b])
+    c = engine.submit(row + [3] + b.tokens + [5], 2)
+    drive(engine, [c])
+    assert c.cached_tokens > 0 and c.tokens == single(lm, row + [3] + b.tokens + [5], 2)[0]
 
 
 def test_a_longer_turn_replaces_the_stored_turns_it_extends():

@@ -127,6 +127,7 @@ class PrefixStore:
         self._warned = False
         self.nbytes = 0
         self.hits = self.lookups = 0
+        self.disabled = None  # why the store stopped serving (`disable`), or None
 
     def __len__(self):
         return len(self.entries)
@@ -137,11 +138,17 @@ class PrefixStore:
         self.pools.clear()
         self.nbytes = 0
 
+    def disable(self, reason):
+        """Forget every entry and neither store nor find any from now on, for every engine sharing
+        the store: what a store that failed unexpectedly holds is not trusted."""
+        self.clear()
+        self.disabled = str(reason)
+
     def store(self, cache, row, pad, tokens, inputs):
         """Keep the keys/values of `tokens` (the positions written in `row` of `cache`, the first
         real one at timeline index `pad`) under runtime inputs `inputs` (a hashable key)."""
         tokens, n = tuple(tokens), len(tokens)
-        if n < self.min_tokens or (tokens, inputs) in self.entries:
+        if self.disabled is not None or n < self.min_tokens or (tokens, inputs) in self.entries:
             return
         for key in [k for k in self.entries if k[1] == inputs and tokens[:len(k[0])] == k[0]]:
             self._drop(key)  # a conversation's earlier turns: covered now
@@ -196,6 +203,8 @@ class PrefixStore:
         before the next `store`, which may evict it and reuse its pages (the store is not
         thread-safe: one engine thread uses it)."""
         self.lookups += 1
+        if self.disabled is not None:
+            return None, 0
         best, best_c = None, 0
         for (stored, key), entry in self.entries.items():
             if key != inputs:
