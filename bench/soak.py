@@ -400,8 +400,9 @@ def monitor(proc, url, stats, start, deadline, curve):
 def verdict(curve, minutes):
     """(line, steady): RSS at the end of warm-up against the last sample. curve: (minute, RSS MB,
     requests done) samples. Warm-up ends at the first sample past WARM_UP_MIN minutes and
-    WARM_UP_REQUESTS requests, or at the one nearest half-way if that comes later."""
-    half = minutes / 2
+    WARM_UP_REQUESTS requests, or at the one nearest half-way if that comes later (half of what
+    ran: an interrupted run's or a dead server's last sample is not its own baseline)."""
+    half = min(minutes, curve[-1][0]) / 2
     warm = [c for c in curve if c[0] >= min(WARM_UP_MIN, half) and c[2] >= WARM_UP_REQUESTS]
     base = warm[0] if warm and warm[0][0] <= half else min(curve, key=lambda c: abs(c[0] - half))
     end, top = curve[-1], max(c[1] for c in curve)

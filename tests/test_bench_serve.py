@@ -142,3 +142,5 @@ def test_soak_warm_up_ends_past_minute_two_and_a_hundred_requests():
     stalled = [(m / 2, 1600.0 + 10 * m, 1) for m in range(1, 61)]  # never warms up: half-way
     line, steady = soak.verdict(stalled, 30)
     assert not steady and "at minute 15.0" in line
+    line, steady = soak.verdict(stalled[:20], 30)  # interrupted at minute 10: half of what ran
+    assert not steady and "at minute 5.0" in line
