@@ -153,17 +153,18 @@ def write_backend(backend, path):
     path = Path(path)
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".partial")
     try:
-        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp's is 0600
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(json.dumps(_fast_form(json.loads(backend.to_str())), ensure_ascii=False))
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(partial, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp's is 0600
         os.replace(partial, path)
     finally:
         Path(partial).unlink(missing_ok=True)
 
 
 def _fast_form(data):
+    """A tokenizer's JSON (parsed) with merges and vocabulary as `write_backend` writes them."""
     model = data.get("model") or {}
     merges = model.get("merges")
     if merges and all(isinstance(m, list) and " " not in m[0] and " " not in m[1] and not m[0].startswith("#version")
