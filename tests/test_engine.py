@@ -7,6 +7,7 @@ import torch
 
 import kvwire as kw
 from kvwire.generate import Engine, PrefixStore
+from kvwire.generate.prefix import _Pool
 from kvwire.steer import ControlVector
 
 from .conftest import FAMILIES
@@ -389,16 +390,21 @@ def test_a_store_out_of_memory_skips_that_sequence_only(monkeypatch):
     store = PrefixStore(max_bytes=1 << 24, min_tokens=4)
     engine = Engine(lm, max_batch=1, max_length=32, prefix_store=store)
     row = prompts(1, seed=10, low=10, high=11)[0]
-    real = store.store
+    take, calls = _Pool.take, []
 
-    def out_of_memory(*args):
-        raise torch.OutOfMemoryError("no memory for the copy")
-    monkeypatch.setattr(store, "store", out_of_memory)
+    def out_of_memory(pool, n):  # the second layer's copy runs out, after the first took its pages
+        calls.append(n)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("no memory for the copy")
+        return take(pool, n)
+    monkeypatch.setattr(_Pool, "take", out_of_memory)
     a = engine.submit(row, 4)
     with pytest.warns(RuntimeWarning, match="ran out of memory"):
         drive(engine, [a])
     assert a.error is None and len(store) == 0 and store.disabled is None
-    monkeypatch.setattr(store, "store", real)
+    assert [len(p.free) for p in store.pools.values()] == [p.keys.shape[0] // p.page_tokens
+                                                           for p in store.pools.values()]  # pages given back
+    monkeypatch.setattr(_Pool, "take", take)
     b = engine.submit(row + [3], 4)
     drive(engine, [b])
     c = engine.submit(row + [3] + b.tokens + [5], 2)

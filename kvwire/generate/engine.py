@@ -481,10 +481,8 @@ class Engine:
         if store is not None and seq.reuse_prefix and self.per_row and seq.row is not None:
             try:
                 store.store(self.cache, seq.row, self.pads[seq.row], seq.prompt + seq.tokens[:fed], seq.inputs_key)
-            except (MemoryError, torch.OutOfMemoryError):  # the store gave back what it took: still sound
-                warnings.warn("the prefix store ran out of memory storing a sequence; it was not stored",
-                              RuntimeWarning)
             except Exception as e:  # noqa: BLE001 - storing is an optimisation: the sequence is done
+                # (out of memory is not an error here: the store skips that sequence itself)
                 warnings.warn(f"the prefix store failed to store a sequence ({type(e).__name__}: {e}); it is "
                               f"disabled, so no prompt is restored from it", RuntimeWarning)
                 store.disable(f"{type(e).__name__}: {e}")

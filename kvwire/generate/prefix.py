@@ -176,10 +176,14 @@ class PrefixStore:
                 rows = pool.rows(pages, 0, n - first)
                 pool.keys.index_copy_(0, rows, k[row].index_select(1, slots).transpose(0, 1).to(pool.keys.device))
                 pool.values.index_copy_(0, rows, v[row].index_select(1, slots).transpose(0, 1).to(pool.values.device))
-        except BaseException:  # a failed copy stores nothing and keeps every page
+        except BaseException as e:  # a failed copy stores nothing and keeps every page
             for _, pool, pages in layers:
                 pool.give(pages)
-            raise
+            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+                raise
+            warnings.warn("the prefix store ran out of memory copying a sequence; it was not stored",
+                          RuntimeWarning, stacklevel=2)
+            return
         self.entries[(tokens, inputs)] = Prefix(tokens, inputs, layers)
         self.nbytes += need
 
