@@ -5,7 +5,7 @@ import json
 import pytest
 from tokenizers import Tokenizer as Backend, models
 
-from kvwire.io.tokenizer import COMPACT_MARK, Tokenizer, write_backend
+from kvwire.io.tokenizer import FAST_FORM_MARK, Tokenizer, write_backend
 from kvwire.io.tokenizer_gguf import add_special_tokens, byte_level_bpe, sentencepiece_bpe
 from .tokenizers_for_tests import CORPUS, byte_level
 
@@ -52,7 +52,7 @@ def test_a_folder_that_cannot_be_rewritten_loads_as_it_is(tmp_path, monkeypatch)
     ours = Tokenizer(sentencepiece(), bos_token_id=None, eos_token_ids=[2])
     ours.save(tmp_path)
     ours.backend.save(str(tmp_path / "tokenizer.json"))  # as kvwire wrote it before
-    (tmp_path / COMPACT_MARK).unlink()
+    (tmp_path / FAST_FORM_MARK).unlink()
     before = (tmp_path / "tokenizer.json").read_bytes()
 
     def full(*args):
@@ -60,20 +60,20 @@ def test_a_folder_that_cannot_be_rewritten_loads_as_it_is(tmp_path, monkeypatch)
     monkeypatch.setattr("os.replace", full)
     loaded = Tokenizer.load(tmp_path)
     assert [loaded.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
-    assert (tmp_path / "tokenizer.json").read_bytes() == before and not (tmp_path / COMPACT_MARK).exists()
+    assert (tmp_path / "tokenizer.json").read_bytes() == before and not (tmp_path / FAST_FORM_MARK).exists()
     assert not list(tmp_path.glob("*.partial"))
 
 
 def test_a_folder_saved_with_pairs_is_rewritten_once(tmp_path):
     ours = Tokenizer(sentencepiece(), bos_token_id=None, eos_token_ids=[2])
     ours.save(tmp_path)
-    assert (tmp_path / COMPACT_MARK).is_file()
+    assert (tmp_path / FAST_FORM_MARK).is_file()
     ours.backend.save(str(tmp_path / "tokenizer.json"))  # as kvwire wrote it before
-    (tmp_path / COMPACT_MARK).unlink()
+    (tmp_path / FAST_FORM_MARK).unlink()
     assert isinstance(json.loads((tmp_path / "tokenizer.json").read_text())["model"]["merges"][0], list)
     loaded = Tokenizer.load(tmp_path)
     assert isinstance(json.loads((tmp_path / "tokenizer.json").read_text())["model"]["merges"][0], str)
-    assert (tmp_path / COMPACT_MARK).is_file()
+    assert (tmp_path / FAST_FORM_MARK).is_file()
     assert [loaded.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
     assert (tmp_path / "tokenizer.json").stat().st_mode & 0o777 == 0o644
     stamp = (tmp_path / "tokenizer.json").stat().st_mtime_ns

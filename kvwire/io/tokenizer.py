@@ -17,7 +17,7 @@ _MERGE_WORK = 5e7
 CHAT_FILE = "kvwire_chat.json"  # what `save` writes beside the tokenizer: template, token strings
 # beside a tokenizer.json `save` wrote in its fastest form (`write_backend`); its absence (a folder
 # saved by kvwire before it) makes `load` rewrite the file once
-COMPACT_MARK = "kvwire_tokenizer_fast_form"
+FAST_FORM_MARK = "kvwire_tokenizer_fast_form"
 
 
 class Tokenizer:
@@ -107,7 +107,7 @@ class Tokenizer:
     def save(self, folder):
         folder = Path(folder)
         write_backend(self.backend, folder / "tokenizer.json")
-        (folder / COMPACT_MARK).write_text("1")
+        (folder / FAST_FORM_MARK).write_text("1")
         meta = {"bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids), "add_bos": self.add_bos}
         (folder / "kvwire_tokenizer.json").write_text(json.dumps(meta))
         # a file of its own, so kvwire versions from before chat templates still read the folder
@@ -125,10 +125,10 @@ class Tokenizer:
         source = chat.pop("chat_template", None)
         template = None if source is None else ChatTemplate(source, f"{chat_path}: chat_template")
         backend = Backend.from_file(str(folder / "tokenizer.json"))
-        if not (folder / COMPACT_MARK).is_file():
+        if not (folder / FAST_FORM_MARK).is_file():
             try:  # once: later loads parse the shorter form
                 write_backend(backend, folder / "tokenizer.json")
-                (folder / COMPACT_MARK).write_text("1")
+                (folder / FAST_FORM_MARK).write_text("1")
             except OSError:  # a read-only or full folder: the file still loads as it is (the
                 pass  # temporary file comes first, so a read-only folder costs no serialising)
         return cls(backend, chat_template=template, **meta, **chat)
