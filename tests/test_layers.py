@@ -44,3 +44,33 @@ def test_one_row_pack_matches_linear_and_follows_weight_edits():
     with torch.enable_grad():  # another test may leave grad mode off in this process
         assert pack(x, w.requires_grad_()) is None  # autograd: the packed kernel has no backward
     assert copy.deepcopy(pack).packed is None
+
+
+@pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row"])
+def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, cache_seen):
+    """The fused kernel runs per block and skips a block no row sees, or the masking after it when
+    every row sees a key; merged, it equals dense attention over both blocks at once (GQA 4/1)."""
+    from kvwire.layers import attention
+    from kvwire.layers.shared import per_call
+
+    torch.manual_seed(0)
+    attn = attention.Attention(32, 4, 1, 8)
+    T, S = 80, 24  # 4 * 80 query rows: the flash path
+    q = torch.randn(2, 4, T, 8)
+    cache_k, cache_v, chunk_k, chunk_v = (torch.randn(2, 1, n, 8) for n in (S, S, T, T))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(2, T, T)
+    old = torch.rand(2, T, S) < 0.5
+    if cache_seen == "none":
+        old[:] = False
+    elif cache_seen == "some rows":
+        old[:, ::3] = False
+    else:
+        old[:, :, 0] = True
+    blocks = [(cache_k, cache_v, old), (chunk_k, chunk_v, causal)]
+    with per_call():
+        fused = attn._attend(q, blocks)
+    monkeypatch.setattr(attention, "FLASH_ROWS", 10 ** 9)
+    dense = attn._attend(q, blocks)
+    torch.testing.assert_close(fused, dense, atol=1e-5, rtol=1e-5)
+    bias, seen = attention._flash_bias(old, 4)
+    assert (bias is None) == (cache_seen == "none") and (seen is None) == (cache_seen != "some rows")

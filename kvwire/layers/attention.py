@@ -157,14 +157,16 @@ class Attention(Layer):
         qg = q.reshape(B, self.num_kv_heads, -1, hd).contiguous()
         outs, lses = [], []
         for k, v, mask in blocks:
-            bias, seen, any_seen = shared(_flash_bias, mask, H // self.num_kv_heads)
-            if not any_seen:  # e.g. the empty cache of a prompt's first chunk: nothing to attend
+            bias, seen = shared(_flash_bias, mask, H // self.num_kv_heads)
+            if bias is None:  # e.g. the empty cache of a prompt's first chunk: nothing to attend
                 continue
             # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
             k, v = as_float32(k).contiguous(), as_float32(v).contiguous()
             out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
-            outs.append(out.masked_fill(~seen[..., None], 0.0))
-            lses.append(lse.masked_fill(~seen, float("-inf")))
+            if seen is not None:  # rows that see no key of this block take no part in the merge
+                out, lse = out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
+            outs.append(out)
+            lses.append(lse)
         if len(outs) == 1:
             return outs[0].view(B, H, T, hd)
         total = torch.logsumexp(torch.stack(lses), dim=0)
@@ -203,9 +205,15 @@ def _broadcast_matmul(a, b):
 
 
 def _flash_bias(mask, groups):
-    """A block's mask (B|1, T, S) as the flash kernel's additive bias (B|1, 1, groups*T, S), which
-    query rows see any key (B|1, 1, groups*T), and whether any does (a Python bool: eager only)."""
+    """A block's mask (B|1, T, S) as the flash kernel's additive bias (B|1, 1, groups*T, S) and
+    which query rows see any key (B|1, 1, groups*T), or None where every row does: (None, None) when
+    no row sees a key (the kernel is skipped, so the bias is never built: 4 MB a block at 512 rows
+    of 4 query heads), (bias, None) when every row sees one (nothing to mask after the kernel)."""
+    seen = mask.any(-1)  # (B|1, T): rows with no visible key, where the kernel may give 0 or NaN
+    if not bool(seen.any()):
+        return None, None
     rows = mask[:, None, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, -1, mask.shape[-1])
     bias = torch.zeros(rows.shape, device=rows.device).masked_fill(torch.logical_not(rows), float("-inf"))
-    seen = rows.any(-1)  # rows with no visible key: the kernel may give 0 or NaN there
-    return bias, seen, bool(seen.any())
+    if bool(seen.all()):
+        return bias, None
+    return bias, seen[:, None, None].expand(-1, -1, groups, -1).reshape(mask.shape[0], 1, -1)
