@@ -59,3 +59,20 @@ def test_a_package_without_the_names_is_asked_every_time(package, monkeypatch):
     gemma3_270m()
     gemma3_270m()
     assert package.calls == 2
+
+
+def test_a_file_changed_while_the_package_hashes_it_is_not_trusted(package):
+    """The verdict belongs to the bytes hashed: a file replaced between the hash and the stamp (a
+    concurrent `pip install --force-reinstall`) is asked about again on the next load."""
+    target = package.default_output_path()
+    verify = package.assemble
+
+    def assemble_then_replaced():
+        path = verify()
+        target.write_bytes(b"GGUF" + bytes(99) + b"y")  # someone else's file, after the hash passed
+        return path
+    package.assemble = assemble_then_replaced
+    gemma3_270m()
+    package.assemble = verify
+    with pytest.raises(FileExistsError, match="unexpected sha256"):
+        gemma3_270m()
