@@ -1,5 +1,5 @@
 """Which float32 GEMV layout streams fastest here: the default model's head (262144 x 640) and its
-layer shapes, one activation row, 2 threads. Guides `kvwire.layers.linear` (issue 3).
+layer shapes, then SmolLM2-135M's, one activation row, 2 threads. Guides `kvwire.layers.linear`.
 
     python bench/gemv.py
 
@@ -35,7 +35,9 @@ def main():
     print("| out x in | W @ h^T (1 row) | W @ [h; h]^T (row repeated) | F.linear | h @ W^T stored transposed "
           "| MKL-packed copy |")
     print("|---|---:|---:|---:|---:|---:|")
-    for out_f, in_f in [(262144, 640), (2048, 640), (640, 2048), (1024, 640), (256, 640)]:
+    gemma3 = [(262144, 640), (2048, 640), (640, 2048), (1024, 640), (256, 640)]
+    smollm2 = [(1536, 576), (576, 1536), (576, 576), (192, 576)]
+    for out_f, in_f in gemma3 + smollm2:
         copies = max(1, int(STREAM_BYTES / (out_f * in_f * 4)))
         weights = [torch.randn(out_f, in_f) for _ in range(copies)]
         transposed = [w.t().contiguous() for w in weights]

@@ -4,7 +4,9 @@ For a few rows (decode: batch x 1 token), MKL's float32 GEMM is far faster on W 
 x @ W^T that `nn.functional.linear` runs: measured here, the 262144 x 640 head at 4 rows took
 69 ms against 272 ms, a 2048 x 640 projection at 1 row 0.2 ms against 0.44 ms. With weights
 streamed from memory (as in a real model), a wide weight (out > in) is read about 1.6x faster for
-an even number of rows than for one or three, so odd row counts get one repeated row there.
+an even number of rows than for one or three, and a square one about 1.5x (bench/gemv.py on an
+AVX2 CPU: 576 x 576 in 0.154 against 0.236 ms), so odd row counts get one repeated row there; a
+narrow one (out < in, a down projection) reads slower so (640 x 2048: 0.58 against 0.44 ms).
 Many rows (prefill) keep `linear`, which is slightly faster there. Compilers and exporters see
 plain `linear`.
 
@@ -36,9 +38,9 @@ def linear(x, weight, bias=None):
     if rows > SMALL_ROWS or x.dtype != torch.float32:
         return nn.functional.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
-    if rows % 2 and weight.shape[0] > weight.shape[1]:
-        # one or three rows stream a wide weight at ~6.5 GB/s, two or four at ~10-11 (bench/gemv.py):
-        # repeat the last row and drop its result
+    if rows % 2 and weight.shape[0] >= weight.shape[1]:
+        # one or three rows stream a wide or square weight at ~6.5-8 GB/s, two or four at ~10-11
+        # (bench/gemv.py): repeat the last row and drop its result
         x2 = torch.cat((x2, x2[-1:]))
     out = (weight @ x2.t()).t()[:rows]  # (rows, out)
     if bias is not None:
