@@ -5,18 +5,20 @@ import torch
 from kvwire.layers.linear import SMALL_ROWS, linear
 
 
-@pytest.mark.parametrize("rows", [1, 4, SMALL_ROWS, SMALL_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, SMALL_ROWS, SMALL_ROWS + 1, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out", [40, 48, 64], ids=["narrow", "square", "wide"])  # odd rows: repeated row or not
+@pytest.mark.parametrize("out", [40, 48, 64], ids=["narrow", "square", "wide"])
 def test_linear_kernel_choice_matches_nn_functional(rows, dtype, bias, out):
+    """Every path gives linear's values: at 1 and 3 float32 rows a square or wide weight reads a
+    repeated row whose result is dropped, a narrow one does not; 65 rows and up run `linear`."""
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 3, 48, generator=g).to(dtype)
+    x = torch.randn(rows, 1, 48, generator=g).to(dtype)
     w = torch.randn(out, 48, generator=g).to(dtype)
     b = torch.randn(out, generator=g).to(dtype) if bias else None
     expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     got = linear(x, w, b)
-    assert got.shape == (rows, 3, out) and got.dtype == dtype
+    assert got.shape == (rows, 1, out) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
@@ -68,8 +70,12 @@ def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, ca
     else:
         old[:, :, 0] = True
     blocks = [(cache_k, cache_v, old), (chunk_k, chunk_v, causal)]
+    calls = []
+    flash = attention._flash
+    monkeypatch.setattr(attention, "_flash", lambda *a, **k: calls.append(1) or flash(*a, **k))
     with per_call():
         fused = attn._attend(q, blocks)
+    assert len(calls) == (1 if cache_seen == "none" else 2)  # the fused kernel ran, once a block seen
     monkeypatch.setattr(attention, "FLASH_ROWS", 10 ** 9)
     dense = attn._attend(q, blocks)
     torch.testing.assert_close(fused, dense, atol=1e-5, rtol=1e-5)

@@ -62,17 +62,35 @@ def test_a_package_without_the_names_is_asked_every_time(package, monkeypatch):
 
 
 def test_a_file_changed_while_the_package_hashes_it_is_not_trusted(package):
-    """The verdict belongs to the bytes hashed: a file replaced between the hash and the stamp (a
-    concurrent `pip install --force-reinstall`) is asked about again on the next load."""
+    """The verdict belongs to the bytes hashed: a file rewritten between the hash and the stamp (by
+    another process) is asked about again on the next load."""
     target = package.default_output_path()
     verify = package.assemble
 
-    def assemble_then_replaced():
+    def assemble_then_rewritten():
         path = verify()
-        target.write_bytes(b"GGUF" + bytes(99) + b"y")  # someone else's file, after the hash passed
+        target.write_bytes(b"GGUF" + bytes(99) + b"y")  # other bytes, after the hash passed
         return path
-    package.assemble = assemble_then_replaced
+    package.assemble = assemble_then_rewritten
     gemma3_270m()
     package.assemble = verify
     with pytest.raises(FileExistsError, match="unexpected sha256"):
         gemma3_270m()
+
+
+def test_a_file_assembled_just_now_is_checked_once_more_then_trusted(package):
+    """No file before `assemble()`: what it wrote is stamped by the next load's check, not this one's
+    (another process may have written the path between the package's hash and the stamp)."""
+    target = package.default_output_path()
+    data = target.read_bytes()
+    target.unlink()
+    verify = package.assemble
+
+    def assemble_writes():
+        if not target.exists():
+            target.write_bytes(data)
+        return verify()
+    package.assemble = assemble_writes
+    assert gemma3_270m() == target and package.calls == 1
+    assert gemma3_270m() == target and package.calls == 2  # checked again, then stamped
+    assert gemma3_270m() == target and package.calls == 2

@@ -208,7 +208,8 @@ def _flash_bias(mask, groups):
     """A block's mask (B|1, T, S) as the flash kernel's additive bias (B|1, 1, groups*T, S) and
     which query rows see any key (B|1, 1, groups*T), or None where every row does: (None, None) when
     no row sees a key (the kernel is skipped, so the bias is never built: 4 MB a block at 512 rows
-    of 4 query heads), (bias, None) when every row sees one (nothing to mask after the kernel)."""
+    of 4 query heads x 512 keys), (bias, None) when every row sees one (nothing to mask after the
+    kernel). Eager only: it reads the mask on the host to decide."""
     seen = mask.any(-1)  # (B|1, T): rows with no visible key, where the kernel may give 0 or NaN
     if not bool(seen.any()):
         return None, None

@@ -39,8 +39,8 @@ def linear(x, weight, bias=None):
         return nn.functional.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     if rows % 2 and weight.shape[0] >= weight.shape[1]:
-        # one or three rows stream a wide or square weight at ~6.5-8 GB/s, two or four at ~10-11
-        # (bench/gemv.py): repeat the last row and drop its result
+        # one or three rows stream a wide weight at ~6.5 GB/s, two or four at ~10-11, and a square
+        # one 1.5x faster so too (bench/gemv.py): repeat the last row and drop its result
         x2 = torch.cat((x2, x2[-1:]))
     out = (weight @ x2.t()).t()[:rows]  # (rows, out)
     if bias is not None:

@@ -28,13 +28,14 @@ def gemma3_270m():
     if before is not None and _read(stamp) == before:
         return target
     path = package.assemble()  # assembles if needed; raises when the hash is not the expected one
-    after = _key(path, expected)
-    if before is not None and after != before:  # changed while the package hashed it: not this file's verdict
-        return path
     try:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(after))
-    except OSError:  # a read-only cache: check again next time
+        # the verdict is the bytes' the package hashed: stamped only for a file that was there before
+        # and is unchanged after (a file assembled just now is stamped by the next load's check)
+        after = _key(path, expected)
+        if before is not None and after == before:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(json.dumps(after))
+    except OSError:  # a read-only cache, or a file gone meanwhile: check again next time
         pass
     return path
 
