@@ -12,6 +12,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import kvwire as kw  # noqa: E402
+from kvwire.graph.trace import LayerTracer  # noqa: E402
 from kvwire.serve import create_app  # noqa: E402
 
 from .serve_fixtures import Server, control_vectors, tiny_chat_lm  # noqa: E402
@@ -69,7 +70,9 @@ def test_training_during_a_stream_swaps_after_it(lm, server, api):
     joy = api.post("/v1/completions", json={**body, "max_tokens": 6, "steer": {"joy": 3.0}}).json()
     reader.join(600)
     assert not reader.is_alive()
-    streamed = "".join(json.loads(p[6:])["choices"][0]["text"] for p in pieces)
+    events = [json.loads(p[6:]) for p in pieces]
+    assert all("choices" in e for e in events), events  # an error event names what failed
+    streamed = "".join(e["choices"][0]["text"] for e in events)
     assert streamed == lm.steer(vectors["happy"], 0.5).generate(body["prompt"], max_new_tokens=24)
     trained = server.app.state.served.vectors["joy"]
     assert trained == kw.ControlVector.train(lm, PAIRS["positive"], PAIRS["negative"], layers="1-2",
@@ -108,3 +111,26 @@ def test_page_and_static_files_are_served(api):
     for name in ("app.js", "api.js", "play.js", "train.js", "graph.js", "sweep.js", "snippet.js", "style.css"):
         assert api.get(f"/static/{name}").status_code == 200, name
     assert "http" not in page.text.replace("http://www.w3.org", "")  # nothing from the network
+
+
+def test_requests_trace_only_while_the_engine_is_held(server, api, monkeypatch):
+    """torch.fx patches nn.Module.__call__ process-wide while it traces, so a trace that a request runs
+    outside the gate breaks whatever step runs meanwhile (a stream once failed so under load, when
+    a training request's check traced the backbone on the event loop)."""
+    gate, unguarded = server.app.state.bridge.gate, []
+    original = LayerTracer.trace
+
+    def watched(self, *args, **kwargs):
+        here = threading.current_thread()
+        if here is not threading.main_thread() and here.name != "kvwire-engine" and not gate._held:
+            unguarded.append(here.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerTracer, "trace", watched)
+    assert api.get("/kvwire/info").json()["blocks"] == [0, 1, 2, 3]
+    refused = api.post("/kvwire/train", json={"name": "x", **PAIRS, "layers": "7"})
+    assert refused.status_code == 400 and "layers" == refused.json()["error"]["param"]
+    job = finish(api, api.post("/kvwire/train", json={"name": "calm", **PAIRS, "layers": "2"}).json())
+    assert job["state"] == "done", job
+    assert api.get("/kvwire/graph").status_code == 200
+    assert unguarded == []

@@ -32,6 +32,9 @@ class ServedVectors:
         self.lm, self.vectors = lm, dict(vectors)
         self.engine_options, self.prefix_bytes = dict(engine_options), prefix_bytes
         self.model = steered_model(lm, self.vectors)
+        # traced once, now: a trace on the event loop would patch nn.Module.__call__ process-wide
+        # while an engine step runs (see `Gate`); the base model's blocks never change
+        self._blocks = numbered_blocks(lm.backbone)
         self.bridge = EngineThread(self._engine(self.model))
         self.version = 0  # bumped by every added vector (the page reloads its graph)
         self.listeners = []  # called with (model, names) after a swap (the handlers)
@@ -100,4 +103,5 @@ class ServedVectors:
         return nodes
 
     def blocks(self):
-        return numbered_blocks(self.lm.backbone)
+        """{block index: dotted name} of the base model (what `layers` of a training job may name)."""
+        return dict(self._blocks)
