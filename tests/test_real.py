@@ -8,6 +8,8 @@ import torch
 
 import kvwire as kw
 
+from .hf_gguf import transformers_gguf
+
 pytestmark = pytest.mark.real
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
@@ -27,12 +29,7 @@ def ours(default_lm):
 
 @pytest.fixture(scope="module")
 def theirs(gguf_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    return model, tokenizer
+    return transformers_gguf(gguf_path.parent, gguf_path.name)
 
 
 def test_logits_match_transformers_gguf_loader(ours, theirs):

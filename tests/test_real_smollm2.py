@@ -13,6 +13,8 @@ import torch
 import kvwire as kw
 from examples.steer_demo import effect, pairs
 
+from .hf_gguf import transformers_gguf
+
 pytestmark = pytest.mark.real
 
 PRESET = "smollm2-135m-instruct"
@@ -38,18 +40,19 @@ def hf_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(hf_folder):
-    """transformers' LlamaForCausalLM from the same file (its own dequantisation, ~15 s)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(hf_folder, gguf_file="model.gguf", dtype=torch.float32).eval()
+def theirs(hf_folder):
+    """transformers' LlamaForCausalLM and tokenizer from the same file (its own dequantisation)."""
+    return transformers_gguf(hf_folder, "model.gguf")
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(hf_folder):
-    from transformers import AutoTokenizer
+def hf(theirs):
+    return theirs[0]
 
-    return AutoTokenizer.from_pretrained(hf_folder, gguf_file="model.gguf")
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(theirs):
+    return theirs[1]
 
 
 @pytest.fixture(scope="module")

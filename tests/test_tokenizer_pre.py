@@ -15,6 +15,7 @@ from kvwire.io.tokenizer import tokenizer_from_gguf
 from kvwire.io.tokenizer_gguf import PRE_TOKENIZER_SPLITS
 
 from .gguf_files import STRING, GGUFParts, sentencepiece_vocab
+from .hf_gguf import one_parse_per_file
 
 CONTROL, NORMAL, USER_DEFINED = 3, 1, 4
 HOSTILE = [
@@ -93,7 +94,8 @@ def both(path):
     """(kvwire's tokenizer, transformers' GGUF tokenizer) of the file at `path`."""
     from transformers import AutoTokenizer
 
-    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with one_parse_per_file():
+        theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return tokenizer_from_gguf(GGUFFile(path)), theirs
 
 
