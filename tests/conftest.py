@@ -102,14 +102,21 @@ _hypothesis_settings.register_profile("local", max_examples=1500, deadline=None,
 _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# The files that take most of the suite's time, heaviest first (seconds of one xdist worker on a
-# 2-core AVX-512 machine, session 15: 129, 112, 85, 79, 47, 44, 30, 16, 14, 14; the other 50 files
-# ~190 s together). They are handed out first so that the two workers finish together: xdist's
-# default order for --dist loadfile (files with the most tests first) put the one-test export files
-# last, and one worker ran them alone for the last minutes of the suite.
-HEAVY_FIRST = ("test_real_smollm2.py", "test_export.py", "test_real.py", "test_real_executorch.py",
-               "test_real_onnx.py", "test_compiled.py", "test_properties.py", "test_real_steer.py",
-               "test_properties_beam.py", "test_ggml.py")
+# Real-model export and compile round trips (`heavy`) run only when asked: each takes 1-2 minutes
+# of one core from cold caches (the default model to ExecuTorch 112 s and to ONNX 60 s, SmolLM2's
+# compiled step 70 s, session 15), and CI's 2-core machines must run the whole suite well under
+# 15 minutes. The same mechanisms run in every CI run on tiny models of several families
+# (test_export.py, test_compiled.py), and one real model is exported to ONNX there
+# (test_real_smollm2.py, steered). KVWIRE_HEAVY_TESTS=1 runs them as well.
+HEAVY = os.environ.get("KVWIRE_HEAVY_TESTS", "") == "1"
+
+# The files that take most of the suite's time, heaviest first (seconds of one xdist worker from
+# cold caches on a 2-core AVX-512 machine, session 15: 228, 173, 112, 95, 61, 60, 48; the other
+# files ~250 s together). They are handed out first so that the two workers finish together:
+# xdist's default order for --dist loadfile (files with the most tests first) put the one-test
+# export files last, and one worker ran them alone for the last minutes of the suite.
+HEAVY_FIRST = ("test_real_smollm2.py", "test_export.py", "test_real_executorch.py", "test_real.py",
+               "test_compiled.py", "test_real_onnx.py", "test_properties.py")
 
 
 def pytest_configure(config):
@@ -120,3 +127,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    if not HEAVY:
+        skip = pytest.mark.skip(reason="a real-model export or compile round trip (1-2 min): KVWIRE_HEAVY_TESTS=1 runs it")
+        for item in items:
+            if "heavy" in item.keywords:
+                item.add_marker(skip)

@@ -1,11 +1,12 @@
 """The default model exported to ONNX: onnxruntime's greedy tokens equal eager kvwire's, for one
-prompt and for a left-padded batch. Marked `real` (the export takes about a minute and a half)."""
+prompt and for a left-padded batch. Marked `real` and `heavy` (about a minute; runs with
+KVWIRE_HEAVY_TESTS=1, see conftest.py)."""
 import pytest
 import torch
 
 import kvwire as kw
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.heavy]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
 
