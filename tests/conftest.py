@@ -120,7 +120,7 @@ HEAVY_FIRST = ("test_real_smollm2.py", "test_export.py", "test_real_executorch.p
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection's file order
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection's file order (always)
         config.option.loadscopereorder = False
 
 
@@ -130,5 +130,5 @@ def pytest_collection_modifyitems(items):
     if not HEAVY:
         skip = pytest.mark.skip(reason="a real-model export or compile round trip (1-2 min): KVWIRE_HEAVY_TESTS=1 runs it")
         for item in items:
-            if "heavy" in item.keywords:
+            if item.get_closest_marker("heavy") is not None:
                 item.add_marker(skip)

@@ -45,8 +45,10 @@ def test_compiled_decode_gives_eager_tokens(family, quantize):
 
 def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing():
     torch._dynamo.reset()
-    lm = kw.from_hf(FAMILIES["gpt2"]()).compile(bucket=32)
-    _greedy(lm, [torch.tensor([3, 17, 42])], 4)  # its step signature is now seen: guards skipped
+    lm = kw.from_hf(FAMILIES["gpt2"]())
+    eager = _greedy(lm, [torch.tensor([3, 17, 42])], 4)
+    lm.compile(bucket=32)  # a model without runtime inputs: its compiled tokens equal eager's too
+    assert _greedy(lm, [torch.tensor([3, 17, 42])], 4) == eager  # the step signature is now seen: guards skipped
     decode, cached = lm._decoder(), lm.cached
     with torch.inference_mode():  # inference tensors, unlike generate's sampled tokens
         token, mask = torch.tensor([[5]]), torch.ones(1, 32, dtype=torch.bool)

@@ -491,3 +491,27 @@ def test_a_serving_engine_gives_freed_memory_back_on_its_schedule(monkeypatch):
     worker.join(10)
     assert seq.done and len(seq.tokens) == 4
     assert 2 <= len(calls) <= 8  # about every 0.1 s of 0.6 s; not every poll (0.05 s, 12) or step
+
+
+def test_submit_reads_no_parameter_while_another_thread_traces():
+    """A server submits on its event loop while a vector may be training on another thread; torch.fx
+    patches nn.Module.__getattr__ process-wide during a trace, so a Parameter read there (the head's
+    weight, for the vocabulary size) would be a Proxy and the request would fail."""
+    lm = kw.from_hf(FAMILIES["llama"]())
+    engine = Engine(lm, max_batch=2, max_length=32)
+    submitted = []
+
+    class Submits(torch.nn.Module):  # traced with the backbone inside, as training traces it
+        def __init__(self):
+            super().__init__()
+            self.backbone = lm.backbone
+
+        def forward(self, x):
+            submitted.append(engine.submit([3, 17, 42], 4))
+            return x
+
+    torch.fx.Tracer().trace(Submits())
+    seq, = submitted
+    for _ in engine.run([seq]):
+        pass
+    assert seq.tokens == lm.generate(torch.tensor([3, 17, 42]), max_new_tokens=4, ignore_eos=True).tolist()

@@ -122,7 +122,7 @@ def test_requests_trace_only_while_the_engine_is_held(server, api, monkeypatch):
 
     def watched(self, *args, **kwargs):
         here = threading.current_thread()
-        if here is not threading.main_thread() and here.name != "kvwire-engine" and not gate._held:
+        if here is not threading.main_thread() and here.name != "kvwire-engine" and gate.holder != here.ident:
             unguarded.append(here.name)
         return original(self, *args, **kwargs)
 

@@ -112,6 +112,9 @@ class Engine:
             raise ValueError(f"max_length must be an int >= 2 (the model has no context length to default "
                              f"to), got {max_length!r}")
         self.lm, self.cached, self.head = lm, lm.cached, lm.head
+        # read once: `submit` runs on callers' threads (a server's event loop), where reading a Parameter
+        # while another thread traces (torch.fx patches nn.Module.__getattr__ process-wide) gives a Proxy
+        self.vocab_size = lm.vocab_size
         self.decode = lm._decoder()
         self.capacity, self.max_length, self.multiple = max_batch, max_length, multiple
         self.prefill_chunk, self.prefix_store = prefill_chunk, prefix_store
@@ -152,7 +155,7 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty; expected at least one token")
-        vocab = self.lm.vocab_size
+        vocab = self.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}); got values in [{min(prompt)}, {max(prompt)}]")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -369,7 +372,7 @@ class Engine:
         for name, value in inputs.items():
             self.inputs[name][row] = value
         if seq.repetition_penalty is not None:
-            seq.seen = torch.zeros(self.lm.vocab_size, dtype=torch.bool, device=self.device)
+            seq.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             seq.seen[torch.tensor(seq.prompt, device=self.device)] = True
 
     # -- decoding ---------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ class Gate:
     def __init__(self):
         self._cond = threading.Condition()
         self._stepping, self._held, self._waiting = False, False, 0
+        self.holder = None  # the thread id inside `exclusive()`, if any
 
     def checkpoint(self):
         with self._cond:
@@ -134,12 +135,12 @@ class Gate:
                     self._cond.wait()
             finally:
                 self._waiting -= 1
-            self._held = True
+            self._held, self.holder = True, threading.get_ident()
         try:
             yield
         finally:
             with self._cond:
-                self._held = False
+                self._held, self.holder = False, None
                 self._cond.notify_all()
 
 

@@ -162,11 +162,11 @@ def install_playground(app, served, model_name):
 
     @app.get("/kvwire/graph")
     async def graph():
-        version = served.version
+        version, model = served.version, served.model  # a vector added while drawing is the next version
         if version not in graphs:
-            svg = await asyncio.to_thread(served.exclusive, _graph_svg, served.model)
+            svg = await asyncio.to_thread(served.exclusive, _graph_svg, model)
             graphs.clear()
-            graphs[version] = {"svg": svg, "steer_nodes": served.steer_nodes(), "version": version}
+            graphs[version] = {"svg": svg, "steer_nodes": served.steer_nodes(model), "version": version}
         return graphs[version]
 
     @app.post("/kvwire/sweep")

@@ -90,10 +90,10 @@ class ServedVectors:
         return {"name": name, "layers": vector.layers, "width": vector.width, "method": vector.method or None,
                 "model_hint": vector.model_hint or None}
 
-    def steer_nodes(self):
-        """{graph node name: control-vector name} for the served backbone's Steer layers (how the
-        page tells which orange box of the graph belongs to which vector)."""
-        backbone = self.model.backbone
+    def steer_nodes(self, model=None):
+        """{graph node name: control-vector name} for the Steer layers of `model`'s backbone (default:
+        the served model); how the page tells which orange box of the graph belongs to which vector."""
+        backbone = (self.model if model is None else model).backbone
         nodes = {}
         for node in getattr(backbone, "graph", None).nodes if hasattr(backbone, "graph") else ():
             if node.op == "call_module":
