@@ -110,14 +110,14 @@ class Gate:
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._stepping, self._held, self._waiting = False, False, 0
-        self.holder = None  # the thread id inside `exclusive()`, if any
+        self._stepping, self._waiting = False, 0
+        self.holder = None  # the id of the thread inside `exclusive()`, if any
 
     def checkpoint(self):
         with self._cond:
             self._stepping = False
             self._cond.notify_all()
-            while self._held or self._waiting:
+            while self.holder is not None or self._waiting:
                 self._cond.wait()
             self._stepping = True
 
@@ -131,16 +131,16 @@ class Gate:
         with self._cond:
             self._waiting += 1
             try:
-                while self._stepping or self._held:
+                while self._stepping or self.holder is not None:
                     self._cond.wait()
             finally:
                 self._waiting -= 1
-            self._held, self.holder = True, threading.get_ident()
+            self.holder = threading.get_ident()
         try:
             yield
         finally:
             with self._cond:
-                self._held, self.holder = False, None
+                self.holder = None
                 self._cond.notify_all()
 
 
