@@ -1,6 +1,5 @@
 """The real default model (Gemma 3 270M, Q4_K_M GGUF from a PyPI package) against transformers'
 own GGUF loader on the same file. Marked `real`: these load the model twice and take minutes."""
-import os
 from pathlib import Path
 
 import pytest

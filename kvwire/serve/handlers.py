@@ -22,9 +22,6 @@ class Handlers:
     def __init__(self, lm, model_name, bridge, names):
         self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
         self.tokenizer = lm.tokenizer
-        # read once, before any thread runs: on the event loop a Parameter read while a vector trains
-        # (torch.fx patches nn.Module.__getattr__ process-wide) is a Proxy; steered models share it
-        self.vocab_size = lm.vocab_size
 
     def use(self, lm, names):
         """Serve a new steered model of the same base (a control vector was added); on the loop."""
@@ -73,8 +70,9 @@ class Handlers:
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         submits = []
         for ids in rows:
-            if ids and max(ids) >= self.vocab_size:
-                raise APIError(f"the tokenizer gave id {max(ids)} but the model has {self.vocab_size} tokens",
+            vocab = self.bridge.engine.vocab_size  # read once by the engine: no Parameter read on the loop
+            if ids and max(ids) >= vocab:
+                raise APIError(f"the tokenizer gave id {max(ids)} but the model has {vocab} tokens",
                                status=500, type="server_error")
             new = options.budget(body, len(ids), self.bridge.engine.max_length)
             for j in range(n):  # choice j of a prompt draws from seed + j, as generate's rows
