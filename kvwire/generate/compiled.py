@@ -80,7 +80,10 @@ def _with_passes(options):
         return options
     from ..quant.ggml.fuse import FuseSiblingMatmuls
 
-    inductor = {"post_grad_custom_post_pass": FuseSiblingMatmuls(), **(options.get("options") or {})}
+    # reorder_for_locality would move the attention's read of a value cache below that cache's
+    # one-slot write, and Inductor then copies the whole cache out and back instead of writing it in place
+    inductor = {"post_grad_custom_post_pass": FuseSiblingMatmuls(), "reorder_for_locality": False,
+                **(options.get("options") or {})}
     return {**options, "options": inductor}
 
 

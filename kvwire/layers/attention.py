@@ -84,8 +84,8 @@ class Attention(Layer):
     def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
         """x (B, T, D), positions (B, T), cache_index () or (B,) int (one write index for the batch,
         or one per row), attention_mask (B, max_length) bool, cache (key, value) ->
-        (out (B, T, D), next cache). Writes the chunk into the cache in place
-        (functionally, returning new tensors, while being compiled or exported)."""
+        (out (B, T, D), next cache). Writes the chunk into the cache in place (functionally,
+        returning new tensors, while being exported or compiled with autograd on)."""
         k_cache, v_cache = cache
         T, slots = x.shape[1], k_cache.shape[2]
         q, k, v = self._project(x, positions)
@@ -93,7 +93,10 @@ class Attention(Layer):
         old = shared(slot_mask, cache_index, T, slots, self.sliding_window, attention_mask)
         new = shared(chunk_mask, cache_index, T, self.sliding_window, attention_mask)
         out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)])
-        if torch.compiler.is_compiling():  # exporters and compilers: functional, shape-free update
+        # Exported programs (and graphs compiled for autograd, which keeps the cache read above for
+        # the backward pass) take a functional, shape-free update; eager and compiled generation write
+        # in place: the functional form copies every slot of every cache each step.
+        if torch.compiler.is_exporting() or (torch.compiler.is_compiling() and torch.is_grad_enabled()):
             source, take = shared(ring_sources, cache_index, T, slots)
             k_cache, v_cache = _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
         else:
@@ -192,11 +195,13 @@ def _merged(cache, new, source, take):
 def _write(cache, index, tail):
     """cache[:, :, index] = tail in place: index (n,), or (B, n) for one set of slots per row (no
     slot twice in a row: the tail is at most as long as the cache)."""
+    # index_put_, not index_copy_ / scatter_: Inductor writes an index_put_ on a compiled step's
+    # cache input in place, where the others become a copy of the whole cache and a copy back
     if index.dim() == 1:
-        cache.index_copy_(2, index, tail)
+        cache[:, :, index] = tail
     else:
-        B, H, n, hd = tail.shape
-        cache.scatter_(2, index[:, None, :, None].expand(B, H, n, hd), tail)
+        rows = torch.arange(tail.shape[0], device=index.device)[:, None]
+        cache[rows, :, index] = tail.transpose(1, 2)  # advanced indices first: (B, n, H, hd)
 
 
 def _broadcast_matmul(a, b):
