@@ -1,0 +1,91 @@
+"""What bounds a batch-1 decode step on GGUF blocks: ggml's matmuls alone, streamed and in cache.
+
+    python bench/decode_bound.py [--model smollm2-135m-instruct | gemma3-270m] [--threads 2] [--repeat 20]
+
+Runs one decode step's matmuls of the preset on ggml's kernels (every `GGMLLinear` of
+`kw.load(model, quantize="gguf")`, one activation row each, q/k/v and gate/up fused as generation
+runs them), with nothing else around them:
+- streamed: each layer's own weights, as a step reads them (the file's blocks from memory);
+- in cache: the first layer's weights for every layer (a working set of a few MB), the same calls;
+- the head alone;
+and how fast this machine streams memory (torch's sum over a 256 MB tensor). If "in cache" is not
+much faster than "streamed" while memory streams far faster than the kernels read their blocks,
+the kernels' arithmetic, not memory, bounds the step (as on the AMD EPYC of session 16: see README).
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import header  # noqa: E402
+
+
+def decode_calls(lm):
+    """[(x (1, in), [blocks], [qtypes])] per layer: one decode step's ggml calls (fused as generation
+    fuses them: modules reading the same input go in one call), and the head's call."""
+    import torch
+    from kvwire.quant.ggml.linear import GGMLLinear
+
+    groups, head = {}, None  # (layer, attention or MLP, output projection?) -> the modules reading one input
+    for name, module in lm.named_modules():
+        if isinstance(module, GGMLLinear) and name.split(".")[0] == "head":  # a tied head's blocks too
+            head = module
+        elif isinstance(module, GGMLLinear):
+            parent, leaf = name.rsplit(".", 1)
+            groups.setdefault((parent.rsplit(".", 1)[0], parent, leaf in ("o_proj", "down_proj")), []).append(module)
+    layers = {}
+    for (prefix, _, _), modules in groups.items():
+        width = modules[0].in_features
+        call = (torch.randn(1, width), [m.blocks for m in modules], [int(m.qtype) for m in modules], width)
+        layers.setdefault(prefix, []).append(call)
+    head_call = None if head is None else (torch.randn(1, head.in_features), [head.blocks], [int(head.qtype)],
+                                           head.in_features)
+    return list(layers.values()), head_call
+
+
+def run(calls):
+    import torch
+
+    for x, blocks, qtypes, width in calls:
+        torch.ops.kvwire.ggml_matmuls(x, blocks, qtypes, width)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", choices=["gemma3-270m", "smollm2-135m-instruct"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    import torch
+    import kvwire as kw
+
+    torch.set_num_threads(args.threads)
+    print(header(args.threads))
+    lm = kw.load(args.model, quantize="gguf", progress=False)
+    layers, head = decode_calls(lm)
+    streamed = [call for layer in layers for call in layer]
+    in_cache = layers[0] * len(layers)
+    size = lambda calls: sum(b.numel() for _, blocks, _, _ in calls for b in blocks) / 1e6  # noqa: E731
+    first_layer = sum(b.numel() for _, blocks, _, _ in layers[0] for b in blocks) / 1e6
+    print(f"model: {args.model}, {len(layers)} layers, {len(streamed)} layer calls a step "
+          f"({size(streamed):.1f} MB of blocks){'' if head is None else f', head {size([head]):.1f} MB'}")
+    rows = [("layers, streamed", streamed, size(streamed)), (f"layers, in cache ({first_layer:.1f} MB set)",
+                                                              in_cache, size(in_cache))]
+    if head is not None:
+        rows += [("head", [head], size([head])), ("layers + head, streamed", streamed + [head], size(streamed + [head]))]
+    big = torch.ones(64 * 1024 * 1024)
+    rows.append(("memory, torch sum of 256 MB", None, big.numel() * 4 / 1e6))
+    jobs = [(lambda calls=calls: run(calls)) if calls is not None else big.sum for _, calls, _ in rows]
+    best = [float("inf")] * len(rows)
+    for _ in range(args.repeat):  # interleaved, best of each: a noisy machine's drift hits all rows
+        for i, job in enumerate(jobs):
+            start = time.perf_counter()
+            job()
+            best[i] = min(best[i], time.perf_counter() - start)
+    for (label, _, mb), seconds in zip(rows, best):
+        print(f"{label:34} {seconds * 1e3:7.2f} ms  {mb / 1e3 / seconds:6.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
