@@ -32,7 +32,7 @@ def decode_rate(stamps):
 def kvwire_stamps(lm):
     """run(ids, n) -> [(tokens so far, time)] as kvwire streams n tokens after the prompt `ids`."""
     def run(ids, n):
-        prompt = lm.tokenizer.decode(ids)  # stream takes text; the same ids as encoded from it
+        prompt = lm.tokenizer.decode(ids)  # stream takes text (main checks it encodes to these ids)
         stamps = [(len(record.tokens[0]), time.perf_counter()) for _, record in
                   lm.stream_with_record(prompt, max_new_tokens=n, ignore_eos=True, logprobs=False)]
         assert stamps[-1][0] == n, f"kvwire streamed {stamps[-1][0]} tokens, not {n}"
@@ -81,12 +81,15 @@ def main():
     ids = lm.tokenizer.encode(TEXT)
     if len(ids) < max(args.contexts):
         raise SystemExit(f"the bench text has {len(ids)} tokens; contexts go up to {max(args.contexts)}")
+    for context in args.contexts:  # kvwire streams text: its prompt must be llama.cpp's ids
+        if lm.tokenizer.encode(lm.tokenizer.decode(ids[:context])) != ids[:context]:
+            raise SystemExit(f"the first {context} tokens do not survive decode + encode; pick another length")
     print(f"model: {args.model} ({os.path.basename(str(gguf))}, {file_type}); decode tokens/s at batch 1, "
           f"{args.new_tokens} new tokens after a prompt of each length; best of {args.repeat}")
     best = {name: {c: 0.0 for c in args.contexts} for name in runners}
     for context in args.contexts:
-        for run in runners.values():  # warm up: compiles this context's cache bucket
-            run(ids[:context], 3)
+        for run in runners.values():  # warm up: compiles the cache bucket the timed runs use
+            run(ids[:context], args.new_tokens)
     for _ in range(args.repeat):
         for context in args.contexts:
             for name, run in runners.items():

@@ -10,6 +10,7 @@ import pytest
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 sys.path.insert(0, BENCH)
 import common  # noqa: E402
+import context  # noqa: E402
 import generate  # noqa: E402
 
 PEER = """
@@ -132,3 +133,11 @@ def test_prompt_rows_are_distinct_lists_of_one_length():
     rows = generate.prompt_ids(generate.counting, 16, 4)
     assert [len(r) for r in rows] == [16] * 4 and len({tuple(r) for r in rows}) == 4
     assert {r[0] for r in rows} == {100}  # the first token (BOS in a real prompt) is kept
+
+
+def test_decode_rate_counts_the_tokens_after_the_first_arrival():
+    # (tokens so far, seconds): the prefill before the first token is not in the rate; a streamed
+    # piece may carry several tokens
+    assert context.decode_rate([(1, 10.0), (2, 10.5), (4, 11.0)]) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="more tokens at a later time"):
+        context.decode_rate([(3, 10.0), (3, 11.0)])

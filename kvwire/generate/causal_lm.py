@@ -115,7 +115,10 @@ class CausalLM(nn.Module):
         each new cache length: lengths are rounded up to `bucket` * 2^k slots, so calls with
         different lengths share compiled steps and a long context compiles a few times, not often.
         Prefill stays eager. `options` go to `torch.compile`; with Inductor (the default) kvwire
-        adds a pass that runs ggml matmuls reading one input as one call. Returns self.
+        adds a pass that runs ggml matmuls reading one input as one call, and turns off Inductor's
+        `reorder_for_locality` so the step writes one slot of each cache in place (with `mode=`,
+        another backend or that option set, the step returns updated copies of the caches).
+        Returns self.
 
         Example:
             >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()

@@ -19,7 +19,11 @@ swapped in place, is followed by `lm.reset_caches()`, which drops this object) a
 still finds would need a new graph (say its tensors were made in inference mode, generation's
 were not) is refused before it runs and goes again with every guard, compiling what it needs.
 """
+import contextlib
+
 import torch
+
+from ..layers.attention import in_place_cache_writes
 
 
 class CompiledDecode:
@@ -41,7 +45,11 @@ class CompiledDecode:
             hidden, cache = graph(token_ids, positions, cache_index, attention_mask, cache, *extra)
             return head(hidden[:, -1]), cache
 
-        self.step = torch.compile(step, dynamic=False, **_with_passes(options))
+        options = _with_passes(options)
+        self.step = torch.compile(step, dynamic=False, **options)
+        # caches written in place where the Inductor pass that would copy them back is off
+        self.writes = in_place_cache_writes if options.get("options", {}).get("reorder_for_locality") is False \
+            else contextlib.nullcontext
         self.seen = set()  # call signatures that run without compiling
 
     def length(self, max_length, limit=None):
@@ -59,12 +67,13 @@ class CompiledDecode:
         args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
         if key not in self.seen:  # every guard; seen once a call of this signature compiled nothing new
             graphs = _compiled_graphs()
-            out = self.step(*args)
+            with self.writes():
+                out = self.step(*args)
             if _compiled_graphs() == graphs:
                 self.seen.add(key)
             return out
         try:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True), self.writes():
                 return self.step(*args)
         except RuntimeError as e:  # raised before running: a guard outside the key (e.g. tensors
             if "Recompilation triggered" not in str(e):  # made outside inference mode) differs

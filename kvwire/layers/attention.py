@@ -6,6 +6,8 @@ then the chunk is written into the cache. Attending to two blocks (rather than w
 what lets a sliding-window ring buffer of `window - 1` slots serve any chunk length, even one
 longer than the window, and it reads the cache in place instead of concatenating a copy of it.
 """
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -16,6 +18,7 @@ from .norm import as_float32
 from .shared import shared
 
 FLASH_ROWS = 64  # query rows per key/value head from which the fused kernel pays off
+_compiled_in_place = False  # see in_place_cache_writes
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -85,7 +88,8 @@ class Attention(Layer):
         """x (B, T, D), positions (B, T), cache_index () or (B,) int (one write index for the batch,
         or one per row), attention_mask (B, max_length) bool, cache (key, value) ->
         (out (B, T, D), next cache). Writes the chunk into the cache in place (functionally,
-        returning new tensors, while being exported or compiled with autograd on)."""
+        returning new tensors, while being exported or compiled, but for generation's compiled
+        decode step: see `in_place_cache_writes`)."""
         k_cache, v_cache = cache
         T, slots = x.shape[1], k_cache.shape[2]
         q, k, v = self._project(x, positions)
@@ -93,10 +97,8 @@ class Attention(Layer):
         old = shared(slot_mask, cache_index, T, slots, self.sliding_window, attention_mask)
         new = shared(chunk_mask, cache_index, T, self.sliding_window, attention_mask)
         out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)])
-        # Exported programs (and graphs compiled for autograd, which keeps the cache read above for
-        # the backward pass) take a functional, shape-free update; eager and compiled generation write
-        # in place: the functional form copies every slot of every cache each step.
-        if torch.compiler.is_exporting() or (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+        if torch.compiler.is_compiling() and not _writes_in_place():  # exporters and other compilers:
+            # a functional, shape-free update (it reads and writes every slot of the cache)
             source, take = shared(ring_sources, cache_index, T, slots)
             k_cache, v_cache = _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
         else:
@@ -180,6 +182,30 @@ class Attention(Layer):
         B, H, T, hd = out.shape
         out = out.transpose(1, 2).reshape(B, T, H * hd)
         return self.o_proj(out if out.dtype == dtype else out.to(dtype))
+
+
+@contextmanager
+def in_place_cache_writes():
+    """While torch.compile traces inside this scope, cached attention writes the chunk into the
+    cache in place (one slot a decode step) instead of returning updated copies of whole caches.
+    `CompiledDecode` uses it where it also keeps Inductor from undoing it (see compiled.py); an
+    export, or a graph compiled with autograd on (the attention saves the old cache for its
+    backward), stays functional. Read at trace time, on the tracing thread's call.
+
+    Example:
+        >>> with in_place_cache_writes():
+        ...     logits = compiled_step(token_ids, positions, cache_index, attention_mask, cache)
+    """
+    global _compiled_in_place
+    before, _compiled_in_place = _compiled_in_place, True
+    try:
+        yield
+    finally:
+        _compiled_in_place = before
+
+
+def _writes_in_place():
+    return _compiled_in_place and not torch.is_grad_enabled() and not torch.compiler.is_exporting()
 
 
 def _merged(cache, new, source, take):
