@@ -8,7 +8,8 @@ runs them), with nothing else around them:
 - streamed: each layer's own weights, as a step reads them (the file's blocks from memory);
 - in cache: the first layer's weights for every layer (a working set of a few MB), the same calls;
 - the head alone;
-and how fast this machine streams memory (torch's sum over a 256 MB tensor). If "in cache" is not
+and how fast this machine streams memory (torch's sum over a 256 MB tensor), and llama.cpp's whole
+decode step on the same file (timed from its tokens' arrival, in the same rounds). If "in cache" is not
 much faster than "streamed" while memory streams far faster than the kernels read their blocks,
 the kernels' arithmetic, not memory, bounds the step (as on the AMD EPYC of session 16: see README).
 """
@@ -19,6 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import header  # noqa: E402
+from context import decode_rate, llama_cpp_stamps  # noqa: E402
+from generate import TEXT, gguf_of  # noqa: E402
 
 
 def decode_calls(lm):
@@ -78,13 +81,27 @@ def main():
     rows.append(("memory, torch sum of 256 MB", None, big.numel() * 4 / 1e6))
     jobs = [(lambda calls=calls: run(calls)) if calls is not None else big.sum for _, calls, _ in rows]
     best = [float("inf")] * len(rows)
+    try:  # llama.cpp's whole step on the same file, 33 tokens after a 16-token prompt, same rounds
+        llama = llama_cpp_stamps(str(gguf_of(args.model, parser)[0]), args.threads, 64)
+        ids = lm.tokenizer.encode(TEXT)[:16]
+        rows.append(("llama.cpp, a whole decode step", None, None))
+        jobs.append(lambda: llama(ids, 33))
+        best.append(float("inf"))
+    except ImportError as e:
+        print(f"llama.cpp not timed: {e}")
     for _ in range(args.repeat):  # interleaved, best of each: a noisy machine's drift hits all rows
         for i, job in enumerate(jobs):
             start = time.perf_counter()
-            job()
-            best[i] = min(best[i], time.perf_counter() - start)
+            out = job()
+            took = time.perf_counter() - start if rows[i][2] is not None else 1 / decode_rate(out)
+            best[i] = min(best[i], took)
     for (label, _, mb), seconds in zip(rows, best):
-        print(f"{label:34} {seconds * 1e3:7.2f} ms  {mb / 1e3 / seconds:6.1f} GB/s")
+        rate = f"{mb / 1e3 / seconds:6.1f} GB/s" if mb is not None else ""
+        print(f"{label:34} {seconds * 1e3:7.2f} ms  {rate}")
+    if rows[-1][2] is None and head is not None:
+        floor = best[[label for label, _, _ in rows].index("layers + head, streamed")]
+        print(f"llama.cpp's step / the matmuls alone: {best[-1] / floor:.2f}x, the most any code around "
+              f"these kernels could gain over llama.cpp")
 
 
 if __name__ == "__main__":
