@@ -48,7 +48,7 @@ class CompiledDecode:
         options = _with_passes(options)
         self.step = torch.compile(step, dynamic=False, **options)
         # caches written in place where the Inductor pass that would copy them back is off
-        self.writes = in_place_cache_writes if options.get("options", {}).get("reorder_for_locality") is False \
+        self.writes = in_place_cache_writes if (options.get("options") or {}).get("reorder_for_locality") is False \
             else contextlib.nullcontext
         self.seen = set()  # call signatures that run without compiling
 
