@@ -47,6 +47,12 @@ def decode_calls(lm):
     return list(layers.values()), head_call
 
 
+def seconds_of(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
 def run(calls):
     import torch
 
@@ -70,39 +76,35 @@ def main():
     streamed = [call for layer in layers for call in layer]
     in_cache = layers[0] * len(layers)
     size = lambda calls: sum(b.numel() for _, blocks, _, _ in calls for b in blocks) / 1e6  # noqa: E731
-    first_layer = sum(b.numel() for _, blocks, _, _ in layers[0] for b in blocks) / 1e6
     print(f"model: {args.model}, {len(layers)} layers, {len(streamed)} layer calls a step "
           f"({size(streamed):.1f} MB of blocks){'' if head is None else f', head {size([head]):.1f} MB'}")
-    rows = [("layers, streamed", streamed, size(streamed)), (f"layers, in cache ({first_layer:.1f} MB set)",
-                                                              in_cache, size(in_cache))]
+    # (label, job returning the seconds it measured, MB read or None)
+    rows = [("layers, streamed", lambda: seconds_of(run, streamed), size(streamed)),
+            (f"layers, in cache ({size(layers[0]):.1f} MB set)", lambda: seconds_of(run, in_cache), size(in_cache))]
     if head is not None:
-        rows += [("head", [head], size([head])), ("layers + head, streamed", streamed + [head], size(streamed + [head]))]
+        both = streamed + [head]
+        rows += [("head", lambda: seconds_of(run, [head]), size([head])),
+                 ("layers + head, streamed", lambda: seconds_of(run, both), size(both))]
     big = torch.ones(64 * 1024 * 1024)
-    rows.append(("memory, torch sum of 256 MB", None, big.numel() * 4 / 1e6))
-    jobs = [(lambda calls=calls: run(calls)) if calls is not None else big.sum for _, calls, _ in rows]
-    best = [float("inf")] * len(rows)
+    rows.append(("memory, torch sum of 256 MB", lambda: seconds_of(big.sum), big.numel() * 4 / 1e6))
     try:  # llama.cpp's whole step on the same file, 33 tokens after a 16-token prompt, same rounds
         llama = llama_cpp_stamps(str(gguf_of(args.model, parser)[0]), args.threads, 64)
         ids = lm.tokenizer.encode(TEXT)[:16]
-        rows.append(("llama.cpp, a whole decode step", None, None))
-        jobs.append(lambda: llama(ids, 33))
-        best.append(float("inf"))
+        rows.append(("llama.cpp, a whole decode step", lambda: 1 / decode_rate(llama(ids, 33)), None))
     except ImportError as e:
         print(f"llama.cpp not timed: {e}")
+    best = [float("inf")] * len(rows)
     for _ in range(args.repeat):  # interleaved, best of each: a noisy machine's drift hits all rows
-        for i, job in enumerate(jobs):
-            start = time.perf_counter()
-            out = job()
-            took = time.perf_counter() - start if rows[i][2] is not None else 1 / decode_rate(out)
-            best[i] = min(best[i], took)
+        for i, (_, job, _) in enumerate(rows):
+            best[i] = min(best[i], job())
     for (label, _, mb), seconds in zip(rows, best):
         rate = f"{mb / 1e3 / seconds:6.1f} GB/s" if mb is not None else ""
         print(f"{label:34} {seconds * 1e3:7.2f} ms  {rate}")
-    if rows[-1][2] is None and head is not None:
-        floor = best[[label for label, _, _ in rows].index("layers + head, streamed")]
+    labels = [label for label, _, _ in rows]
+    if labels[-1].startswith("llama.cpp") and head is not None:
+        floor = best[labels.index("layers + head, streamed")]
         print(f"llama.cpp's step / the matmuls alone: {best[-1] / floor:.2f}x, the most any code around "
               f"these kernels could gain over llama.cpp")
-
 
 if __name__ == "__main__":
     main()
