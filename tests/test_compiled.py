@@ -1,5 +1,5 @@
-"""`lm.compile()`: the compiled decode step gives eager's tokens, batches and steering included,
-and calls with different lengths share one compiled step."""
+"""`lm.compile()`: the compiled decode step and short prompts give eager's tokens, batches and
+steering included, and calls with different lengths share one compiled step."""
 import pytest
 import torch
 
@@ -37,10 +37,11 @@ def test_compiled_decode_gives_eager_tokens(family, quantize):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert _greedy(steered, prompts, 6) == short  # a shorter call: same 32-slot cache, no new compile
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    if quantize:  # per layer q/k/v and gate/up run as two fused ggml calls; o, down and the head single
-        layers = lm.config.num_hidden_layers
-        assert sum(c.count("torch.ops.kvwire.ggml_matmuls.default(") for c in code) == 2 * layers
-        assert sum(c.count("torch.ops.kvwire.ggml_matmul.default(") for c in code) == 2 * layers + 1
+    if quantize:  # per layer q/k/v and gate/up run as two fused ggml calls; o, down and the head single,
+        layers = lm.config.num_hidden_layers  # in the prompts' graph and in the decode step's
+        calls = [(c.count("torch.ops.kvwire.ggml_matmuls.default("), c.count("torch.ops.kvwire.ggml_matmul.default("))
+                 for c in code if "ggml_matmul" in c]
+        assert calls == [(2 * layers, 2 * layers + 1)] * 2
 
 
 def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing():
@@ -116,6 +117,53 @@ def test_compiled_decode_writes_one_slot_of_the_caches_in_place(per_row):
     # no buffer of a cache's shape is made: a functional update (or its copy back) would need one
     shape = ", ".join(map(str, compiled_cache[0][0].shape))
     assert "def call(" in "\n".join(code) and not re.search(rf"empty_strided_\w+\(\({shape}\)", "\n".join(code))
+
+
+def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
+    """A prompt of 2 to PREFILL_TOKENS tokens runs compiled, every length through one graph (its
+    length is dynamic), written into the caches in place; a longer one runs eager. Mistral: a window
+    of 5 on every layer, so chunks longer than a ring cache (4 slots) are covered too."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from kvwire.generate.compiled import PREFILL_TOKENS
+
+    torch._dynamo.reset()
+    if _exporting_inside_compile():
+        pytest.skip("this torch reports is_exporting() inside torch.compile: the update stays functional")
+    lm = kw.from_hf(FAMILIES["mistral"]())
+    g = torch.Generator().manual_seed(0)
+    short = [torch.randint(0, 96, (n,), generator=g) for n in (6, 9, PREFILL_TOKENS)]
+    long = torch.randint(0, 96, (PREFILL_TOKENS + 1,), generator=g)
+    eager = [_greedy(lm, [p], 4) for p in short] + [_greedy(lm, short[:2], 4), _greedy(lm, [long], 4)]
+    lm.compile(bucket=64)
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    before = graphs()
+    tokens, code = run_and_get_code(lambda: _greedy(lm, [short[0]], 4))
+    assert tokens == eager[0]
+    assert graphs() == before + 2  # the prompt's graph and the decode step's
+    shape = ", ".join(map(str, lm.cached.init_cache(1, 64)[0][0].shape))  # no copy of a cache in either
+    assert len(code) == 2 and not re.search(rf"empty_strided_\w+\(\({shape}\)", "\n".join(code))
+    assert [_greedy(lm, [p], 4) for p in short[1:]] == eager[1:3]  # other lengths: no new graph
+    assert graphs() == before + 2
+    assert _greedy(lm, short[:2], 4) == eager[3]  # a left-padded batch of two: a graph for B = 2
+    assert _greedy(lm, [long], 4) == eager[4]  # eager prefill, then the compiled step
+    assert graphs() == before + 4
+
+    decode, cached = lm._decoder(), lm.cached
+    mask = torch.ones(1, 64, dtype=torch.bool)  # tensors made as generation makes them (the engine's mask
+    with torch.inference_mode():  # outside inference mode): the graph compiled above serves the call
+        ids, positions = short[1][None].clone(), torch.arange(9)[None]
+        cache, eager_cache = cached.init_cache(1, 64), cached.init_cache(1, 64)
+        logits, out = decode(ids, positions, torch.tensor(0), mask, cache, ())
+        hidden, _ = cached(ids, positions, 0, mask, eager_cache)
+    assert graphs() == before + 4
+    torch.testing.assert_close(logits, lm.head(hidden[:, -1]), atol=1e-4, rtol=1e-4)
+    for (k, v), (ek, ev), (ok, ov) in zip(cache, eager_cache, out):
+        torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)  # written into the given caches
+        torch.testing.assert_close(v, ev, atol=1e-5, rtol=1e-5)
+        assert ok.data_ptr() == k.data_ptr() and ov.data_ptr() == v.data_ptr()
 
 
 def test_compiled_decode_with_a_mode_keeps_the_functional_update():

@@ -1,4 +1,5 @@
-"""A `torch.compile`d decode step: the cached graph and the head for one token per row.
+"""A `torch.compile`d decode step: the cached graph and the head for one token per row, and for
+a prompt's short last chunk.
 
 Decode at batch 1 runs ~2,700 small ops a token; eager PyTorch pays ~5 us of dispatch for each,
 more than the weights cost to stream once they are 4-8 bits. Compiled, Inductor fuses the norms,
@@ -8,6 +9,11 @@ times a power of two: calls with different `max_length` share compiled steps, a 
 costs a logarithmic number of compiles, and a short one attends over few slots (decode reads
 every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default model). With
 Inductor, ggml matmuls that read one input run as one call (`quant/ggml/fuse.py`).
+
+A prompt's last chunk of 2 to `PREFILL_TOKENS` tokens runs through the same compiled function, with
+its length dynamic: one more graph per batch size and cache length serves every short prompt (eager,
+a 32-token prompt pays ~10-15 ms of small ops around the same ggml kernels). Longer chunks stay eager,
+where the fused flash attention and many-row matrix products pay and small ops do not matter.
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
 call of a signature (batch, cache length, one cache index or one per row, input / cache / weight
@@ -25,10 +31,16 @@ import torch
 
 from ..layers.attention import in_place_cache_writes
 
+# Longest prompt chunk run compiled. Also where ggml's Q4_1 / Q5_1 matmuls switch kernels
+# (quant/ggml/linear.py's MANY_ROWS), which would split a longer dynamic range into two graphs.
+PREFILL_TOKENS = 32
+RECOMPILE_LIMIT = 64
+
 
 class CompiledDecode:
-    """decode(ids (B, 1), positions (B, 1), cache_index () or (B,), mask (B, L), cache, extra) ->
-    (logits (B, V), cache): the same values as the eager cached graph + head, compiled.
+    """decode(ids (B, T), positions (B, T), cache_index () or (B,), mask (B, L), cache, extra) ->
+    (logits (B, V) of the last position, cache): the same values as the eager cached graph + head,
+    compiled. T is 1 (a decode step) or, for a prompt chunk, up to `PREFILL_TOKENS` (`takes`).
 
     Example:
         >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()
@@ -59,15 +71,28 @@ class CompiledDecode:
             rounded *= 2
         return rounded if limit is None or max_length > limit else min(rounded, limit)
 
+    def takes(self, tokens, max_length):
+        """Whether a prompt chunk of `tokens` tokens per row into caches of `max_length` slots runs
+        compiled: a short chunk, into caches of a length the decode steps use (a prefill's scratch
+        cache of the prompt's own length would compile a graph for every length)."""
+        return 1 <= tokens <= PREFILL_TOKENS and self.length(max_length) == max_length
+
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
-        key = (token_ids.device, tuple(token_ids.shape), tuple(attention_mask.shape), tuple(cache_index.shape),
+        chunk = token_ids.shape[1]
+        if chunk > 1:  # one graph for the chunk lengths (T = 1 keeps the static decode graph); more
+            for t in (token_ids, positions):  # where a graph compares T with a ring cache's slots
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+        key = (token_ids.device, token_ids.shape[0], min(chunk, 2),  # a step, or a chunk of any length
+               tuple(attention_mask.shape), tuple(cache_index.shape),
                tuple(t.dtype for t in extra),
                cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
         if key not in self.seen:  # every guard; seen once a call of this signature compiled nothing new
             graphs = _compiled_graphs()
-            with self.writes():
+            # every batch size, cache length and chunk kind is a graph of the one `step` code
+            # (shared by all instances): past dynamo's default of 8 it would run eager
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), self.writes():
                 out = self.step(*args)
             if _compiled_graphs() == graphs:
                 self.seen.add(key)

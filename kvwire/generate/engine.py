@@ -30,7 +30,7 @@ from ..io.heap import give_back_freed_memory
 from .loop import Stopper, nonfinite_error, penalize
 from .prefix import PrefixStore, copy_positions
 from .samplers import Greedy
-from .session import decode_step, left_pad
+from .session import decode_step, left_pad, prefill_chunk
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _numbers = itertools.count(1)
@@ -579,11 +579,12 @@ class _Prefill:
 
     def advance(self):
         """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""
-        end, stop = self.ids.shape[1], self._stop()
-        hidden, self.cache = self.engine.cached(self.ids[:, self.at:stop], self.positions[:, self.at:stop],
-                                                self.at, self.mask, self.cache, **self.inputs)
+        engine, end, stop = self.engine, self.ids.shape[1], self._stop()
+        logits, self.cache = prefill_chunk(engine.cached, engine.head, engine.decode, self.ids[:, self.at:stop],
+                                           self.positions[:, self.at:stop], self.at, self.mask, self.cache,
+                                           self.inputs, last=stop == end)
         self.at = stop
-        return self.engine.head(hidden[:, -1]) if stop == end else None
+        return logits
 
 
 def _take(t, rows):

@@ -27,6 +27,17 @@ def decode_step(cached, head, decode, tokens, positions, cache_index, mask, cach
     return decode(tokens[:, None], positions, cache_index, mask, cache, extra)
 
 
+def prefill_chunk(cached, head, decode, ids, positions, start, mask, cache, inputs, last=True):
+    """A chunk of prompt tokens per row through the cached graph: ids, positions (B, T), start (int,
+    the chunk's first slot) -> (logits (B, V) after the chunk, or None when not `last`; next cache).
+    A last chunk that `decode` (a `CompiledDecode`, or None) takes runs compiled."""
+    if decode is not None and last and decode.takes(ids.shape[1], mask.shape[1]):
+        index = cached.check_call(ids, positions, torch.tensor(start, device=ids.device), mask, cache)
+        return decode(ids, positions, index, mask, cache, cached.runtime_values(ids.shape[0], inputs))
+    hidden, cache = cached(ids, positions, start, mask, cache, **inputs)
+    return (head(hidden[:, -1]) if last else None), cache
+
+
 class Session:
     """Runs one batch through a `CachedGraph` and a head: `prefill()` then `step(tokens)`.
 
@@ -88,6 +99,7 @@ class Session:
         self.inputs = {k: v[index] for k, v in self.inputs.items()}
 
     def _run(self, ids, positions):
-        hidden, self.cache = self.cached(ids, positions, self.index, self.mask, self.cache, **self.inputs)
+        logits, self.cache = prefill_chunk(self.cached, self.head, self.decode, ids, positions, self.index,
+                                           self.mask, self.cache, self.inputs)
         self.index += ids.shape[1]
-        return self.head(hidden[:, -1])
+        return logits
