@@ -71,7 +71,7 @@ def _generate(args):
     if args.compile:
         if args.runtime != "eager":
             raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
-        lm.compile()
+        lm.compile(prefill_tokens=0)  # one prompt a process: a prompt graph costs more to compile than it saves
     options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=sampler,
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:

@@ -1,5 +1,7 @@
 """`lm.compile()`: the compiled decode step and short prompts give eager's tokens, batches and
 steering included, and calls with different lengths share one compiled step."""
+import re
+
 import pytest
 import torch
 
@@ -59,10 +61,13 @@ def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing()
         torch.testing.assert_close(logits, lm.head(hidden[:, -1]), atol=1e-4, rtol=1e-4)
 
 
-def test_bad_bucket():
+def test_bad_bucket_or_prefill_tokens():
     lm = kw.from_hf(FAMILIES["gpt2"]())
     with pytest.raises(ValueError, match="bucket must be a positive int .* got 0"):
         lm.compile(bucket=0)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"prefill_tokens must be an int >= 0 .* got " + re.escape(repr(bad))):
+            lm.compile(prefill_tokens=bad)
 
 
 def test_cache_lengths_round_up_to_bucket_times_a_power_of_two():
@@ -86,7 +91,6 @@ def test_compiled_decode_writes_one_slot_of_the_caches_in_place(per_row):
     does, and copies no whole cache: Inductor's locality reordering once moved the attention's read
     of a value cache below that cache's write, and the step then copied every value cache out and
     back each token (a 900-token context decoded 1.27x slower on SmolLM2)."""
-    import re
 
     from torch._inductor.utils import run_and_get_code
 
@@ -123,7 +127,6 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
     """A prompt of 2 to PREFILL_TOKENS tokens runs compiled, every length through one graph (its
     length is dynamic), written into the caches in place; a longer one runs eager. Mistral: a window
     of 5 on every layer, so chunks longer than a ring cache (4 slots) are covered too."""
-    import re
 
     from torch._inductor.utils import run_and_get_code
 
@@ -164,6 +167,11 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
         torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)  # written into the given caches
         torch.testing.assert_close(v, ev, atol=1e-5, rtol=1e-5)
         assert ok.data_ptr() == k.data_ptr() and ov.data_ptr() == v.data_ptr()
+
+    lm.compile(bucket=64, prefill_tokens=0)  # prompts stay eager: only the step's graph is new
+    before = graphs()
+    assert _greedy(lm, [short[0]], 4) == eager[0]
+    assert graphs() == before + 1
 
 
 def test_compiled_decode_with_a_mode_keeps_the_functional_update():

@@ -106,15 +106,19 @@ class CausalLM(nn.Module):
         if pack is not None:
             pack.clear()
 
-    def compile(self, bucket=64, **options):
-        """Run generation's one-token decode steps through `torch.compile` (cached graph + head).
+    def compile(self, bucket=64, prefill_tokens=32, **options):
+        """Run generation's one-token decode steps and short prompts through `torch.compile` (cached
+        graph + head).
 
         Pays where small ops dominate a step: quantised weights at batch 1 (measured in
         bench/compile.py and bench/generate.py). The first step of each batch size compiles (one to two
         minutes for the default model; Inductor caches it on disk for later processes), and so does
         each new cache length: lengths are rounded up to `bucket` * 2^k slots, so calls with
         different lengths share compiled steps and a long context compiles a few times, not often.
-        Prefill stays eager. `options` go to `torch.compile`; with Inductor (the default) kvwire
+        A prompt of 2 to `prefill_tokens` tokens runs through the same compiled function (its
+        length dynamic: one more graph per batch size and cache length, which doubles the first
+        call's compile); longer prompts, or all with `prefill_tokens=0`, prefill eagerly.
+        `options` go to `torch.compile`; with Inductor (the default) kvwire
         adds a pass that runs ggml matmuls reading one input as one call, and turns off Inductor's
         `reorder_for_locality` so the step writes one slot of each cache in place (with `mode=`,
         another backend or that option set, the step returns updated copies of the caches).
@@ -126,8 +130,8 @@ class CausalLM(nn.Module):
         """
         from .compiled import CompiledDecode
 
-        CompiledDecode(self.cached, self.head, bucket, **options)  # checks the options now
-        self._compile_options, self._decode = dict(options, bucket=bucket), None
+        CompiledDecode(self.cached, self.head, bucket, prefill_tokens, **options)  # checks the options now
+        self._compile_options, self._decode = dict(options, bucket=bucket, prefill_tokens=prefill_tokens), None
         self._caches = {}
         return self
 

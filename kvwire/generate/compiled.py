@@ -10,10 +10,11 @@ costs a logarithmic number of compiles, and a short one attends over few slots (
 every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default model). With
 Inductor, ggml matmuls that read one input run as one call (`quant/ggml/fuse.py`).
 
-A prompt's last chunk of 2 to `PREFILL_TOKENS` tokens runs through the same compiled function, with
-its length dynamic: one more graph per batch size and cache length serves every short prompt (eager,
-a 32-token prompt pays ~10-15 ms of small ops around the same ggml kernels). Longer chunks stay eager,
-where the fused flash attention and many-row matrix products pay and small ops do not matter.
+A prompt's last chunk of 2 to `prefill_tokens` (32) tokens runs through the same compiled function,
+with its length dynamic: one more graph per batch size and cache length serves every short prompt
+(eager, a 32-token prompt of the default model pays ~8 ms of small ops around the same ggml kernels;
+the extra graph doubles the first call's compile). Longer chunks stay eager, where the fused flash
+attention and many-row matrix products pay and small ops do not matter.
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
 call of a signature (batch, cache length, one cache index or one per row, input / cache / weight
@@ -31,7 +32,7 @@ import torch
 
 from ..layers.attention import in_place_cache_writes
 
-# Longest prompt chunk run compiled. Also where ggml's Q4_1 / Q5_1 matmuls switch kernels
+# Longest prompt chunk run compiled by default. Also where ggml's Q4_1 / Q5_1 matmuls switch kernels
 # (quant/ggml/linear.py's MANY_ROWS), which would split a longer dynamic range into two graphs.
 PREFILL_TOKENS = 32
 RECOMPILE_LIMIT = 64
@@ -40,17 +41,21 @@ RECOMPILE_LIMIT = 64
 class CompiledDecode:
     """decode(ids (B, T), positions (B, T), cache_index () or (B,), mask (B, L), cache, extra) ->
     (logits (B, V) of the last position, cache): the same values as the eager cached graph + head,
-    compiled. T is 1 (a decode step) or, for a prompt chunk, up to `PREFILL_TOKENS` (`takes`).
+    compiled. T is 1 (a decode step) or, for a prompt chunk, up to `prefill_tokens` (`takes`; 0:
+    prompts stay eager).
 
     Example:
         >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()
         >>> lm.generate("Once upon a time", max_new_tokens=64)   # first call compiles (~1 min)
     """
 
-    def __init__(self, cached, head, bucket=64, **options):
+    def __init__(self, cached, head, bucket=64, prefill_tokens=PREFILL_TOKENS, **options):
         if not isinstance(bucket, int) or bucket < 1:
             raise ValueError(f"bucket must be a positive int (the smallest cache length), got {bucket!r}")
-        self.bucket, self.head = bucket, head
+        if not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be an int >= 0 (the longest prompt run compiled; 0: none), "
+                             f"got {prefill_tokens!r}")
+        self.bucket, self.head, self.prefill_tokens = bucket, head, prefill_tokens
         graph = cached.graph_module
 
         def step(token_ids, positions, cache_index, attention_mask, cache, *extra):
@@ -75,7 +80,7 @@ class CompiledDecode:
         """Whether a prompt chunk of `tokens` tokens per row into caches of `max_length` slots runs
         compiled: a short chunk, into caches of a length the decode steps use (a prefill's scratch
         cache of the prompt's own length would compile a graph for every length)."""
-        return 1 <= tokens <= PREFILL_TOKENS and self.length(max_length) == max_length
+        return 1 <= tokens <= self.prefill_tokens and self.length(max_length) == max_length
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
         chunk = token_ids.shape[1]
