@@ -81,3 +81,19 @@ def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, ca
     torch.testing.assert_close(fused, dense, atol=1e-5, rtol=1e-5)
     bias, seen = attention._flash_bias(old, 4)
     assert (bias is None) == (cache_seen == "none") and (seen is None) == (cache_seen != "some rows")
+
+
+def test_layers_run_on_a_torch_without_is_exporting(monkeypatch):
+    """torch 2.6 (inside pyproject's range) has no `torch.compiler.is_exporting`: the layers that
+    ask (linear's one-row pack, attention's cache writes) read it as False there."""
+    import kvwire as kw
+    from kvwire.layers.tracing import is_exporting
+
+    from .conftest import FAMILIES
+
+    lm = kw.from_hf(FAMILIES["llama"]())
+    prompt = torch.tensor([[3, 17, 42, 9]])
+    expected = lm.generate(prompt, max_new_tokens=4, ignore_eos=True, return_logprobs=True).tokens
+    monkeypatch.delattr(torch.compiler, "is_exporting")
+    assert is_exporting() is False
+    assert lm.generate(prompt, max_new_tokens=4, ignore_eos=True, return_logprobs=True).tokens == expected

@@ -16,6 +16,7 @@ from .linear import Linear
 from .masks import chunk_mask, ring_indices, ring_sources, slot_mask
 from .norm import as_float32
 from .shared import shared
+from .tracing import is_exporting
 
 FLASH_ROWS = 64  # query rows per key/value head from which the fused kernel pays off
 _compiled_in_place = False  # see in_place_cache_writes
@@ -205,7 +206,7 @@ def in_place_cache_writes():
 
 
 def _writes_in_place():
-    return _compiled_in_place and not torch.is_grad_enabled() and not torch.compiler.is_exporting()
+    return _compiled_in_place and not torch.is_grad_enabled() and not is_exporting()
 
 
 def _merged(cache, new, source, take):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .cpu import bf16_gemm
+from .tracing import is_exporting
 
 SMALL_ROWS = 64
 _UPCAST = (torch.bfloat16, torch.float16)
@@ -68,7 +69,7 @@ class OneRowPack:
         self.after, self.calls = after, (None, 0)  # (weight key, one-row calls seen with it)
 
     def __call__(self, x, weight):
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # first: compilers cannot trace the rest
+        if torch.compiler.is_compiling() or is_exporting():  # first: compilers cannot trace the rest
             return None
         rows = x.numel() // x.shape[-1]
         if (rows != 1 or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
