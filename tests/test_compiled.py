@@ -140,6 +140,7 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
     short = [torch.randint(0, 96, (n,), generator=g) for n in (6, 9, PREFILL_TOKENS)]
     long = torch.randint(0, 96, (PREFILL_TOKENS + 1,), generator=g)
     eager = [_greedy(lm, [p], 4) for p in short] + [_greedy(lm, short[:2], 4), _greedy(lm, [long], 4)]
+    expected_tiny = _greedy(lm, [torch.tensor([4, 50, 7])], 4)
     lm.compile(bucket=64)
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     before = graphs()
@@ -167,6 +168,11 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
         torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)  # written into the given caches
         torch.testing.assert_close(v, ev, atol=1e-5, rtol=1e-5)
         assert ok.data_ptr() == k.data_ptr() and ov.data_ptr() == v.data_ptr()
+
+    # shorter than the ring caches: a length the prompt graph does not hold, compiled anew, not
+    # run through it with guards skipped
+    tiny = torch.tensor([4, 50, 7])
+    assert _greedy(lm, [tiny], 4) == expected_tiny
 
     lm.compile(bucket=64, prefill_tokens=0)  # prompts stay eager: only the step's graph is new
     before = graphs()

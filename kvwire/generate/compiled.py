@@ -87,8 +87,9 @@ class CompiledDecode:
         if chunk > 1:  # one graph for the chunk lengths (T = 1 keeps the static decode graph); more
             for t in (token_ids, positions):  # where a graph compares T with a ring cache's slots
                 torch._dynamo.maybe_mark_dynamic(t, 1)
-        key = (token_ids.device, token_ids.shape[0], min(chunk, 2),  # a step, or a chunk of any length
-               tuple(attention_mask.shape), tuple(cache_index.shape),
+        # each chunk length is checked against every guard once: a dynamic graph may hold for some
+        # lengths only (say those past a ring cache's slots), and skipping guards could run it on others
+        key = (token_ids.device, tuple(token_ids.shape), tuple(attention_mask.shape), tuple(cache_index.shape),
                tuple(t.dtype for t in extra),
                cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
