@@ -14,6 +14,11 @@ def _greedy(lm, prompts, n, **options):
     return lm.generate(prompts, max_new_tokens=n, ignore_eos=True, return_logprobs=True, **options).tokens
 
 
+def _graphs():
+    """Graphs dynamo has compiled in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 # compiling takes ~15-25 s a family from a cold Inductor cache (as in CI): GPT-2, Gemma 3 on ggml's
 # q8_0 kernels, and Phi-3 (a window on every layer, partial rotary) for the shared decoder's families.
 # One compile each: of the steered model, whose second row runs at strength 0 (the plain model).
@@ -36,9 +41,9 @@ def test_compiled_decode_gives_eager_tokens(family, quantize):
     steered.compile(bucket=32)
     tokens, code = run_and_get_code(lambda: _greedy(steered, prompts, 14))
     assert tokens == eager  # per-row strengths are compiled-step inputs
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = _graphs()
     assert _greedy(steered, prompts, 6) == short  # a shorter call: same 32-slot cache, no new compile
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert _graphs() == graphs
     if quantize:  # per layer q/k/v and gate/up run as two fused ggml calls; o, down and the head single,
         layers = lm.config.num_hidden_layers  # in the prompts' graph and in the decode step's
         calls = [(c.count("torch.ops.kvwire.ggml_matmuls.default("), c.count("torch.ops.kvwire.ggml_matmul.default("))
@@ -142,18 +147,17 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
     eager = [_greedy(lm, [p], 4) for p in short] + [_greedy(lm, short[:2], 4), _greedy(lm, [long], 4)]
     expected_tiny = _greedy(lm, [torch.tensor([4, 50, 7])], 4)
     lm.compile(bucket=64)
-    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
-    before = graphs()
+    before = _graphs()
     tokens, code = run_and_get_code(lambda: _greedy(lm, [short[0]], 4))
     assert tokens == eager[0]
-    assert graphs() == before + 2  # the prompt's graph and the decode step's
+    assert _graphs() == before + 2  # the prompt's graph and the decode step's
     shape = ", ".join(map(str, lm.cached.init_cache(1, 64)[0][0].shape))  # no copy of a cache in either
     assert len(code) == 2 and not re.search(rf"empty_strided_\w+\(\({shape}\)", "\n".join(code))
     assert [_greedy(lm, [p], 4) for p in short[1:]] == eager[1:3]  # other lengths: no new graph
-    assert graphs() == before + 2
+    assert _graphs() == before + 2
     assert _greedy(lm, short[:2], 4) == eager[3]  # a left-padded batch of two: a graph for B = 2
     assert _greedy(lm, [long], 4) == eager[4]  # eager prefill, then the compiled step
-    assert graphs() == before + 4
+    assert _graphs() == before + 4
 
     decode, cached = lm._decoder(), lm.cached
     mask = torch.ones(1, 64, dtype=torch.bool)  # tensors made as generation makes them (the engine's mask
@@ -162,22 +166,39 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
         cache, eager_cache = cached.init_cache(1, 64), cached.init_cache(1, 64)
         logits, out = decode(ids, positions, torch.tensor(0), mask, cache, ())
         hidden, _ = cached(ids, positions, 0, mask, eager_cache)
-    assert graphs() == before + 4
+    assert _graphs() == before + 4
     torch.testing.assert_close(logits, lm.head(hidden[:, -1]), atol=1e-4, rtol=1e-4)
     for (k, v), (ek, ev), (ok, ov) in zip(cache, eager_cache, out):
         torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)  # written into the given caches
         torch.testing.assert_close(v, ev, atol=1e-5, rtol=1e-5)
         assert ok.data_ptr() == k.data_ptr() and ov.data_ptr() == v.data_ptr()
 
-    # shorter than the ring caches: a length the prompt graph does not hold, compiled anew, not
-    # run through it with guards skipped
-    tiny = torch.tensor([4, 50, 7])
-    assert _greedy(lm, [tiny], 4) == expected_tiny
+    # shorter than the ring caches: a length the prompt graph does not hold, compiled anew
+    assert _greedy(lm, [torch.tensor([4, 50, 7])], 4) == expected_tiny
+    assert _graphs() == before + 5
 
     lm.compile(bucket=64, prefill_tokens=0)  # prompts stay eager: only the step's graph is new
-    before = graphs()
+    before = _graphs()
     assert _greedy(lm, [short[0]], 4) == eager[0]
-    assert graphs() == before + 1
+    assert _graphs() == before + 1
+
+
+def test_a_batch_of_short_prompts_on_q4_1_compiles_whole_graphs():
+    """Two prompts of 20 and 18 tokens are 40 rows, past where eager Q4_1 matmuls dequantise to a
+    float GEMM (a ctypes call, which would break a compiled graph into dozens): compiled graphs keep
+    ggml's op, so the batch costs two graphs (its prompts' and its steps') and gives eager's tokens."""
+    pytest.importorskip("llama_cpp")
+    torch._dynamo.reset()
+    lm = kw.from_hf(FAMILIES["gemma3"]())
+    kw.quantize(lm, "q4_1")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (20, 18)]
+    eager = _greedy(lm, prompts, 3)
+    lm.compile(bucket=32)
+    before, breaks = _graphs(), sum(torch._dynamo.utils.counters["graph_break"].values())
+    assert _greedy(lm, prompts, 3) == eager
+    assert _graphs() == before + 2
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
 
 
 def test_compiled_decode_with_a_mode_keeps_the_functional_update():

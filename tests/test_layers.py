@@ -84,8 +84,9 @@ def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, ca
 
 
 def test_layers_run_on_a_torch_without_is_exporting(monkeypatch):
-    """torch 2.6 (inside pyproject's range) has no `torch.compiler.is_exporting`: the layers that
-    ask (linear's one-row pack, attention's cache writes) read it as False there."""
+    """torch 2.6 (inside pyproject's range) has no `torch.compiler.is_exporting`: linear's one-row
+    pack, which asks on every eager call, reads it as False there (attention asks only while
+    compiling, which this torch's own compile needs the attribute for)."""
     import kvwire as kw
     from kvwire.layers.tracing import is_exporting
 

@@ -17,8 +17,8 @@ the extra graph doubles the first call's compile). Longer chunks stay eager, whe
 attention and many-row matrix products pay and small ops do not matter.
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
-call of a signature (batch, cache length, one cache index or one per row, input / cache / weight
-dtypes, grad mode) has run without compiling anything, later calls with it evaluate only the
+call of a signature (batch, tokens per row, cache length, one cache index or one per row, input /
+cache / weight dtypes, grad mode) has run without compiling anything, later calls with it evaluate only the
 guards that tell compiled variants apart (`skip_guard_eval_unsafe`): safe because nothing else
 those guards check changes between the steps of a generation, and an edit makes a new model (or,
 swapped in place, is followed by `lm.reset_caches()`, which drops this object) and so a new
@@ -32,10 +32,10 @@ import torch
 
 from ..layers.attention import in_place_cache_writes
 
-# Longest prompt chunk run compiled by default. Also where ggml's Q4_1 / Q5_1 matmuls switch kernels
-# (quant/ggml/linear.py's MANY_ROWS), which would split a longer dynamic range into two graphs.
+# Longest prompt chunk run compiled by default: measured there (bench/generate.py's prefill 32);
+# longer chunks keep eager's flash attention and, for Q4_1 / Q5_1, its dequantised float GEMM.
 PREFILL_TOKENS = 32
-RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT = 64  # graphs of the one `step` code, all instances together (see __call__)
 
 
 class CompiledDecode:
@@ -78,8 +78,10 @@ class CompiledDecode:
 
     def takes(self, tokens, max_length):
         """Whether a prompt chunk of `tokens` tokens per row into caches of `max_length` slots runs
-        compiled: a short chunk, into caches of a length the decode steps use (a prefill's scratch
-        cache of the prompt's own length would compile a graph for every length)."""
+        compiled: a short chunk (one token: through the decode step's graph), into caches of a
+        bucket's length (64 * 2^k; a length capped by the model's context stays eager). Callers
+        pass only the caches decode steps use: a scratch cache of the prompt's own length would
+        compile a graph for every length."""
         return 1 <= tokens <= self.prefill_tokens and self.length(max_length) == max_length
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
@@ -88,7 +90,8 @@ class CompiledDecode:
             for t in (token_ids, positions):  # where a graph compares T with a ring cache's slots
                 torch._dynamo.maybe_mark_dynamic(t, 1)
         # each chunk length is checked against every guard once: a dynamic graph may hold for some
-        # lengths only (say those past a ring cache's slots), and skipping guards could run it on others
+        # lengths only (say those past a ring cache's slots); torch 2.13 still checks shapes with
+        # guards skipped (and refuses), the exact length keeps that from resting on it
         key = (token_ids.device, tuple(token_ids.shape), tuple(attention_mask.shape), tuple(cache_index.shape),
                tuple(t.dtype for t in extra),
                cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
@@ -97,8 +100,9 @@ class CompiledDecode:
         if key not in self.seen:  # every guard; seen once a call of this signature compiled nothing new
             graphs = _compiled_graphs()
             # every batch size, cache length and chunk kind is a graph of the one `step` code
-            # (shared by all instances): past dynamo's default of 8 it would run eager
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), self.writes():
+            # (shared by all instances): past dynamo's default of 8 it would run eager. The old
+            # name: torch 2.6 has no `recompile_limit`, later versions alias it
+            with torch._dynamo.config.patch(cache_size_limit=RECOMPILE_LIMIT), self.writes():
                 out = self.step(*args)
             if _compiled_graphs() == graphs:
                 self.seen.add(key)

@@ -580,7 +580,10 @@ class _Prefill:
     def advance(self):
         """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""
         engine, end, stop = self.engine, self.ids.shape[1], self._stop()
-        logits, self.cache = prefill_chunk(engine.cached, engine.head, engine.decode, self.ids[:, self.at:stop],
+        # compiled only into the rows decode steps run on (all of them, as `_decode` does): a scratch
+        # cache or a group of fewer rows would compile a graph for its own length or batch size
+        decode = engine.decode if self.direct and len(self.seqs) == engine.capacity else None
+        logits, self.cache = prefill_chunk(engine.cached, engine.head, decode, self.ids[:, self.at:stop],
                                            self.positions[:, self.at:stop], self.at, self.mask, self.cache,
                                            self.inputs, last=stop == end)
         self.at = stop

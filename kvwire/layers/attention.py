@@ -90,7 +90,7 @@ class Attention(Layer):
         or one per row), attention_mask (B, max_length) bool, cache (key, value) ->
         (out (B, T, D), next cache). Writes the chunk into the cache in place (functionally,
         returning new tensors, while being exported or compiled, but for generation's compiled
-        decode step: see `in_place_cache_writes`)."""
+        steps and short prompts: see `in_place_cache_writes`)."""
         k_cache, v_cache = cache
         T, slots = x.shape[1], k_cache.shape[2]
         q, k, v = self._project(x, positions)
@@ -188,7 +188,8 @@ class Attention(Layer):
 @contextmanager
 def in_place_cache_writes():
     """While torch.compile traces inside this scope, cached attention writes the chunk into the
-    cache in place (one slot a decode step) instead of returning updated copies of whole caches.
+    cache in place (one slot a decode step, T slots a T-token prompt chunk) instead of returning
+    updated copies of whole caches.
     `CompiledDecode` uses it where it also keeps Inductor from undoing it (see compiled.py); an
     export, or a graph compiled with autograd on (the attention saves the old cache for its
     backward), stays functional. Read at trace time, on the tracing thread's call.

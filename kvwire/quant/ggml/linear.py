@@ -100,7 +100,8 @@ class GGMLLinear(nn.Module):
     def forward(self, x):
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
-        if rows > MANY_ROWS and self.qtype in UNTILED:
+        # compiled graphs keep the opaque op: dequantising calls ctypes, where dynamo would break the graph
+        if not torch.compiler.is_compiling() and rows > MANY_ROWS and self.qtype in UNTILED:
             out = nn.functional.linear(x2, self.dequantize())
         else:  # op.cpp's kernel; an opaque op to torch.compile
             out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, int(self.qtype), self.in_features)
