@@ -18,8 +18,8 @@ attention and many-row matrix products pay and small ops do not matter.
 
 Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
 call of a signature (batch, tokens per row, cache length, one cache index or one per row, input /
-cache / weight dtypes, grad mode) has run without compiling anything, later calls with it evaluate only the
-guards that tell compiled variants apart (`skip_guard_eval_unsafe`): safe because nothing else
+cache / weight dtypes, grad mode) has run without compiling anything, later calls with it evaluate
+only the guards that tell compiled variants apart (`skip_guard_eval_unsafe`): safe because nothing else
 those guards check changes between the steps of a generation, and an edit makes a new model (or,
 swapped in place, is followed by `lm.reset_caches()`, which drops this object) and so a new
 `CompiledDecode`. A call that dynamo
