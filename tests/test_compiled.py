@@ -6,17 +6,13 @@ import pytest
 import torch
 
 import kvwire as kw
+from kvwire.generate.compiled import _compiled_graphs as _graphs  # graphs dynamo compiled so far
 
 from .conftest import FAMILIES
 
 
 def _greedy(lm, prompts, n, **options):
     return lm.generate(prompts, max_new_tokens=n, ignore_eos=True, return_logprobs=True, **options).tokens
-
-
-def _graphs():
-    """Graphs dynamo has compiled in this process."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 # compiling takes ~15-25 s a family from a cold Inductor cache (as in CI): GPT-2, Gemma 3 on ggml's

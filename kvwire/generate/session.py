@@ -22,9 +22,7 @@ def decode_step(cached, head, decode, tokens, positions, cache_index, mask, cach
     if decode is None:
         hidden, cache = cached(tokens[:, None], positions, cache_index, mask, cache, **inputs)
         return head(hidden[:, -1]), cache
-    cached.check_call(tokens[:, None], positions, cache_index, mask, cache)
-    extra = cached.runtime_values(tokens.shape[0], inputs)
-    return decode(tokens[:, None], positions, cache_index, mask, cache, extra)
+    return _compiled(cached, decode, tokens[:, None], positions, cache_index, mask, cache, inputs)
 
 
 def prefill_chunk(cached, head, decode, ids, positions, start, mask, cache, inputs, last=True):
@@ -32,10 +30,15 @@ def prefill_chunk(cached, head, decode, ids, positions, start, mask, cache, inpu
     the chunk's first slot) -> (logits (B, V) after the chunk, or None when not `last`; next cache).
     A last chunk that `decode` (a `CompiledDecode`, or None) takes runs compiled."""
     if decode is not None and last and decode.takes(ids.shape[1], mask.shape[1]):
-        index = cached.check_call(ids, positions, torch.tensor(start, device=ids.device), mask, cache)
-        return decode(ids, positions, index, mask, cache, cached.runtime_values(ids.shape[0], inputs))
+        return _compiled(cached, decode, ids, positions, torch.tensor(start, device=ids.device), mask, cache, inputs)
     hidden, cache = cached(ids, positions, start, mask, cache, **inputs)
     return (head(hidden[:, -1]) if last else None), cache
+
+
+def _compiled(cached, decode, ids, positions, cache_index, mask, cache, inputs):
+    """`decode`'s (logits, cache), after the checks the eager graph makes."""
+    cached.check_call(ids, positions, cache_index, mask, cache)
+    return decode(ids, positions, cache_index, mask, cache, cached.runtime_values(ids.shape[0], inputs))
 
 
 class Session:
