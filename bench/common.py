@@ -38,10 +38,18 @@ def header(threads, cpuinfo="/proc/cpuinfo"):
 
 
 def cpu_paths():
-    """kvwire's kernel choices for this CPU (kvwire.layers.cpu.report), for benchmark headers."""
+    """kvwire's kernel choices for this CPU (kvwire.layers.cpu.report, and the Q4_1 kernel where
+    ggml is installed), for benchmark headers."""
+    import importlib.util
+
     from kvwire.layers.cpu import report
 
-    return "kvwire " + report()
+    line = "kvwire " + report()
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from kvwire.quant.ggml.linear import q4_1_kernel
+
+        line += f"; Q4_1 kernel: {q4_1_kernel()}"
+    return line
 
 
 def peak_rss_gb():

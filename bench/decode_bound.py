@@ -40,9 +40,9 @@ def decode_calls(lm):
     layers = {}
     for (prefix, _, _), modules in groups.items():
         width = modules[0].in_features
-        call = (torch.randn(1, width), [m.blocks for m in modules], [int(m.qtype) for m in modules], width)
+        call = (torch.randn(1, width), [m.blocks for m in modules], [m.kernel_type for m in modules], width)
         layers.setdefault(prefix, []).append(call)
-    head_call = None if head is None else (torch.randn(1, head.in_features), [head.blocks], [int(head.qtype)],
+    head_call = None if head is None else (torch.randn(1, head.in_features), [head.blocks], [head.kernel_type],
                                            head.in_features)
     return list(layers.values()), head_call
 

@@ -39,7 +39,7 @@ def test_blocks_mean_what_the_gguf_package_says(name, max_rel):
     q = GGMLLinear.quantize(w, name)
     ours = q.dequantize()
     # the gguf package's numpy decoder is an independent reading of the same bytes
-    reference = dequantize(q.blocks.numpy(), q.qtype).reshape(24, 512)
+    reference = dequantize(q.ggml_blocks().numpy(), q.qtype).reshape(24, 512)
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(reference)))
     assert ((ours - w).norm() / w.norm()).item() < max_rel
 
@@ -78,20 +78,23 @@ def test_the_row_loop_and_ggmls_graph_compute_the_same_products(name):
     x = torch.randn(5, 256, generator=g)
     lib, P, I64 = library(), ctypes.c_void_p, ctypes.c_int64
 
-    def run(fn):
+    def run(fn, types, blocks):
         ys = [torch.full((5, q.out_features), float("nan")) for q in qs]
-        rc = fn(2, (ctypes.c_int * 2)(*[int(q.qtype) for q in qs]), (P * 2)(*[q.blocks.data_ptr() for q in qs]),
+        rc = fn(2, (ctypes.c_int * 2)(*types), (P * 2)(*[b.data_ptr() for b in blocks]),
                 (I64 * 2)(*[q.out_features for q in qs]), I64(256), P(x.data_ptr()), I64(5),
                 (P * 2)(*[y.data_ptr() for y in ys]), 2)
         assert rc == 0
         return ys
 
-    for loop, graph in zip(run(lib.kvw_loop_matmuls), run(lib.kvw_graph_matmuls)):
+    # the loop runs the kernels' own layout (x16 for Q4_1 where the CPU has it), ggml's graph ggml's
+    plain = [q.ggml_blocks() for q in qs]
+    for loop, graph in zip(run(lib.kvw_loop_matmuls, [q.kernel_type for q in qs], [q.blocks for q in qs]),
+                           run(lib.kvw_graph_matmuls, [int(q.qtype) for q in qs], plain)):
         torch.testing.assert_close(graph, loop, atol=1e-5 * loop.abs().max().item(), rtol=0)
     for rows in (1, 2, 3, 7, 8, 33):  # every row count the dispatch separates, through the operator
         xr = torch.randn(rows, 256, generator=g)
         expected = xr @ qs[0].dequantize().t()
-        got = torch.ops.kvwire.ggml_matmul(xr, qs[0].blocks, int(qs[0].qtype), 256)
+        got = torch.ops.kvwire.ggml_matmul(xr, qs[0].blocks, qs[0].kernel_type, 256)
         torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0)
 
 

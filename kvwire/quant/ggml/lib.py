@@ -1,4 +1,4 @@
-"""Build and load kvwire's bridge to ggml's CPU kernels (`matmul.c`, `op.cpp`).
+"""Build and load kvwire's bridge to ggml's CPU kernels (`matmul.c`, `q4_1x16.c`, `op.cpp`).
 
 ggml ships with llama-cpp-python (`pip install "kvwire[ggml]"`): its shared libraries and headers.
 The bridge is compiled with the machine's C and C++ compilers on first use (~15 s, mostly torch's
@@ -20,7 +20,7 @@ import torch  # imported before the bridge loads: its libgomp becomes the bridge
 
 from ...io.weights_cache import cache_root
 
-SOURCES = (Path(__file__).with_name("matmul.c"), Path(__file__).with_name("op.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.c", "q4_1x16.c", "op.cpp"))
 INSTALL_HINT = 'ggml kernels need llama-cpp-python, which ships ggml: pip install "kvwire[ggml]"'
 _LIB = {}
 
@@ -66,10 +66,11 @@ def _build(target, lib_dir, include):
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        c_object, so = f"{tmp}/matmul.o", f"{tmp}/{target.name}"
-        _run([cc, "-O2", "-fPIC", "-fopenmp", "-c", str(SOURCES[0]), f"-I{include}", "-o", c_object])
+        c_objects, so = [f"{tmp}/{source.stem}.o" for source in SOURCES[:2]], f"{tmp}/{target.name}"
+        for source, c_object in zip(SOURCES, c_objects):
+            _run([cc, "-O2", "-fPIC", "-fopenmp", "-c", str(source), f"-I{include}", "-o", c_object])
         _run([cxx, "-O2", "-shared", "-fPIC", "-fopenmp", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-              f"-I{torch_dir / 'include'}", str(SOURCES[1]), c_object, f"-L{lib_dir}", f"-L{torch_dir / 'lib'}",
+              f"-I{torch_dir / 'include'}", str(SOURCES[2]), *c_objects, f"-L{lib_dir}", f"-L{torch_dir / 'lib'}",
               "-lggml-cpu", "-lggml-base", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}",
               f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", so])
         os.replace(so, target)  # atomic: a concurrent build of the same sources is harmless
@@ -94,5 +95,7 @@ def _declare(lib):
     lib.kvw_block_size.argtypes, lib.kvw_block_size.restype = [i32], i64
     lib.kvw_row_bytes.argtypes, lib.kvw_row_bytes.restype = [i32, i64], i64
     lib.kvw_supported.argtypes, lib.kvw_supported.restype = [i32], i32
-    lib.kvw_dequantize.argtypes, lib.kvw_dequantize.restype = [i32, ptr, i64, i64, ptr, i32], None
+    lib.kvw_dequantize.argtypes, lib.kvw_dequantize.restype = [i32, ptr, i64, i64, ptr, i32], i32
+    lib.kvw_x16_supported.restype = i32
+    lib.kvw_x16_repack_rows.argtypes, lib.kvw_x16_repack_rows.restype = [ptr, ptr, i64, i64, i32, i32], None
     lib.kvw_quantize.argtypes, lib.kvw_quantize.restype = [i32, ptr, ptr, i64, i64], i64

@@ -7,7 +7,14 @@ vocabulary-sized head and for Q4_1 / Q5_1) run a dot product per weight row; mor
 own matrix product, tiled as llama.cpp's is (`matmul.c`'s `kvw_matmuls` chooses). The formats ggml
 has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's float32 GEMM
 beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
+
+On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1 blocks are repacked at construction into
+`q4_1x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel, 2x ggml's
+row loop at one row; `q4_1_kernel()` chooses, `KVWIRE_Q4_1_KERNEL=ggml|x16` overrides.
 """
+import os
+from functools import lru_cache
+
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -22,6 +29,8 @@ from .lib import library
 UNTILED = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
 MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+X16 = 1001  # matmul.c's KVW_Q4_1_X16: the type number of Q4_1 blocks in q4_1x16.c's layout
+Q4_1_KERNELS = ("x16", "ggml")
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
 QUANTIZE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 
@@ -33,6 +42,8 @@ class GGMLLinear(nn.Module):
         blocks: (out, row_bytes) uint8, each row `in_features` weights in `qtype` blocks.
         qtype: a `gguf.GGMLQuantizationType` (or its id) with a ggml CPU dot product.
         in_features: weights per row. bias: (out,) or None.
+        kernel: for Q4_1, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel) or "ggml";
+            None: `q4_1_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
 
     Shapes: x (..., in) -> (..., out), in x's dtype (computed in float32).
 
@@ -42,7 +53,7 @@ class GGMLLinear(nn.Module):
         torch.Size([2, 64])
     """
 
-    def __init__(self, blocks, qtype, in_features, bias=None):
+    def __init__(self, blocks, qtype, in_features, bias=None, kernel=None):
         super().__init__()
         lib = library()
         self.qtype = GGMLQuantizationType(int(qtype))
@@ -54,19 +65,26 @@ class GGMLLinear(nn.Module):
             raise ValueError(f"expected blocks of shape (out, {row_bytes}) uint8 for {in_features} "
                              f"{self.qtype.name} weights a row; got {tuple(blocks.shape)} {blocks.dtype}")
         self.in_features, self.out_features = in_features, blocks.shape[0]
+        # the type number the kernels are called with: qtype's own, or X16 for repacked Q4_1 blocks
+        self.kernel_type = int(self.qtype)
+        if self.qtype == GGMLQuantizationType.Q4_1 and q4_1_kernel(kernel) == "x16":
+            blocks, self.kernel_type = _repacked(blocks, in_features, to_x16=True), X16
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
     def __setstate__(self, state):  # unpickled (torch.load, deepcopy): register the kernels first
         super().__setstate__(state)
         library()
+        if self.kernel_type == X16 and q4_1_kernel() != "x16":  # pickled where the x16 kernel runs
+            self.blocks = _repacked(self.blocks, self.in_features, to_x16=False)
+            self.kernel_type = int(self.qtype)
 
     @classmethod
-    def quantize(cls, weight, qtype, bias=None):
+    def quantize(cls, weight, qtype, bias=None, kernel=None):
         """Quantise a float (out, in) weight with ggml's own quantiser ("q8_0", "q4_k", ...)."""
         out_features, in_features = weight.shape
         return cls._quantized(lambda start, stop: weight.detach()[start:stop].float().contiguous(),
-                              qtype, out_features, in_features, bias)
+                              qtype, out_features, in_features, bias, kernel)
 
     def requantize(self, qtype):
         """These weights in another ggml format, read from the blocks a chunk of rows at a time: a
@@ -76,7 +94,7 @@ class GGMLLinear(nn.Module):
         return self._quantized(self._dequantized_rows, qtype, self.out_features, self.in_features, bias)
 
     @classmethod
-    def _quantized(cls, rows_of, qtype, out_features, in_features, bias):
+    def _quantized(cls, rows_of, qtype, out_features, in_features, bias, kernel=None):
         """A GGMLLinear of `qtype` blocks quantised from rows_of(start, stop) -> (stop - start, in)
         float32, 16,384 rows at a time (a float32 copy of a 262k-row head would be 671 MB)."""
         qtype = qtype_of(qtype)
@@ -89,13 +107,10 @@ class GGMLLinear(nn.Module):
         for start in range(0, out_features, 16384):
             part = rows_of(start, min(start + 16384, out_features))
             lib.kvw_quantize(int(qtype), part.data_ptr(), blocks[start:].data_ptr(), part.shape[0], in_features)
-        return cls(blocks, qtype, in_features, bias)
+        return cls(blocks, qtype, in_features, bias, kernel)
 
     def _dequantized_rows(self, start, stop):
-        part = torch.empty(stop - start, self.in_features)
-        library().kvw_dequantize(int(self.qtype), self.blocks[start].data_ptr(), stop - start, self.in_features,
-                                 part.data_ptr(), torch.get_num_threads())
-        return part
+        return self._dequantized(start, stop)
 
     def forward(self, x):
         rows = x.numel() // self.in_features
@@ -104,20 +119,64 @@ class GGMLLinear(nn.Module):
         if not torch.compiler.is_compiling() and rows > MANY_ROWS and self.qtype in UNTILED:
             out = nn.functional.linear(x2, self.dequantize())
         else:  # op.cpp's kernel; an opaque op to torch.compile
-            out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, int(self.qtype), self.in_features)
+            out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, self.kernel_type, self.in_features)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def ggml_blocks(self):
+        """The blocks in ggml's own layout (as a GGUF file holds them): (out, row_bytes) uint8."""
+        return _repacked(self.blocks, self.in_features, to_x16=False) if self.kernel_type == X16 else self.blocks
+
     def dequantize(self):
         """The weight as the kernels see it: (out, in) float32."""
-        w = torch.empty(self.out_features, self.in_features)
-        library().kvw_dequantize(int(self.qtype), self.blocks.data_ptr(), self.out_features, self.in_features,
-                                 w.data_ptr(), torch.get_num_threads())
-        return w
+        return self._dequantized(0, self.out_features)
+
+    def _dequantized(self, start, stop):
+        """Rows start..stop (start a multiple of 16: a repacked group's first row) as float32."""
+        part = torch.empty(stop - start, self.in_features)
+        rc = library().kvw_dequantize(self.kernel_type, self.blocks[start].data_ptr(), stop - start,
+                                      self.in_features, part.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"no memory to unpack {stop - start} {self.qtype.name} rows")
+        return part
 
     def extra_repr(self):
-        return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}"
+        layout = ", repacked for x16" if self.kernel_type == X16 else ""
+        return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}{layout}"
+
+
+def q4_1_kernel(asked=None):
+    """The Q4_1 kernel to use: `asked` ("x16" / "ggml"), else `KVWIRE_Q4_1_KERNEL`, else 'x16'
+    (kvwire's kernel on repacked blocks) where the CPU has AVX-512 F, BW, VL and VNNI and 'ggml'
+    (ggml's row loop on the file's layout) where it has not. x16 on a CPU without those features
+    is refused, naming them."""
+    source = "kernel" if asked is not None else "KVWIRE_Q4_1_KERNEL"
+    asked = (os.environ.get("KVWIRE_Q4_1_KERNEL", "") if asked is None else str(asked)).strip().lower()
+    runs = x16_runs()
+    if not asked:
+        return "x16" if runs else "ggml"
+    if asked not in Q4_1_KERNELS:
+        raise ValueError(f"{source}={asked!r}; expected one of {', '.join(Q4_1_KERNELS)}")
+    if asked == "x16" and not runs:
+        raise ValueError(f"{source}=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, which this CPU lacks; "
+                         "leave it unset (kvwire then runs ggml's own Q4_1 kernel)")
+    return asked
+
+
+@lru_cache(maxsize=None)
+def x16_runs():
+    """Whether this CPU runs the x16 kernel (AVX-512 F, BW, VL and VNNI)."""
+    return bool(library().kvw_x16_supported())
+
+
+def _repacked(blocks, in_features, to_x16):
+    """Q4_1 blocks (out, row_bytes) uint8 moved to q4_1x16.c's layout (`to_x16`) or back: a new tensor."""
+    blocks = blocks.contiguous()
+    out = torch.empty_like(blocks)
+    library().kvw_x16_repack_rows(blocks.data_ptr(), out.data_ptr(), blocks.shape[0], in_features, int(to_x16),
+                                  torch.get_num_threads())
+    return out
 
 
 def _check_width(qtype, in_features):

@@ -11,6 +11,9 @@
  * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on for most formats
  * (`kvw_matmuls` chooses; bench/ggml_matmul.py measures).
  *
+ * Q4_1 weights repacked for AVX-512 VNNI (`q4_1x16.c`) carry kvwire's own type number,
+ * KVW_Q4_1_X16, and run that file's kernel in the row loop at every row count.
+ *
  * Built by kvwire/quant/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
  */
 #include <stdint.h>
@@ -20,14 +23,26 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
+#define KVW_Q4_1_X16 1001 /* kvwire's type number for Q4_1 blocks in q4_1x16.c's layout */
+
+int kvw_x16_supported(void);
+void kvw_x16_repack(const void *src, void *dst, int64_t rows, int64_t n, int to_x16);
+int64_t kvw_x16_act_bytes(int64_t n);
+void kvw_x16_quantize(const float *x, int64_t n, void *dst);
+void kvw_x16_dots(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride);
+
 void kvw_init(void) { ggml_cpu_init(); }
 
-int64_t kvw_block_size(int type) { return ggml_blck_size((enum ggml_type)type); }
+/* ggml's type a kvwire type number stands for (a repacked type's blocks hold the same bytes) */
+static enum ggml_type ggml_type_of(int type) { return type == KVW_Q4_1_X16 ? GGML_TYPE_Q4_1 : (enum ggml_type)type; }
 
-int64_t kvw_row_bytes(int type, int64_t n) { return (int64_t)ggml_row_size((enum ggml_type)type, n); }
+int64_t kvw_block_size(int type) { return ggml_blck_size(ggml_type_of(type)); }
+
+int64_t kvw_row_bytes(int type, int64_t n) { return (int64_t)ggml_row_size(ggml_type_of(type), n); }
 
 /* 1 if the CPU backend has a dot product for this weight type, else 0. */
 int kvw_supported(int type) {
+    if (type == KVW_Q4_1_X16) return kvw_x16_supported();
     if (type < 0 || type >= GGML_TYPE_COUNT) return 0;
     const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
     if (t->vec_dot == NULL) return 0;
@@ -43,7 +58,7 @@ int kvw_supported(int type) {
 int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                      const float *x, int64_t rows, float *const *ys, int threads) {
     enum { MAX_WEIGHTS = 8 };
-    const int64_t block = 16; /* output rows a task: a weight row is read once for every activation row */
+    const int64_t block = 16; /* output rows a task (x16's row group): a weight row is read once for every activation row */
     if (count > MAX_WEIGHTS) return -2;
     const void *xq[MAX_WEIGHTS];
     void *scratch[MAX_WEIGHTS] = {0};
@@ -52,16 +67,19 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
     int64_t first[MAX_WEIGHTS + 1]; /* first task of each weight */
     first[0] = 0;
     for (int i = 0; i < count; i++) {
-        const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)types[i]);
+        const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu(ggml_type_of(types[i]));
+        /* the partner format: x16's own arrangement of Q8_1, else ggml's (F32: none) */
+        const int partner = types[i] == KVW_Q4_1_X16 ? KVW_Q4_1_X16 : (int)t->vec_dot_type;
         dot[i] = t->vec_dot;
-        w_row[i] = ggml_row_size((enum ggml_type)types[i], n);
+        w_row[i] = ggml_row_size(ggml_type_of(types[i]), n);
         first[i + 1] = first[i] + (outs[i] + block - 1) / block;
         xq[i] = x;
         x_row[i] = (size_t)n * sizeof(float);
-        if (t->vec_dot_type == GGML_TYPE_F32) continue;
-        x_row[i] = ggml_row_size(t->vec_dot_type, n);
+        if (partner == GGML_TYPE_F32) continue;
+        x_row[i] = partner == KVW_Q4_1_X16 ? (size_t)kvw_x16_act_bytes(n) : ggml_row_size(t->vec_dot_type, n);
         int j = 0; /* an earlier weight with the same partner format has the rows quantised already */
-        while (j < i && ggml_get_type_traits_cpu((enum ggml_type)types[j])->vec_dot_type != t->vec_dot_type) j++;
+        while (j < i && (types[j] == KVW_Q4_1_X16 ? KVW_Q4_1_X16 :
+                         (int)ggml_get_type_traits_cpu(ggml_type_of(types[j]))->vec_dot_type) != partner) j++;
         if (j < i) {
             xq[i] = xq[j];
             continue;
@@ -71,9 +89,11 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
             for (int k = 0; k < i; k++) free(scratch[k]);
             return -1;
         }
-        ggml_from_float_t quantize = ggml_get_type_traits_cpu(t->vec_dot_type)->from_float;
-        for (int64_t r = 0; r < rows; r++)
-            quantize(x + r * n, (char *)scratch[i] + r * x_row[i], n);
+        for (int64_t r = 0; r < rows; r++) {
+            char *dst = (char *)scratch[i] + r * x_row[i];
+            if (partner == KVW_Q4_1_X16) kvw_x16_quantize(x + r * n, n, dst);
+            else ggml_get_type_traits_cpu(t->vec_dot_type)->from_float(x + r * n, dst, n);
+        }
         xq[i] = scratch[i];
     }
     #pragma omp parallel for num_threads(threads) schedule(static)
@@ -82,6 +102,10 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
         while (task >= first[i + 1]) i++;
         const int64_t o0 = (task - first[i]) * block;
         const int64_t o1 = o0 + block < outs[i] ? o0 + block : outs[i];
+        if (types[i] == KVW_Q4_1_X16) { /* a task is one packed group of 16 rows */
+            kvw_x16_dots(n, (const char *)ws[i] + o0 * w_row[i], o1 - o0, xq[i], rows, ys[i] + o0, outs[i]);
+            continue;
+        }
         for (int64_t o = o0; o < o1; o++) {
             const char *wrow = (const char *)ws[i] + o * w_row[i];
             for (int64_t r = 0; r < rows; r++)
@@ -143,16 +167,40 @@ int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_
         for (int i = 0; i < count; i++)  /* Q4_1 / Q5_1: no tiled kernel, the graph only adds its cost */
             if (outs[i] > 65536 || types[i] == GGML_TYPE_Q4_1 || types[i] == GGML_TYPE_Q5_1) graph = 0;
     }
+    for (int i = 0; i < count; i++)
+        if (types[i] == KVW_Q4_1_X16) graph = 0; /* its own kernel at any row count; ggml's graph does not know the layout */
     return (graph ? kvw_graph_matmuls : kvw_loop_matmuls)(count, types, ws, outs, n, x, rows, ys, threads);
 }
 
-/* dst (rows, n) float32 = the weight's values, rows split across threads. */
-void kvw_dequantize(int type, const void *w, int64_t rows, int64_t n, float *dst, int threads) {
-    const ggml_to_float_t to_float = ggml_get_type_traits((enum ggml_type)type)->to_float;
-    const size_t w_row = ggml_row_size((enum ggml_type)type, n);
+/* dst (rows, n) float32 = the weight's values, rows split across threads. Repacked rows are
+ * unpacked to ggml's layout a group of 16 at a time first (`w` must start a group).
+ * Returns 0, or -1 on no memory. */
+int kvw_dequantize(int type, const void *w, int64_t rows, int64_t n, float *dst, int threads) {
+    const ggml_to_float_t to_float = ggml_get_type_traits(ggml_type_of(type))->to_float;
+    const size_t w_row = ggml_row_size(ggml_type_of(type), n);
+    int failed = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:failed)
+    for (int64_t g = 0; g < rows; g += 16) {
+        const int64_t u = rows - g < 16 ? rows - g : 16;
+        const char *src = (const char *)w + g * w_row;
+        char *plain = type == KVW_Q4_1_X16 ? malloc(u * w_row) : NULL;
+        if (type == KVW_Q4_1_X16 && plain == NULL) {
+            failed = 1;
+            continue;
+        }
+        if (plain != NULL) kvw_x16_repack(src, plain, u, n, 0);
+        for (int64_t r = 0; r < u; r++) to_float((plain ? plain : src) + r * w_row, dst + (g + r) * n, n);
+        free(plain);
+    }
+    return failed ? -1 : 0;
+}
+
+/* dst = src's Q4_1 rows in q4_1x16.c's layout (`to_x16`) or back, groups of 16 rows split across threads. */
+void kvw_x16_repack_rows(const void *src, void *dst, int64_t rows, int64_t n, int to_x16, int threads) {
+    const size_t w_row = ggml_row_size(GGML_TYPE_Q4_1, n);
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        to_float((const char *)w + r * w_row, dst + r * n, n);
+    for (int64_t g = 0; g < rows; g += 16)
+        kvw_x16_repack((const char *)src + g * w_row, (char *)dst + g * w_row, rows - g < 16 ? rows - g : 16, n, to_x16);
 }
 
 /* Quantise src (rows, n) float32 into dst (rows, row_bytes). Returns the bytes written. */
