@@ -50,14 +50,16 @@ def test_repacked_blocks_hold_ggmls_bytes_and_values(out, n):
 
 @needs_x16
 @pytest.mark.parametrize("out, n", [(48, 256), (37, 576), (200, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32, 45])
 def test_x16_computes_ggmls_products(out, n, rows):
     """Each block's integer dot product and scaling are ggml's: only the float sums' order differs.
-    Rows 1-32 run the kernels (past 32, both layouts dequantise for float32 GEMM)."""
+    (Past 32 rows ggml's layout dequantises for float32 GEMM; x16 keeps its kernel: the operator.)"""
     plain, packed = _pair(out, n, seed=rows)
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(100 + rows))
-    expected, got = plain(x), packed(x)
+    expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
+    got = packed(x)
     torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    assert torch.equal(got, torch.ops.kvwire.ggml_matmul(x, packed.blocks, packed.kernel_type, n))  # x16's op ran
     reference = x @ plain.dequantize().t()  # and both are the float product up to 8-bit activations
     torch.testing.assert_close(got, reference, atol=0.02 * reference.abs().max().item(), rtol=0)
 
@@ -135,3 +137,39 @@ def test_the_operator_refuses_repacked_blocks_where_x16_cannot_run():
     q = GGMLLinear.quantize(torch.randn(16, 64), "q4_1")
     with pytest.raises(RuntimeError, match=f"ggml has no CPU dot product for type {X16}"):
         torch.ops.kvwire.ggml_matmul(torch.randn(1, 64), q.blocks, X16, 64)
+
+
+def _file_rss_kb(path):
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_a_repacked_tensor_gives_its_file_pages_back(tmp_path):
+    """Repacking copies a tensor's blocks; the file's pages it read then leave the process's
+    memory (`GGUFFile.forget`), so x16 costs no more memory than ggml's layout; they read back the same."""
+    from gguf import GGMLQuantizationType as Q
+
+    from kvwire.io.gguf import GGUFFile
+
+    from .gguf_families import write_gguf
+    from .tiny_models import tiny_hf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tiny_hf("llama", vocab_size=32768, tie_word_embeddings=True), quant=Q.Q4_1)
+    gguf = GGUFFile(path)
+    _, blocks = gguf.blocks("token_embd.weight")
+    assert blocks.nbytes >= 500_000
+    before = blocks.copy()  # touches every page
+    touched = _file_rss_kb(path)
+    gguf.forget(blocks)
+    assert (touched - _file_rss_kb(path)) * 1024 >= blocks.nbytes - 2 * 4096  # all but the pages at its ends
+    assert (blocks == before).all()  # read again: the file's bytes
+    gguf.forget(before)  # not the file's memory: nothing happens
+    assert (before == blocks).all()

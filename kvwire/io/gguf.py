@@ -5,6 +5,7 @@ builds a Python object per array element and takes ~24 s on Gemma's 262k-token v
 (measured on this machine); this reader takes well under a second. Quantisation formats, type
 tables and dequantisation all come from the `gguf` package.
 """
+import mmap
 import os
 
 import numpy as np
@@ -73,6 +74,18 @@ class GGUFFile:
                 qtype, raw = self._raw(tensor, dims, kind, offset, self._cow)
                 return qtype, raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
         raise ValueError(f"{self.path} has no tensor {name!r}")
+
+    def forget(self, array):
+        """Give back this process's pages of `array`, a view `blocks()` returned whose bytes the
+        caller has copied (repacked): nothing else reads them, so they need not count in its memory.
+        Pages are dropped only wholly inside the array; if read again they come back from the file."""
+        mapped = getattr(self._cow, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED") or not np.shares_memory(array, self._cow):
+            return
+        start = array.ctypes.data - self._cow.ctypes.data
+        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _raw(self, name, dims, kind, offset, data):
         """(type, the tensor's bytes shaped (*outer dims, row bytes)) for quantised types, or its

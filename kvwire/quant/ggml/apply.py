@@ -109,9 +109,12 @@ def _blocks_for(gguf, source, weight, bias):
     whole = len(rows) == blocks.shape[0] and np.array_equal(rows, np.arange(len(rows)))
     picked = torch.from_numpy(blocks if whole else np.ascontiguousarray(blocks[rows]))
     try:  # GGMLLinear checks the row bytes against ggml's own size for the type
-        return GGMLLinear(picked, qtype, weight.shape[1], bias)
+        module = GGMLLinear(picked, qtype, weight.shape[1], bias)
     except ValueError as e:
         raise ValueError(f"{gguf.path}: GGUF tensor {name!r}: {e}") from e
+    if whole and module.blocks.data_ptr() != picked.data_ptr():  # repacked: the file's pages are not read again
+        gguf.forget(blocks)
+    return module
 
 
 def _key_of(lm, tensor):

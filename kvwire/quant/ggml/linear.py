@@ -9,8 +9,9 @@ has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's
 beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1 blocks are repacked at construction into
-`q4_1x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel, 2x ggml's
-row loop at one row; `q4_1_kernel()` chooses, `KVWIRE_Q4_1_KERNEL=ggml|x16` overrides.
+`q4_1x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at every row
+count: 2x ggml's row loop at one row, 3.5x at 32, 2.2x dequantise + MKL at 512 (bench/ggml_matmul.py).
+`q4_1_kernel()` chooses, `KVWIRE_Q4_1_KERNEL=ggml|x16` overrides.
 """
 import os
 from functools import lru_cache
@@ -115,8 +116,10 @@ class GGMLLinear(nn.Module):
     def forward(self, x):
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
-        # compiled graphs keep the opaque op: dequantising calls ctypes, where dynamo would break the graph
-        if not torch.compiler.is_compiling() and rows > MANY_ROWS and self.qtype in UNTILED:
+        # compiled graphs keep the opaque op: dequantising calls ctypes, where dynamo would break the graph;
+        # x16 beats dequantising at every row count (512 rows of 1536x1024: 6.1 vs 13.5 ms)
+        if not torch.compiler.is_compiling() and rows > MANY_ROWS and self.qtype in UNTILED and \
+                self.kernel_type != X16:
             out = nn.functional.linear(x2, self.dequantize())
         else:  # op.cpp's kernel; an opaque op to torch.compile
             out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, self.kernel_type, self.in_features)
