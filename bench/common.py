@@ -38,7 +38,7 @@ def header(threads, cpuinfo="/proc/cpuinfo"):
 
 
 def cpu_paths():
-    """kvwire's kernel choices for this CPU (kvwire.layers.cpu.report, and the Q4_1 kernel where
+    """kvwire's kernel choices for this CPU (kvwire.layers.cpu.report, and the Q4_1 / Q5_0 kernel where
     ggml is installed), for benchmark headers."""
     import importlib.util
 
@@ -46,9 +46,9 @@ def cpu_paths():
 
     line = "kvwire " + report()
     if importlib.util.find_spec("llama_cpp") is not None:
-        from kvwire.quant.ggml.linear import q4_1_kernel
+        from kvwire.quant.ggml.linear import ggml_kernel
 
-        line += f"; Q4_1 kernel: {q4_1_kernel()}"
+        line += f"; Q4_1/Q5_0 kernel: {ggml_kernel()}"
     return line
 
 

@@ -67,7 +67,7 @@ def main():
     cases.append(("q8_0", torch.randn(262144, 640, generator=g), [r for r in args.rows if r <= 8]))
     for name, weight, rows_list in cases:
         layer = GGMLLinear.quantize(weight, name, kernel="ggml")  # ggml's layout (kernel= is Q4_1's alone)
-        x16 = GGMLLinear.quantize(weight, name, kernel="x16") if name == "q4_1" and x16_runs() else None
+        x16 = GGMLLinear.quantize(weight, name, kernel="x16") if name in ("q4_1", "q5_0") and x16_runs() else None
         del weight
         for rows in rows_list:
             x = torch.randn(rows, layer.in_features, generator=g)

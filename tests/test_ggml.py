@@ -48,7 +48,7 @@ def test_blocks_mean_what_the_gguf_package_says(name, max_rel):
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_forward_equals_dequantized_matmul(name, rows):
     from kvwire.quant.ggml import GGMLLinear
-    from kvwire.quant.ggml.linear import MANY_ROWS, UNTILED, X16
+    from kvwire.quant.ggml.linear import MANY_ROWS, UNTILED
 
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(48, 256, generator=g), torch.randn(48, generator=g), torch.randn(rows, 256, generator=g)
@@ -59,7 +59,7 @@ def test_forward_equals_dequantized_matmul(name, rows):
     # ggml's kernels (the row loop at 1-2 rows, ggml's graph from 3) quantise activations to 8 bits per
     # block as llama.cpp does, ~0.5 % relative error; many rows of a format without a tiled kernel:
     # float32 GEMM on the dequantised weight (not Q4_1 on x16, whose kernel wins at every row count)
-    dequantized = rows > MANY_ROWS and q.qtype in UNTILED and q.kernel_type != X16
+    dequantized = rows > MANY_ROWS and q.qtype in UNTILED and not q.repacked
     tol = 1e-4 if dequantized else 0.02 * expected.abs().max().item()
     torch.testing.assert_close(got[0], expected, atol=tol, rtol=0)
 
@@ -106,18 +106,18 @@ def test_one_fused_call_equals_separate_calls():
     # mixed partner formats: Q5_0 / Q8_0 take 8-bit Q8_0 activations, Q4_K / Q6_K take Q8_K
     qs = [GGMLLinear.quantize(torch.randn(out, 256, generator=g), name)
           for out, name in [(40, "q5_0"), (17, "q4_k"), (64, "q8_0"), (5, "q6_k")]]
-    fused = torch.ops.kvwire.ggml_matmuls(x, [q.blocks for q in qs], [int(q.qtype) for q in qs], 256)
+    fused = torch.ops.kvwire.ggml_matmuls(x, [q.blocks for q in qs], [q.kernel_type for q in qs], 256)
     for q, y in zip(qs, fused):
-        assert torch.equal(y, torch.ops.kvwire.ggml_matmul(x, q.blocks, int(q.qtype), 256))
+        assert torch.equal(y, torch.ops.kvwire.ggml_matmul(x, q.blocks, q.kernel_type, 256))
     with pytest.raises(RuntimeError, match="expected 1 to 8 weights with a type each, got 2 weights and 1"):
-        torch.ops.kvwire.ggml_matmuls(x, [qs[0].blocks, qs[1].blocks], [int(qs[0].qtype)], 256)
+        torch.ops.kvwire.ggml_matmuls(x, [qs[0].blocks, qs[1].blocks], [qs[0].kernel_type], 256)
     with pytest.raises(RuntimeError, match=r"expected contiguous \(out, 144\) uint8 blocks for 256 weights"):
-        torch.ops.kvwire.ggml_matmul(x, qs[0].blocks, int(qs[1].qtype), 256)  # Q5_0 blocks read as Q4_K
+        torch.ops.kvwire.ggml_matmul(x, qs[0].blocks, qs[1].kernel_type, 256)  # Q5_0 blocks read as Q4_K
     with pytest.raises(RuntimeError, match=r"expected x of shape \(rows, 256\) float32, got \[3, 128\]"):
-        torch.ops.kvwire.ggml_matmul(x[:, :128], qs[0].blocks, int(qs[0].qtype), 256)
+        torch.ops.kvwire.ggml_matmul(x[:, :128], qs[0].blocks, qs[0].kernel_type, 256)
     # a width that is not whole blocks: ggml itself would abort the process
     with pytest.raises(RuntimeError, match="packs 32 weights a block; in_features = 250 is not a positive multiple"):
-        torch.ops.kvwire.ggml_matmul(x[:, :250].contiguous(), qs[0].blocks, int(qs[0].qtype), 250)
+        torch.ops.kvwire.ggml_matmul(x[:, :250].contiguous(), qs[0].blocks, qs[0].kernel_type, 250)
 
 
 def test_requantize_equals_quantizing_the_dequantized_weight():

@@ -1,4 +1,4 @@
-"""Build and load kvwire's bridge to ggml's CPU kernels (`matmul.c`, `q4_1x16.c`, `op.cpp`).
+"""Build and load kvwire's bridge to ggml's CPU kernels (`matmul.c`, `x16.c`, `op.cpp`).
 
 ggml ships with llama-cpp-python (`pip install "kvwire[ggml]"`): its shared libraries and headers.
 The bridge is compiled with the machine's C and C++ compilers on first use (~15 s, mostly torch's
@@ -20,7 +20,7 @@ import torch  # imported before the bridge loads: its libgomp becomes the bridge
 
 from ...io.weights_cache import cache_root
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.c", "q4_1x16.c", "op.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.c", "x16.c", "op.cpp"))
 INSTALL_HINT = 'ggml kernels need llama-cpp-python, which ships ggml: pip install "kvwire[ggml]"'
 _LIB = {}
 
@@ -97,5 +97,5 @@ def _declare(lib):
     lib.kvw_supported.argtypes, lib.kvw_supported.restype = [i32], i32
     lib.kvw_dequantize.argtypes, lib.kvw_dequantize.restype = [i32, ptr, i64, i64, ptr, i32], i32
     lib.kvw_x16_supported.restype = i32
-    lib.kvw_x16_repack_rows.argtypes, lib.kvw_x16_repack_rows.restype = [ptr, ptr, i64, i64, i32, i32], None
+    lib.kvw_x16_repack_rows.argtypes, lib.kvw_x16_repack_rows.restype = [i32, ptr, ptr, i64, i64, i32, i32], None
     lib.kvw_quantize.argtypes, lib.kvw_quantize.restype = [i32, ptr, ptr, i64, i64], i64

@@ -8,10 +8,10 @@ own matrix product, tiled as llama.cpp's is (`matmul.c`'s `kvw_matmuls` chooses)
 has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's float32 GEMM
 beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
 
-On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1 blocks are repacked at construction into
-`q4_1x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at every row
-count: 2x ggml's row loop at one row, 3.5x at 32, 2.2x dequantise + MKL at 512 (bench/ggml_matmul.py).
-`q4_1_kernel()` chooses, `KVWIRE_Q4_1_KERNEL=ggml|x16` overrides.
+On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1 and Q5_0 blocks are repacked at construction
+into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at every row
+count: for Q4_1 2x ggml's row loop at one row, 3.5x at 32, 2.2x dequantise + MKL at 512
+(bench/ggml_matmul.py). `ggml_kernel()` chooses, `KVWIRE_GGML_KERNEL=ggml|x16` overrides.
 """
 import os
 from functools import lru_cache
@@ -30,8 +30,9 @@ from .lib import library
 UNTILED = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
 MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-X16 = 1001  # matmul.c's KVW_Q4_1_X16: the type number of Q4_1 blocks in q4_1x16.c's layout
-Q4_1_KERNELS = ("x16", "ggml")
+# the formats x16.c repacks, and the type numbers matmul.c knows their repacked blocks by
+X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002}
+KERNELS = ("x16", "ggml")
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
 QUANTIZE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 
@@ -43,8 +44,8 @@ class GGMLLinear(nn.Module):
         blocks: (out, row_bytes) uint8, each row `in_features` weights in `qtype` blocks.
         qtype: a `gguf.GGMLQuantizationType` (or its id) with a ggml CPU dot product.
         in_features: weights per row. bias: (out,) or None.
-        kernel: for Q4_1, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel) or "ggml";
-            None: `q4_1_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
+        kernel: for Q4_1 and Q5_0, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel) or
+            "ggml"; None: `ggml_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
 
     Shapes: x (..., in) -> (..., out), in x's dtype (computed in float32).
 
@@ -66,18 +67,18 @@ class GGMLLinear(nn.Module):
             raise ValueError(f"expected blocks of shape (out, {row_bytes}) uint8 for {in_features} "
                              f"{self.qtype.name} weights a row; got {tuple(blocks.shape)} {blocks.dtype}")
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        # the type number the kernels are called with: qtype's own, or X16 for repacked Q4_1 blocks
+        # the type number the kernels are called with: qtype's own, or X16's for repacked blocks
         self.kernel_type = int(self.qtype)
-        if self.qtype == GGMLQuantizationType.Q4_1 and q4_1_kernel(kernel) == "x16":
-            blocks, self.kernel_type = _repacked(blocks, in_features, to_x16=True), X16
+        if self.qtype in X16 and ggml_kernel(kernel) == "x16":
+            blocks, self.kernel_type = _repacked(blocks, self.qtype, in_features, to_x16=True), X16[self.qtype]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
     def __setstate__(self, state):  # unpickled (torch.load, deepcopy): register the kernels first
         super().__setstate__(state)
         library()
-        if self.kernel_type == X16 and q4_1_kernel() != "x16":  # pickled where the x16 kernel runs
-            self.blocks = _repacked(self.blocks, self.in_features, to_x16=False)
+        if self.repacked and ggml_kernel() != "x16":  # pickled where the x16 kernel runs
+            self.blocks = _repacked(self.blocks, self.qtype, self.in_features, to_x16=False)
             self.kernel_type = int(self.qtype)
 
     @classmethod
@@ -119,7 +120,7 @@ class GGMLLinear(nn.Module):
         # compiled graphs keep the opaque op: dequantising calls ctypes, where dynamo would break the graph;
         # x16 beats dequantising at every row count (512 rows of 1536x1024: 6.1 vs 13.5 ms)
         if not torch.compiler.is_compiling() and rows > MANY_ROWS and self.qtype in UNTILED and \
-                self.kernel_type != X16:
+                not self.repacked:
             out = nn.functional.linear(x2, self.dequantize())
         else:  # op.cpp's kernel; an opaque op to torch.compile
             out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, self.kernel_type, self.in_features)
@@ -129,7 +130,12 @@ class GGMLLinear(nn.Module):
 
     def ggml_blocks(self):
         """The blocks in ggml's own layout (as a GGUF file holds them): (out, row_bytes) uint8."""
-        return _repacked(self.blocks, self.in_features, to_x16=False) if self.kernel_type == X16 else self.blocks
+        return _repacked(self.blocks, self.qtype, self.in_features, to_x16=False) if self.repacked else self.blocks
+
+    @property
+    def repacked(self):
+        """Whether the blocks are in x16.c's layout (run by kvwire's kernel), not ggml's."""
+        return self.kernel_type != int(self.qtype)
 
     def dequantize(self):
         """The weight as the kernels see it: (out, in) float32."""
@@ -145,25 +151,25 @@ class GGMLLinear(nn.Module):
         return part
 
     def extra_repr(self):
-        layout = ", repacked for x16" if self.kernel_type == X16 else ""
+        layout = ", repacked for x16" if self.repacked else ""
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}{layout}"
 
 
-def q4_1_kernel(asked=None):
-    """The Q4_1 kernel to use: `asked` ("x16" / "ggml"), else `KVWIRE_Q4_1_KERNEL`, else 'x16'
-    (kvwire's kernel on repacked blocks) where the CPU has AVX-512 F, BW, VL and VNNI and 'ggml'
-    (ggml's row loop on the file's layout) where it has not. x16 on a CPU without those features
-    is refused, naming them."""
-    source = "kernel" if asked is not None else "KVWIRE_Q4_1_KERNEL"
-    asked = (os.environ.get("KVWIRE_Q4_1_KERNEL", "") if asked is None else str(asked)).strip().lower()
+def ggml_kernel(asked=None):
+    """The kernel for the formats in X16 (Q4_1, Q5_0): `asked` ("x16" / "ggml"), else
+    `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU has AVX-512
+    F, BW, VL and VNNI and 'ggml' (ggml's kernels on the file's layout) where it has not. x16 on a
+    CPU without those features is refused, naming them."""
+    source = "kernel" if asked is not None else "KVWIRE_GGML_KERNEL"
+    asked = (os.environ.get("KVWIRE_GGML_KERNEL", "") if asked is None else str(asked)).strip().lower()
     runs = x16_runs()
     if not asked:
         return "x16" if runs else "ggml"
-    if asked not in Q4_1_KERNELS:
-        raise ValueError(f"{source}={asked!r}; expected one of {', '.join(Q4_1_KERNELS)}")
+    if asked not in KERNELS:
+        raise ValueError(f"{source}={asked!r}; expected one of {', '.join(KERNELS)}")
     if asked == "x16" and not runs:
         raise ValueError(f"{source}=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, which this CPU lacks; "
-                         "leave it unset (kvwire then runs ggml's own Q4_1 kernel)")
+                         "leave it unset (kvwire then runs ggml's own kernels)")
     return asked
 
 
@@ -173,12 +179,12 @@ def x16_runs():
     return bool(library().kvw_x16_supported())
 
 
-def _repacked(blocks, in_features, to_x16):
-    """Q4_1 blocks (out, row_bytes) uint8 moved to q4_1x16.c's layout (`to_x16`) or back: a new tensor."""
+def _repacked(blocks, qtype, in_features, to_x16):
+    """`qtype` blocks (out, row_bytes) uint8 moved to x16.c's layout (`to_x16`) or back: a new tensor."""
     blocks = blocks.contiguous()
     out = torch.empty_like(blocks)
-    library().kvw_x16_repack_rows(blocks.data_ptr(), out.data_ptr(), blocks.shape[0], in_features, int(to_x16),
-                                  torch.get_num_threads())
+    library().kvw_x16_repack_rows(int(qtype), blocks.data_ptr(), out.data_ptr(), blocks.shape[0], in_features,
+                                  int(to_x16), torch.get_num_threads())
     return out
 
 

@@ -11,8 +11,8 @@
  * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on for most formats
  * (`kvw_matmuls` chooses; bench/ggml_matmul.py measures).
  *
- * Q4_1 weights repacked for AVX-512 VNNI (`q4_1x16.c`) carry kvwire's own type number,
- * KVW_Q4_1_X16, and run that file's kernel in the row loop at every row count.
+ * Q4_1 and Q5_0 weights repacked for AVX-512 VNNI (`x16.c`) carry kvwire's own type numbers
+ * (KVW_Q4_1_X16, KVW_Q5_0_X16) and run that file's kernel in the row loop.
  *
  * Built by kvwire/quant/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
  */
@@ -23,18 +23,25 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
-#define KVW_Q4_1_X16 1001 /* kvwire's type number for Q4_1 blocks in q4_1x16.c's layout */
+/* kvwire's type numbers for blocks in x16.c's layout */
+#define KVW_Q4_1_X16 1001
+#define KVW_Q5_0_X16 1002
 
 int kvw_x16_supported(void);
-void kvw_x16_repack(const void *src, void *dst, int64_t rows, int64_t n, int to_x16);
-int64_t kvw_x16_act_bytes(int64_t n);
-void kvw_x16_quantize(const float *x, int64_t n, void *dst);
-void kvw_x16_dots(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride);
+void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16);
+int64_t kvw_x16_act_bytes(int type, int64_t n);
+void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst);
+void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                  int64_t y_stride);
 
 void kvw_init(void) { ggml_cpu_init(); }
 
+static int is_x16(int type) { return type == KVW_Q4_1_X16 || type == KVW_Q5_0_X16; }
+
 /* ggml's type a kvwire type number stands for (a repacked type's blocks hold the same bytes) */
-static enum ggml_type ggml_type_of(int type) { return type == KVW_Q4_1_X16 ? GGML_TYPE_Q4_1 : (enum ggml_type)type; }
+static enum ggml_type ggml_type_of(int type) {
+    return type == KVW_Q4_1_X16 ? GGML_TYPE_Q4_1 : type == KVW_Q5_0_X16 ? GGML_TYPE_Q5_0 : (enum ggml_type)type;
+}
 
 int64_t kvw_block_size(int type) { return ggml_blck_size(ggml_type_of(type)); }
 
@@ -42,7 +49,7 @@ int64_t kvw_row_bytes(int type, int64_t n) { return (int64_t)ggml_row_size(ggml_
 
 /* 1 if the CPU backend has a dot product for this weight type, else 0. */
 int kvw_supported(int type) {
-    if (type == KVW_Q4_1_X16) return kvw_x16_supported();
+    if (is_x16(type)) return kvw_x16_supported();
     if (type < 0 || type >= GGML_TYPE_COUNT) return 0;
     const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
     if (t->vec_dot == NULL) return 0;
@@ -68,17 +75,18 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
     first[0] = 0;
     for (int i = 0; i < count; i++) {
         const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu(ggml_type_of(types[i]));
-        /* the partner format: x16's own arrangement of Q8_1, else ggml's (F32: none) */
-        const int partner = types[i] == KVW_Q4_1_X16 ? KVW_Q4_1_X16 : (int)t->vec_dot_type;
+        /* the partner format: x16's own (ggml's partner blocks and floats), else ggml's (F32: none) */
+        const int partner = is_x16(types[i]) ? types[i] : (int)t->vec_dot_type;
         dot[i] = t->vec_dot;
         w_row[i] = ggml_row_size(ggml_type_of(types[i]), n);
         first[i + 1] = first[i] + (outs[i] + block - 1) / block;
         xq[i] = x;
         x_row[i] = (size_t)n * sizeof(float);
         if (partner == GGML_TYPE_F32) continue;
-        x_row[i] = partner == KVW_Q4_1_X16 ? (size_t)kvw_x16_act_bytes(n) : ggml_row_size(t->vec_dot_type, n);
+        x_row[i] = is_x16(partner) ? (size_t)kvw_x16_act_bytes(ggml_type_of(partner), n)
+                                   : ggml_row_size(t->vec_dot_type, n);
         int j = 0; /* an earlier weight with the same partner format has the rows quantised already */
-        while (j < i && (types[j] == KVW_Q4_1_X16 ? KVW_Q4_1_X16 :
+        while (j < i && (is_x16(types[j]) ? types[j] :
                          (int)ggml_get_type_traits_cpu(ggml_type_of(types[j]))->vec_dot_type) != partner) j++;
         if (j < i) {
             xq[i] = xq[j];
@@ -91,7 +99,7 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
         }
         for (int64_t r = 0; r < rows; r++) {
             char *dst = (char *)scratch[i] + r * x_row[i];
-            if (partner == KVW_Q4_1_X16) kvw_x16_quantize(x + r * n, n, dst);
+            if (is_x16(partner)) kvw_x16_quantize(ggml_type_of(partner), x + r * n, n, dst);
             else ggml_get_type_traits_cpu(t->vec_dot_type)->from_float(x + r * n, dst, n);
         }
         xq[i] = scratch[i];
@@ -102,8 +110,9 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
         while (task >= first[i + 1]) i++;
         const int64_t o0 = (task - first[i]) * block;
         const int64_t o1 = o0 + block < outs[i] ? o0 + block : outs[i];
-        if (types[i] == KVW_Q4_1_X16) { /* a task is one packed group of 16 rows */
-            kvw_x16_dots(n, (const char *)ws[i] + o0 * w_row[i], o1 - o0, xq[i], rows, ys[i] + o0, outs[i]);
+        if (is_x16(types[i])) { /* a task is one packed group of 16 rows */
+            kvw_x16_dots(ggml_type_of(types[i]), n, (const char *)ws[i] + o0 * w_row[i], o1 - o0, xq[i], rows,
+                         ys[i] + o0, outs[i]);
             continue;
         }
         for (int64_t o = o0; o < o1; o++) {
@@ -168,7 +177,7 @@ int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_
             if (outs[i] > 65536 || types[i] == GGML_TYPE_Q4_1 || types[i] == GGML_TYPE_Q5_1) graph = 0;
     }
     for (int i = 0; i < count; i++)
-        if (types[i] == KVW_Q4_1_X16) graph = 0; /* its own kernel at any row count; ggml's graph does not know the layout */
+        if (is_x16(types[i])) graph = 0; /* its own kernel at any row count; ggml's graph does not know the layout */
     return (graph ? kvw_graph_matmuls : kvw_loop_matmuls)(count, types, ws, outs, n, x, rows, ys, threads);
 }
 
@@ -183,24 +192,26 @@ int kvw_dequantize(int type, const void *w, int64_t rows, int64_t n, float *dst,
     for (int64_t g = 0; g < rows; g += 16) {
         const int64_t u = rows - g < 16 ? rows - g : 16;
         const char *src = (const char *)w + g * w_row;
-        char *plain = type == KVW_Q4_1_X16 ? malloc(u * w_row) : NULL;
-        if (type == KVW_Q4_1_X16 && plain == NULL) {
+        char *plain = is_x16(type) ? malloc(u * w_row) : NULL;
+        if (is_x16(type) && plain == NULL) {
             failed = 1;
             continue;
         }
-        if (plain != NULL) kvw_x16_repack(src, plain, u, n, 0);
+        if (plain != NULL) kvw_x16_repack(ggml_type_of(type), src, plain, u, n, 0);
         for (int64_t r = 0; r < u; r++) to_float((plain ? plain : src) + r * w_row, dst + (g + r) * n, n);
         free(plain);
     }
     return failed ? -1 : 0;
 }
 
-/* dst = src's Q4_1 rows in q4_1x16.c's layout (`to_x16`) or back, groups of 16 rows split across threads. */
-void kvw_x16_repack_rows(const void *src, void *dst, int64_t rows, int64_t n, int to_x16, int threads) {
-    const size_t w_row = ggml_row_size(GGML_TYPE_Q4_1, n);
+/* dst = src's rows of ggml type `type` (Q4_1, Q5_0) in x16.c's layout (`to_x16`) or back, groups
+ * of 16 rows split across threads. */
+void kvw_x16_repack_rows(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16, int threads) {
+    const size_t w_row = ggml_row_size((enum ggml_type)type, n);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < rows; g += 16)
-        kvw_x16_repack((const char *)src + g * w_row, (char *)dst + g * w_row, rows - g < 16 ? rows - g : 16, n, to_x16);
+        kvw_x16_repack(type, (const char *)src + g * w_row, (char *)dst + g * w_row, rows - g < 16 ? rows - g : 16,
+                       n, to_x16);
 }
 
 /* Quantise src (rows, n) float32 into dst (rows, row_bytes). Returns the bytes written. */

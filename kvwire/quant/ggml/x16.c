@@ -1,0 +1,200 @@
+/* ggml blocks laid out for AVX-512 VNNI: sixteen weight rows a step instead of one block.
+ *
+ * ggml's Q4_1 and Q5_0 dot products handle one block of 32 weights at a time (~20 instructions:
+ * bit unpacking, a dot product, half-precision scale lookups, a horizontal sum a row) and are bound
+ * by that arithmetic, not by memory (bench/decode_bound.py). Here the same blocks are repacked,
+ * losslessly and in the same number of bytes, so that one 64-byte load holds 4 bytes of the same
+ * block of 16 rows: every int32 lane of a VNNI dot product belongs to one output row, 8 `vpdpbusd`
+ * finish a block for 16 rows against the activation's bytes broadcast, the 16 rows' scales are one
+ * half-precision load, and no horizontal sum is left at the end. The activations are ggml's own
+ * partner blocks (Q8_1 for Q4_1, Q8_0 for Q5_0), so each block's integer dot product and its
+ * scaling are ggml's; only the order of the float sums differs.
+ *
+ * Rows go in groups of 16 (the last may hold fewer, u), a group in the bytes its rows held:
+ * for each block b of 32 weights,
+ *   qs: 4 chunks of u x 4 bytes; chunk k, lane j = bytes 4k..4k+3 of row j's block b nibbles
+ *       (low nibbles: weights 4k..4k+3 of the block; high nibbles: weights 16+4k..16+4k+3)
+ *   Q4_1: d, then m: u half-precision scales and minimums           = 20 u bytes, as Q4_1;
+ *   Q5_0: qh: u 32-bit words of fifth bits, byte k = the bits of chunk k's weights 4k..4k+3 (low
+ *         half) and 16+4k..16+4k+3 (high half); then d: u scales    = 22 u bytes, as Q5_0.
+ * So rows 16G.. of a packed weight sit where they sat in ggml's layout: slicing at multiples of
+ * 16 rows still works.
+ *
+ * Built by lib.py into kvwire's ggml bridge; the kernel runs only where `kvw_x16_supported()`.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+enum { QK = 32, GROUP = 16 };
+
+typedef struct { ggml_fp16_t d, m; uint8_t qs[16]; } q4_1_block;
+typedef struct { ggml_fp16_t d; uint8_t qh[4]; uint8_t qs[16]; } q5_0_block;
+typedef struct { ggml_fp16_t d, s; int8_t qs[32]; } q8_1_block;
+typedef struct { ggml_fp16_t d; int8_t qs[32]; } q8_0_block;
+
+int kvw_x16_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
+
+static size_t block_bytes(int type) { return is_q5_0(type) ? sizeof(q5_0_block) : sizeof(q4_1_block); }
+
+/* qh's bits for weights 4k..4k+3 in byte k's low half, 16+4k..16+4k+3 in its high half (and back) */
+static uint32_t reorder_qh(uint32_t qh, int to_x16) {
+    uint32_t out = 0;
+    for (int k = 0; k < 4; k++)
+        for (int i = 0; i < 4; i++) {
+            const int low = 4 * k + i, high = 16 + 4 * k + i, at_low = 8 * k + i, at_high = 8 * k + 4 + i;
+            if (to_x16) out |= ((qh >> low) & 1u) << at_low | ((qh >> high) & 1u) << at_high;
+            else out |= ((qh >> at_low) & 1u) << low | ((qh >> at_high) & 1u) << high;
+        }
+    return out;
+}
+
+/* Q4_1 or Q5_0 rows (`type`: ggml's number; rows, n / 32 blocks) <-> the layout above; `to_x16`
+ * chooses the direction. */
+void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16) {
+    const int64_t blocks = n / QK, bytes = (int64_t)block_bytes(type), row_bytes = blocks * bytes;
+    for (int64_t g = 0; g < rows; g += GROUP) {
+        const int64_t u = rows - g < GROUP ? rows - g : GROUP;
+        uint8_t *packed = (uint8_t *)(to_x16 ? dst : src) + g * row_bytes;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *chunk = packed + b * u * bytes, *tail = chunk + 16 * u;
+            for (int64_t j = 0; j < u; j++) {
+                uint8_t *plain = (uint8_t *)(to_x16 ? src : dst) + (g + j) * row_bytes + b * bytes;
+                uint8_t *qs = plain + bytes - 16; /* both formats end with their 16 nibble bytes */
+                for (int k = 0; k < 4; k++) {
+                    uint8_t *lane = chunk + k * 4 * u + 4 * j;
+                    memcpy(to_x16 ? lane : qs + 4 * k, to_x16 ? qs + 4 * k : lane, 4);
+                }
+                if (is_q5_0(type)) {
+                    q5_0_block *p = (q5_0_block *)plain;
+                    uint32_t *qh = (uint32_t *)tail + j, word;
+                    ggml_fp16_t *d = (ggml_fp16_t *)(tail + 4 * u) + j;
+                    if (to_x16) { memcpy(&word, p->qh, 4); word = reorder_qh(word, 1); memcpy(qh, &word, 4); *d = p->d; }
+                    else { memcpy(&word, qh, 4); word = reorder_qh(word, 0); memcpy(p->qh, &word, 4); p->d = *d; }
+                } else {
+                    q4_1_block *p = (q4_1_block *)plain;
+                    ggml_fp16_t *d = (ggml_fp16_t *)tail + j, *m = d + u;
+                    if (to_x16) { *d = p->d; *m = p->m; }
+                    else { p->d = *d; p->m = *m; }
+                }
+            }
+        }
+    }
+}
+
+/* ggml's partner format of the weights, whose blocks lead an activation row */
+static int partner(int type) { return is_q5_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE_Q8_1; }
+
+/* Bytes of one activation row for kvw_x16_dots: its partner blocks, then each block's scale and
+ * offset term as floats (Q4_1: scale x sum of quants, times the weight's minimum; Q5_0: -16 x scale
+ * x sum of quants, times the weight's scale: Q5_0 stores weights + 16). */
+int64_t kvw_x16_act_bytes(int type, int64_t n) {
+    return n / QK * ((int64_t)ggml_type_size((enum ggml_type)partner(type)) + 2 * (int64_t)sizeof(float));
+}
+
+/* One activation row x (n floats) -> dst (kvw_x16_act_bytes): ggml's quantisation to the partner format. */
+void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
+    ggml_get_type_traits_cpu((enum ggml_type)partner(type))->from_float(x, dst, n);
+    const int64_t blocks = n / QK;
+    float *scale = (float *)((uint8_t *)dst + blocks * ggml_type_size((enum ggml_type)partner(type)));
+    float *offset = scale + blocks;
+    for (int64_t b = 0; b < blocks; b++) {
+        if (is_q5_0(type)) {
+            const q8_0_block *q = (const q8_0_block *)dst + b;
+            int sum = 0;
+            for (int i = 0; i < QK; i++) sum += q->qs[i];
+            scale[b] = ggml_fp16_to_fp32(q->d);
+            offset[b] = -16.0f * scale[b] * (float)sum;
+        } else {
+            const q8_1_block *q = (const q8_1_block *)dst + b;
+            scale[b] = ggml_fp16_to_fp32(q->d);
+            offset[b] = ggml_fp16_to_fp32(q->s);
+        }
+    }
+}
+
+/* y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r, for
+ * r < rows (made by kvw_x16_quantize, kvw_x16_act_bytes apart). Activation rows go four at a time
+ * against one read of the group's blocks. FIVE: Q5_0 (else Q4_1), a constant once inlined. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+static inline void dots(const int FIVE, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                        int64_t y_stride) {
+    enum { R = 4 };
+    const int64_t blocks = n / QK, act_bytes = kvw_x16_act_bytes(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, n);
+    const int64_t bytes = FIVE ? 22 : 20, x_block = FIVE ? 34 : 36, x_qs = FIVE ? 2 : 4;
+    const __mmask16 lanes = (__mmask16)((1u << u) - 1);
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    /* a 32-bit lane's four bytes all take byte k of the lane's qh word: shuffle control for k = 0 */
+    const __m512i spread = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000);
+    const __m512i bit_low = _mm512_set1_epi32(0x08040201), bit_high = _mm512_set1_epi32((int)0x80402010u);
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int nr = rows - r0 < R ? (int)(rows - r0) : R;
+        const uint8_t *a[R];
+        const float *scale[R], *offset[R];
+        __m512 acc[R], offs[R];
+        for (int r = 0; r < R; r++) {
+            a[r] = (const uint8_t *)x + (r0 + (r < nr ? r : 0)) * act_bytes;
+            scale[r] = (const float *)(a[r] + blocks * x_block);
+            offset[r] = scale[r] + blocks;
+            acc[r] = offs[r] = _mm512_setzero_ps();
+        }
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *tail = chunk + 16 * u;
+            __m512i q[8];
+            const __m512i qh = FIVE ? _mm512_maskz_loadu_epi32(lanes, tail) : _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const __m512i packed = _mm512_maskz_loadu_epi32(lanes, chunk + k * 4 * u);
+                q[k] = _mm512_and_si512(packed, low);
+                q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                if (FIVE) { /* the fifth bit: +16 where qh has it */
+                    const __m512i bits = _mm512_shuffle_epi8(qh, _mm512_add_epi8(spread, _mm512_set1_epi8((char)k)));
+                    q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(bits, bit_low), q[k], fifth);
+                    q[4 + k] = _mm512_mask_add_epi8(q[4 + k], _mm512_test_epi8_mask(bits, bit_high), q[4 + k], fifth);
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, FIVE ? tail + 4 * u : tail));
+            const __m512 m = FIVE ? d : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, tail + 2 * u));
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *qx = a[r] + b * x_block + x_qs;
+                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+                for (int k = 0; k < 8; k += 2) {
+                    int32_t x0, x1;
+                    memcpy(&x0, qx + 4 * k, 4);
+                    memcpy(&x1, qx + 4 * k + 4, 4);
+                    even = _mm512_dpbusd_epi32(even, q[k], _mm512_set1_epi32(x0));
+                    odd = _mm512_dpbusd_epi32(odd, q[k + 1], _mm512_set1_epi32(x1));
+                }
+                const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+                acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(scale[r][b])), acc[r]);
+                offs[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(offset[r][b]), offs[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            _mm512_mask_storeu_ps(y + (r0 + r) * y_stride, lanes, _mm512_add_ps(acc[r], offs[r]));
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q4_1(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    dots(0, n, w, u, x, rows, y, y_stride);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q5_0(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    dots(1, n, w, u, x, rows, y, y_stride);
+}
+
+/* y[r * y_stride + j] = row j of `type`'s (Q4_1 or Q5_0) packed row group `w` . activation row r. */
+void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                  int64_t y_stride) {
+    (is_q5_0(type) ? dots_q5_0 : dots_q4_1)(n, w, u, x, rows, y, y_stride);
+}
