@@ -10,8 +10,9 @@ beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1 and Q5_0 blocks are repacked at construction
 into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at every row
-count: for Q4_1 2x ggml's row loop at one row, 3.5x at 32, 2.2x dequantise + MKL at 512
-(bench/ggml_matmul.py). `ggml_kernel()` chooses, `KVWIRE_GGML_KERNEL=ggml|x16` overrides.
+count (bench/ggml_matmul.py, 1536x1024: Q4_1 2x ggml's row loop at one row, 3.6x at 32, 1.8x
+dequantise + MKL at 512; Q5_0 1.7x, 1.7x and 1.5x ggml's fastest). `ggml_kernel()` chooses,
+`KVWIRE_GGML_KERNEL=ggml|x16` overrides.
 """
 import os
 from functools import lru_cache
