@@ -95,6 +95,27 @@ def test_requantize_and_copies_of_a_repacked_weight(kind):
     assert torch.equal(GGMLLinear(packed.ggml_blocks(), packed.qtype, 64).blocks, packed.blocks)
 
 
+@needs_x16
+def test_state_dicts_hold_ggmls_layout_and_load_into_either_kernel():
+    plain, packed = _pair(40, 96, kind="q5_0")  # 3 blocks: an odd count
+    assert torch.equal(packed.state_dict()["blocks"], plain.blocks)
+    other_plain, other_packed = _pair(40, 96, seed=9, kind="q5_0")
+    other_plain.load_state_dict(packed.state_dict())
+    other_packed.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 96)
+    assert torch.equal(other_plain(x), plain(x)) and torch.equal(other_packed(x), packed(x))
+    assert other_packed.repacked and torch.equal(other_packed.blocks, packed.blocks)
+
+
+def test_a_module_pickled_before_x16_existed_unpickles():
+    from kvwire.quant.ggml import GGMLLinear
+
+    q = GGMLLinear.quantize(torch.randn(16, 64), "q4_1", kernel="ggml")
+    del q.kernel_type  # as pickles made before this attribute was added
+    clone = copy.deepcopy(q)
+    assert not clone.repacked and torch.equal(clone.blocks, q.blocks)
+
+
 @pytest.mark.parametrize("kind", FORMATS)
 def test_a_copy_made_where_x16_ran_falls_back_where_it_does_not(monkeypatch, kind):
     """A repacked module unpickled on a CPU without the x16 kernel gets ggml's layout back."""

@@ -76,6 +76,7 @@ class GGMLLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
     def __setstate__(self, state):  # unpickled (torch.load, deepcopy): register the kernels first
+        state.setdefault("kernel_type", int(state["qtype"]))  # pickled before x16 existed: ggml's layout
         super().__setstate__(state)
         library()
         if self.repacked and ggml_kernel() != "x16":  # pickled where the x16 kernel runs
@@ -94,7 +95,7 @@ class GGMLLinear(nn.Module):
         tied head re-quantised from a GGUF's own blocks never touches the float embedding table
         (671 MB for Gemma 3's 262k rows), only these blocks (178 MB as Q8_0)."""
         bias = None if self.bias is None else self.bias.detach()
-        return self._quantized(self._dequantized_rows, qtype, self.out_features, self.in_features, bias)
+        return self._quantized(self._dequantized, qtype, self.out_features, self.in_features, bias)
 
     @classmethod
     def _quantized(cls, rows_of, qtype, out_features, in_features, bias, kernel=None):
@@ -112,9 +113,6 @@ class GGMLLinear(nn.Module):
             lib.kvw_quantize(int(qtype), part.data_ptr(), blocks[start:].data_ptr(), part.shape[0], in_features)
         return cls(blocks, qtype, in_features, bias, kernel)
 
-    def _dequantized_rows(self, start, stop):
-        return self._dequantized(start, stop)
-
     def forward(self, x):
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
@@ -128,6 +126,19 @@ class GGMLLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    # a state dict holds ggml's layout, whichever layout this CPU runs: it loads anywhere
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "blocks"] = self.ggml_blocks()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        key = prefix + "blocks"
+        given = state_dict.get(key)
+        if self.repacked and isinstance(given, torch.Tensor) and given.shape == self.blocks.shape and \
+                given.dtype == torch.uint8:
+            state_dict = {**state_dict, key: _repacked(given, self.qtype, self.in_features, to_x16=True)}
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def ggml_blocks(self):
         """The blocks in ggml's own layout (as a GGUF file holds them): (out, row_bytes) uint8."""

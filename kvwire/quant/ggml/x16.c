@@ -22,7 +22,6 @@
  *
  * Built by lib.py into kvwire's ggml bridge; the kernel runs only where `kvw_x16_supported()`.
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -36,10 +35,21 @@ typedef struct { ggml_fp16_t d; uint8_t qh[4]; uint8_t qs[16]; } q5_0_block;
 typedef struct { ggml_fp16_t d, s; int8_t qs[32]; } q8_1_block;
 typedef struct { ggml_fp16_t d; int8_t qs[32]; } q8_0_block;
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define X86 1
+#else
+#define X86 0
+#endif
+
 int kvw_x16_supported(void) {
+#if !X86
+    return 0;
+#else
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
 }
 
 static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
@@ -97,15 +107,18 @@ static int partner(int type) { return is_q5_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE
 /* Bytes of one activation row for kvw_x16_dots: its partner blocks, then each block's scale and
  * offset term as floats (Q4_1: scale x sum of quants, times the weight's minimum; Q5_0: -16 x scale
  * x sum of quants, times the weight's scale: Q5_0 stores weights + 16). */
-int64_t kvw_x16_act_bytes(int type, int64_t n) {
-    return n / QK * ((int64_t)ggml_type_size((enum ggml_type)partner(type)) + 2 * (int64_t)sizeof(float));
+/* where the floats start: after the partner blocks, rounded up to a float's alignment */
+static int64_t floats_at(int type, int64_t blocks) {
+    return (blocks * (int64_t)ggml_type_size((enum ggml_type)partner(type)) + 3) / 4 * 4;
 }
+
+int64_t kvw_x16_act_bytes(int type, int64_t n) { return floats_at(type, n / QK) + n / QK * 2 * (int64_t)sizeof(float); }
 
 /* One activation row x (n floats) -> dst (kvw_x16_act_bytes): ggml's quantisation to the partner format. */
 void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
     ggml_get_type_traits_cpu((enum ggml_type)partner(type))->from_float(x, dst, n);
     const int64_t blocks = n / QK;
-    float *scale = (float *)((uint8_t *)dst + blocks * ggml_type_size((enum ggml_type)partner(type)));
+    float *scale = (float *)((uint8_t *)dst + floats_at(type, blocks));
     float *offset = scale + blocks;
     for (int64_t b = 0; b < blocks; b++) {
         if (is_q5_0(type)) {
@@ -122,6 +135,7 @@ void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
     }
 }
 
+#if X86
 /* y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r, for
  * r < rows (made by kvw_x16_quantize, kvw_x16_act_bytes apart). Activation rows go four at a time
  * against one read of the group's blocks. FIVE: Q5_0 (else Q4_1), a constant once inlined. */
@@ -143,7 +157,7 @@ static inline void dots(const int FIVE, int64_t n, const void *w, int64_t u, con
         __m512 acc[R], offs[R];
         for (int r = 0; r < R; r++) {
             a[r] = (const uint8_t *)x + (r0 + (r < nr ? r : 0)) * act_bytes;
-            scale[r] = (const float *)(a[r] + blocks * x_block);
+            scale[r] = (const float *)(a[r] + floats_at(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, blocks));
             offset[r] = scale[r] + blocks;
             acc[r] = offs[r] = _mm512_setzero_ps();
         }
@@ -193,8 +207,14 @@ static void dots_q5_0(int64_t n, const void *w, int64_t u, const void *x, int64_
     dots(1, n, w, u, x, rows, y, y_stride);
 }
 
+#endif
+
 /* y[r * y_stride + j] = row j of `type`'s (Q4_1 or Q5_0) packed row group `w` . activation row r. */
 void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                   int64_t y_stride) {
+#if X86
     (is_q5_0(type) ? dots_q5_0 : dots_q4_1)(n, w, u, x, rows, y, y_stride);
+#else  /* unreachable: kvw_supported refuses the x16 types where kvw_x16_supported() is 0 */
+    (void)type, (void)n, (void)w, (void)u, (void)x, (void)rows, (void)y, (void)y_stride;
+#endif
 }
