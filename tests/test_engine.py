@@ -436,7 +436,7 @@ def test_compiled_decode_steps_serve_rows_that_join_later():
     c = engine.submit(rows[2], 6)
     drive(engine, [a, c])
     assert engine.stats["per_row_steps"] > 0
-    assert {key[3] for key in lm._decode.seen} == {(), (2,)}  # cache index shapes
+    assert {tuple(key[1][2][0]) for key in lm._decode.seen} == {(), (2,)}  # cache index shapes (3rd tensor)
     plain = tiny("gemma3")
     for seq, row, n in ((a, rows[0], 12), (b, rows[1], 3), (c, rows[2], 6)):
         assert seq.tokens == single(plain, row, n)[0]

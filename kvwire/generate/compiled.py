@@ -31,11 +31,16 @@ import contextlib
 import torch
 
 from ..layers.attention import in_place_cache_writes
+from .direct import DirectCalls
 
 # Longest prompt chunk run compiled by default: measured there (bench/generate.py's prefill 32);
 # longer chunks keep eager's flash attention and, for Q4_1 / Q5_1, its dequantised float GEMM.
 PREFILL_TOKENS = 32
 RECOMPILE_LIMIT = 64  # graphs of the one `step` code, all instances together (see __call__)
+# Inductor's Python wrapper checks the size, strides and alignment of every input (~370 in a SmolLM2
+# step) and custom-op output (~120) on each call: ~2 of ~10 ms a token (bench/compile_options.py).
+# kvwire's signature key (`__call__`) holds every tensor argument's shape and strides instead.
+WRAPPER_CHECKS_OFF = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
 class CompiledDecode:
@@ -63,7 +68,12 @@ class CompiledDecode:
             return head(hidden[:, -1]), cache
 
         options = _with_passes(options)
-        self.step = torch.compile(step, dynamic=False, **options)
+        self.direct, self.use_direct = {}, "options" in options and len(options) == 1  # see direct.py
+        if self.use_direct:  # Inductor with kvwire's options and no others: also called directly
+            self.backend = DirectCalls(options["options"])
+            self.step = torch.compile(step, dynamic=False, backend=self.backend)
+        else:
+            self.step = torch.compile(step, dynamic=False, **options)
         # caches written in place where the Inductor pass that would copy them back is off
         self.writes = in_place_cache_writes if (options.get("options") or {}).get("reorder_for_locality") is False \
             else contextlib.nullcontext
@@ -92,13 +102,18 @@ class CompiledDecode:
         # each chunk length is checked against every guard once: a dynamic graph may hold for some
         # lengths only (say those past a ring cache's slots); torch 2.13 still checks shapes with
         # guards skipped (and refuses), the exact length keeps that from resting on it
-        key = (token_ids.device, tuple(token_ids.shape), tuple(attention_mask.shape), tuple(cache_index.shape),
+        args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
+        key = (token_ids.device, _layout(args),  # every shape and stride: Inductor's size asserts are off
                tuple(t.dtype for t in extra),
                cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
+        direct = self.direct.get(key)
+        if direct is not None:
+            return direct(args)
         if key not in self.seen:  # every guard; seen once a call of this signature compiled nothing new
             graphs = _compiled_graphs()
+            if self.use_direct:
+                self.backend.start()
             # every batch size, cache length and chunk kind is a graph of the one `step` code
             # (shared by all instances): past dynamo's default of 8 it would run eager. The old
             # name: torch 2.6 has no `recompile_limit`, later versions alias it
@@ -106,6 +121,10 @@ class CompiledDecode:
                 out = self.step(*args)
             if _compiled_graphs() == graphs:
                 self.seen.add(key)
+            elif self.use_direct and self.writes is in_place_cache_writes:
+                entry = self.backend.entry(args, out)
+                if entry is not None:
+                    self.direct[key] = entry
             return out
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True), self.writes():
@@ -127,8 +146,15 @@ def _with_passes(options):
     # reorder_for_locality would move the attention's read of a value cache below that cache's
     # one-slot write, and Inductor then copies the whole cache out and back instead of writing it in place
     inductor = {"post_grad_custom_post_pass": FuseSiblingMatmuls(), "reorder_for_locality": False,
-                **(options.get("options") or {})}
+                **WRAPPER_CHECKS_OFF, **(options.get("options") or {})}
     return {**options, "options": inductor}
+
+
+def _layout(args):
+    """Every tensor argument's shape and strides, caches included: a step compiled for one layout
+    must not run on another, and with WRAPPER_CHECKS_OFF the compiled code does not check."""
+    flat, _ = torch.utils._pytree.tree_flatten(args)
+    return tuple((t.shape, t.stride()) for t in flat if isinstance(t, torch.Tensor))
 
 
 def _compiled_graphs():

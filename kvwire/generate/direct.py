@@ -1,0 +1,92 @@
+"""Calling a compiled decode step's Inductor function directly, past dynamo's frame machinery.
+
+Even with its guards skipped, a dynamo call of a SmolLM2 decode step spends ~1 ms of ~8 before
+Inductor's code runs: the cache lookup walks the ~370 graph inputs (every weight is fetched again
+through its module path each call) and a bytecode prologue builds their list. The compiled function
+itself needs only that list in a fixed order, and all but the step's own arguments (token ids,
+positions, masks, caches) are the same weight tensors on every call. So the backend here records,
+for a graph compiled from one call, which of its inputs are that call's arguments (by identity)
+and holds the rest; later calls with the same signature fill in their arguments and call Inductor's
+function, ~1 ms less a step (bench/compile_options.py has no switch for it; measured by hand with
+the dynamo and direct calls of one compiled step in one process: 6.7-7.0 against 7.8-7.9 ms).
+
+A recorded graph is used only when it can stand in for the whole dynamo call, checked on the call
+that compiled it: one graph (no graph break), tensor inputs only (a dynamic prompt length passes a
+size: those keep dynamo), the step's cache returned as the same tensors it was given (written in
+place, so dynamo's result is the one graph output plus those caches), and the direct call's logits
+equal to dynamo's, bit for bit (it runs the step again: the same values go to the same slots).
+"""
+import torch
+
+
+class DirectCalls:
+    """A `torch.compile` backend (Inductor with `options`) that also keeps what a direct call of
+    each compiled step needs; `entry(args, out)` makes one from the call that compiled it.
+
+    Example:
+        >>> direct = DirectCalls({})
+        >>> step = torch.compile(fn, dynamic=False, backend=direct)  # doctest: +SKIP
+    """
+
+    def __init__(self, options):
+        self.options = options
+        self.compiled = []  # (example inputs, Inductor function) of the call being compiled
+
+    def __call__(self, gm, example_inputs):
+        fn = torch._inductor.compile(gm, example_inputs, self.options)
+        self.compiled.append((list(example_inputs), fn))
+        return fn
+
+    def start(self):
+        """Forget graphs from earlier calls: the next call's compiles are recorded from empty."""
+        self.compiled = []
+
+    def entry(self, args, out):
+        """A `DirectStep` for the call that just ran dynamo on `args` (token_ids, positions,
+        cache_index, attention_mask, cache, *extra) and returned `out` (logits, cache), or None
+        when its compiled graph cannot stand in for the call."""
+        compiled, self.compiled = self.compiled, []
+        if len(compiled) != 1 or not _same_cache(args[4], out):
+            return None
+        example, fn = compiled[0]
+        if not all(isinstance(t, torch.Tensor) for t in example):
+            return None
+        position = {id(t): i for i, t in enumerate(_flat(args))}
+        step = DirectStep(fn, [None if id(t) in position else t for t in example],
+                          [(slot, position[id(t)]) for slot, t in enumerate(example) if id(t) in position])
+        outputs = step.outputs(args)
+        return step if len(outputs) == 1 and torch.equal(outputs[0], out[0]) else None
+
+
+class DirectStep:
+    """fn(*inputs) with the weights held and a call's arguments put in their slots:
+    step(args) -> (logits, cache), args as `DirectCalls.entry` takes them."""
+
+    def __init__(self, fn, held, fills):
+        self.fn, self.held, self.fills = fn, held, fills
+
+    def __call__(self, args):
+        return self.outputs(args)[0], args[4]
+
+    def outputs(self, args):
+        flat, inputs = _flat(args), self.held.copy()  # Inductor clears its input list: a fresh one each call
+        for slot, i in self.fills:
+            inputs[slot] = flat[i]
+        return self.fn(*inputs)
+
+
+def _flat(args):
+    token_ids, positions, cache_index, attention_mask, cache, *extra = args
+    flat = [token_ids, positions, cache_index, attention_mask]
+    for pair in cache:
+        flat.extend(pair)
+    return flat + extra
+
+
+def _same_cache(cache, out):
+    """Whether dynamo's result is (logits tensor, the given cache's own tensors)."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
+        return False
+    returned = out[1]
+    return len(returned) == len(cache) and all(
+        len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(returned, cache))
