@@ -211,3 +211,35 @@ def test_compiled_decode_with_a_mode_keeps_the_functional_update():
         _, out = decode(torch.tensor([[5]]), torch.tensor([[0]]), torch.tensor(0), torch.ones(1, 32, dtype=torch.bool),
                         cache, ())
     assert out[0][0].data_ptr() != cache[0][0].data_ptr() and not cache[0][0].any()  # new tensors; input untouched
+
+
+def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_in_for():
+    """After the call that compiles a decode step, later steps of its signature call Inductor's
+    function directly (past dynamo) and give eager's tokens; a recorded graph that is not the whole
+    call (two graphs, caches not returned as given, a differing result) is refused."""
+    from kvwire.generate.direct import DirectCalls
+
+    torch._dynamo.reset()
+    lm = kw.from_hf(FAMILIES["llama"]())
+    eager = _greedy(lm, [torch.tensor([3, 17, 42, 9])], 6)
+    lm.compile(bucket=32, prefill_tokens=0)
+    assert _greedy(lm, [torch.tensor([3, 17, 42, 9])], 6) == eager
+    decode = lm._decoder()
+    assert len(decode.direct) == 1 and not decode.seen  # the one decode signature, never through dynamo again
+    assert _greedy(lm, [torch.tensor([8, 1])], 6) == _greedy(kw.from_hf(FAMILIES["llama"]()), [torch.tensor([8, 1])], 6)
+
+    calls, x, other = DirectCalls({}), torch.ones(2), [torch.zeros(1) for _ in range(3)]
+    cache = [(torch.zeros(1), torch.zeros(1))]
+    args = (x, *other, cache)
+    calls.compiled = [([x], lambda *a: [a[0] * 2]), ([x], lambda *a: [a[0]])]
+    assert calls.entry(args, (x * 2, cache)) is None  # two graphs: dynamo's glue between them
+    calls.compiled = [([x], lambda *a: [a[0] * 2])]
+    assert calls.entry(args, (x * 2, [(torch.zeros(1), torch.zeros(1))])) is None  # new caches returned
+    calls.compiled = [([x], lambda *a: [a[0] * 3])]
+    assert calls.entry(args, (x * 2, cache)) is None  # not dynamo's logits
+    calls.compiled = [([x, 2], lambda *a: [a[0] * 2])]
+    assert calls.entry(args, (x * 2, cache)) is None  # a size input (a dynamic prompt length)
+    calls.compiled = [([x, torch.full((2,), 3.0)], lambda *a: [a[0] * a[1]])]
+    step = calls.entry(args, (x * 3, cache))
+    y = torch.full((2,), 5.0)
+    assert step is not None and torch.equal(step((y, *other, cache))[0], y * 3)  # args by position, weights held
