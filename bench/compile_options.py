@@ -4,7 +4,9 @@
                                     [--quantize gguf] [--tokens 40] [--rounds 8] [--threads 2]
 
 Each argument is a JSON dict of Inductor options passed as `lm.compile(options=...)` (on top of
-kvwire's own: `{}` is what `lm.compile()` runs). Every variant is its own model, compiled once (decode
+kvwire's own: `{}` is what `lm.compile()` runs); the key `"kvwire_dynamo": true` (not an Inductor
+option) compiles with `backend="inductor"` spelled out, so every step goes through dynamo instead of
+calling Inductor's function directly (kvwire/generate/direct.py). Every variant is its own model, compiled once (decode
 steps only: `prefill_tokens=0`), then the variants generate in turn for `--rounds` rounds; a token's
 time is (generate n+1 tokens - generate 1 token) / n, best round of each. Timing noise between
 processes here reaches +-20%, so only ratios within this one run mean anything.
@@ -47,7 +49,10 @@ def main():
     print(header(args.threads), flush=True)
     models = []
     for options in args.variants:
-        lm = kw.load(args.model, quantize=args.quantize, progress=False).compile(prefill_tokens=0, options=options)
+        inductor = {k: v for k, v in options.items() if k != "kvwire_dynamo"}
+        extra = {"backend": "inductor"} if options.get("kvwire_dynamo") else {}
+        lm = kw.load(args.model, quantize=args.quantize, progress=False).compile(prefill_tokens=0, options=inductor,
+                                                                                 **extra)
         start = time.perf_counter()
         lm.generate(PROMPT, max_new_tokens=2)
         print(f"{json.dumps(options)}: first call (compiles or reads Inductor's cache) {time.perf_counter() - start:.1f} s",

@@ -7,8 +7,9 @@ itself needs only that list in a fixed order, and all but the step's own argumen
 positions, masks, caches) are the same weight tensors on every call. So the backend here records,
 for a graph compiled from one call, which of its inputs are that call's arguments (by identity)
 and holds the rest; later calls with the same signature fill in their arguments and call Inductor's
-function, ~1 ms less a step (bench/compile_options.py has no switch for it; measured by hand with
-the dynamo and direct calls of one compiled step in one process: 6.7-7.0 against 7.8-7.9 ms).
+function directly: ~1 ms less a step (one compiled SmolLM2 step called both ways in one process:
+6.7-7.0 against 7.8-7.9 ms; in generation, `python bench/compile_options.py '{"kvwire_dynamo": true}'
+'{}'`: 8.39-8.44 against 8.88-9.94 ms a token).
 
 A recorded graph is used only when it can stand in for the whole dynamo call, checked on the call
 that compiled it: one graph (no graph break), tensor inputs only (a dynamic prompt length passes a
