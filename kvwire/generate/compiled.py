@@ -22,7 +22,10 @@ cache / weight dtypes, grad mode) has run without compiling anything, later call
 only the guards that tell compiled variants apart (`skip_guard_eval_unsafe`): safe because nothing else
 those guards check changes between the steps of a generation, and an edit makes a new model (or,
 swapped in place, is followed by `lm.reset_caches()`, which drops this object) and so a new
-`CompiledDecode`. A call that dynamo
+`CompiledDecode`. Past that, a decode step's signature whose compiled graph stands in for the
+whole call calls Inductor's function directly, holding the weight tensors it was compiled with
+(`direct.py`): the same contract (weights changed in place are seen; a module or parameter object
+swapped in needs `lm.reset_caches()`). A call that dynamo
 still finds would need a new graph (say its tensors were made in inference mode, generation's
 were not) is refused before it runs and goes again with every guard, compiling what it needs.
 """
@@ -125,6 +128,8 @@ class CompiledDecode:
                 entry = self.backend.entry(args, out)
                 if entry is not None:
                     self.direct[key] = entry
+            if self.use_direct:
+                self.backend.start()  # drop the example inputs (this call's caches among them)
             return out
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True), self.writes():
