@@ -34,14 +34,14 @@ import contextlib
 import torch
 
 from ..layers.attention import in_place_cache_writes
-from .direct import DirectCalls
+from .direct import DirectCalls, flat_args
 
 # Longest prompt chunk run compiled by default: measured there (bench/generate.py's prefill 32);
 # longer chunks keep eager's flash attention and, for Q4_1 / Q5_1, its dequantised float GEMM.
 PREFILL_TOKENS = 32
 RECOMPILE_LIMIT = 64  # graphs of the one `step` code, all instances together (see __call__)
 # Inductor's Python wrapper checks the size, strides and alignment of every input (~370 in a SmolLM2
-# step) and custom-op output (~120) on each call: ~2 of ~10 ms a token (bench/compile_options.py).
+# step) and custom-op output (~120) on each call: 0.3-1.3 of 8-11 ms a token (bench/compile_options.py).
 # kvwire's signature key (`__call__`) holds every tensor argument's shape and strides instead.
 WRAPPER_CHECKS_OFF = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
@@ -158,8 +158,7 @@ def _with_passes(options):
 def _layout(args):
     """Every tensor argument's shape and strides, caches included: a step compiled for one layout
     must not run on another, and with WRAPPER_CHECKS_OFF the compiled code does not check."""
-    flat, _ = torch.utils._pytree.tree_flatten(args)
-    return tuple((t.shape, t.stride()) for t in flat if isinstance(t, torch.Tensor))
+    return tuple((t.shape, t.stride()) for t in flat_args(args))
 
 
 def _compiled_graphs():

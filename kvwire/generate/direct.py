@@ -52,7 +52,7 @@ class DirectCalls:
         example, fn = compiled[0]
         if not all(isinstance(t, torch.Tensor) for t in example):
             return None
-        position = {id(t): i for i, t in enumerate(_flat(args))}
+        position = {id(t): i for i, t in enumerate(flat_args(args))}
         step = DirectStep(fn, [None if id(t) in position else t for t in example],
                           [(slot, position[id(t)]) for slot, t in enumerate(example) if id(t) in position])
         try:
@@ -73,13 +73,15 @@ class DirectStep:
         return self.outputs(args)[0], args[4]
 
     def outputs(self, args):
-        flat, inputs = _flat(args), self.held.copy()  # Inductor clears its input list: a fresh one each call
+        flat, inputs = flat_args(args), self.held.copy()  # Inductor clears its input list: a fresh one each call
         for slot, i in self.fills:
             inputs[slot] = flat[i]
         return self.fn(*inputs)
 
 
-def _flat(args):
+def flat_args(args):
+    """(token_ids, positions, cache_index, attention_mask, cache, *extra) -> its tensors in that
+    order, each cache pair's key then value."""
     token_ids, positions, cache_index, attention_mask, cache, *extra = args
     flat = [token_ids, positions, cache_index, attention_mask]
     for pair in cache:
