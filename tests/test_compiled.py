@@ -239,6 +239,8 @@ def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_i
     assert calls.entry(args, (x * 2, cache)) is None  # not dynamo's logits
     calls.compiled = [([x, 2], lambda *a: [a[0] * 2])]
     assert calls.entry(args, (x * 2, cache)) is None  # a size input (a dynamic prompt length)
+    calls.compiled = [([x], lambda *a: [a[0] * 2])]
+    assert calls.entry((x, x, *other[1:], cache), (x * 2, cache)) is None  # one tensor in two arguments
     calls.compiled = [([x, torch.full((2,), 3.0)], lambda *a: [a[0] * a[1]])]
     step = calls.entry(args, (x * 3, cache))
     y = torch.full((2,), 5.0)

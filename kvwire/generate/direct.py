@@ -52,7 +52,10 @@ class DirectCalls:
         example, fn = compiled[0]
         if not all(isinstance(t, torch.Tensor) for t in example):
             return None
-        position = {id(t): i for i, t in enumerate(flat_args(args))}
+        flat = flat_args(args)
+        position = {id(t): i for i, t in enumerate(flat)}
+        if len(position) != len(flat):  # one tensor in two arguments: dynamo made one input of it
+            return None
         step = DirectStep(fn, [None if id(t) in position else t for t in example],
                           [(slot, position[id(t)]) for slot, t in enumerate(example) if id(t) in position])
         try:
