@@ -217,7 +217,7 @@ def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_i
     """After the call that compiles a decode step, later steps of its signature call Inductor's
     function directly (past dynamo) and give eager's tokens; a recorded graph that is not the whole
     call (two graphs, caches not returned as given, a differing result) is refused."""
-    from kvwire.generate.direct import DirectCalls
+    from kvwire.generate.direct import DirectCalls, flat_args
 
     torch._dynamo.reset()
     lm = kw.from_hf(FAMILIES["llama"]())
@@ -232,16 +232,16 @@ def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_i
     cache = [(torch.zeros(1), torch.zeros(1))]
     args = (x, *other, cache)
     calls.compiled = [([x], lambda *a: [a[0] * 2]), ([x], lambda *a: [a[0]])]
-    assert calls.entry(args, (x * 2, cache)) is None  # two graphs: dynamo's glue between them
+    assert calls.entry(flat_args(args), cache, (x * 2, cache)) is None  # two graphs: dynamo's glue between them
     calls.compiled = [([x], lambda *a: [a[0] * 2])]
-    assert calls.entry(args, (x * 2, [(torch.zeros(1), torch.zeros(1))])) is None  # new caches returned
+    assert calls.entry(flat_args(args), cache, (x * 2, [(torch.zeros(1), torch.zeros(1))])) is None  # new caches returned
     calls.compiled = [([x], lambda *a: [a[0] * 3])]
-    assert calls.entry(args, (x * 2, cache)) is None  # not dynamo's logits
+    assert calls.entry(flat_args(args), cache, (x * 2, cache)) is None  # not dynamo's logits
     calls.compiled = [([x, 2], lambda *a: [a[0] * 2])]
-    assert calls.entry(args, (x * 2, cache)) is None  # a size input (a dynamic prompt length)
+    assert calls.entry(flat_args(args), cache, (x * 2, cache)) is None  # a size input (a dynamic prompt length)
     calls.compiled = [([x], lambda *a: [a[0] * 2])]
-    assert calls.entry((x, x, *other[1:], cache), (x * 2, cache)) is None  # one tensor in two arguments
+    assert calls.entry(flat_args((x, x, *other[1:], cache)), cache, (x * 2, cache)) is None  # one tensor in two arguments
     calls.compiled = [([x, torch.full((2,), 3.0)], lambda *a: [a[0] * a[1]])]
-    step = calls.entry(args, (x * 3, cache))
+    step = calls.entry(flat_args(args), cache, (x * 3, cache))
     y = torch.full((2,), 5.0)
-    assert step is not None and torch.equal(step((y, *other, cache))[0], y * 3)  # args by position, weights held
+    assert step is not None and torch.equal(step(flat_args((y, *other, cache)), cache)[0], y * 3)  # args by position, weights held

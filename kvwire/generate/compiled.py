@@ -106,17 +106,16 @@ class CompiledDecode:
         # lengths only (say those past a ring cache's slots); torch 2.13 still checks shapes with
         # guards skipped (and refuses), the exact length keeps that from resting on it
         args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
-        key = (token_ids.device, _layout(args),  # every shape and stride: Inductor's size asserts are off
+        flat = flat_args(args)
+        key = (token_ids.device, tuple((t.shape, t.stride()) for t in flat),  # Inductor's size asserts are off
                tuple(t.dtype for t in extra),
                cache[0][0].dtype if cache else None, self.head.weight.dtype,  # e.g. lm.to(bfloat16)
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         direct = self.direct.get(key)
         if direct is not None:
-            return direct(args)
+            return direct(flat, cache)
         if key not in self.seen:  # every guard; seen once a call of this signature compiled nothing new
             graphs = _compiled_graphs()
-            if self.use_direct:
-                self.backend.start()
             # every batch size, cache length and chunk kind is a graph of the one `step` code
             # (shared by all instances): past dynamo's default of 8 it would run eager. The old
             # name: torch 2.6 has no `recompile_limit`, later versions alias it
@@ -125,7 +124,7 @@ class CompiledDecode:
             if _compiled_graphs() == graphs:
                 self.seen.add(key)
             elif self.use_direct and self.writes is in_place_cache_writes:
-                entry = self.backend.entry(args, out)
+                entry = self.backend.entry(flat, cache, out)
                 if entry is not None:
                     self.direct[key] = entry
             if self.use_direct:
@@ -153,12 +152,6 @@ def _with_passes(options):
     inductor = {"post_grad_custom_post_pass": FuseSiblingMatmuls(), "reorder_for_locality": False,
                 **WRAPPER_CHECKS_OFF, **(options.get("options") or {})}
     return {**options, "options": inductor}
-
-
-def _layout(args):
-    """Every tensor argument's shape and strides, caches included: a step compiled for one layout
-    must not run on another, and with WRAPPER_CHECKS_OFF the compiled code does not check."""
-    return tuple((t.shape, t.stride()) for t in flat_args(args))
 
 
 def _compiled_graphs():

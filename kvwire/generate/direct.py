@@ -42,41 +42,40 @@ class DirectCalls:
         """Forget graphs from earlier calls: the next call's compiles are recorded from empty."""
         self.compiled = []
 
-    def entry(self, args, out):
-        """A `DirectStep` for the call that just ran dynamo on `args` (token_ids, positions,
-        cache_index, attention_mask, cache, *extra) and returned `out` (logits, cache), or None
-        when its compiled graph cannot stand in for the call."""
+    def entry(self, flat, cache, out):
+        """A `DirectStep` for the call that just ran dynamo on the tensors `flat` (`flat_args` of
+        its arguments), `cache` among them, and returned `out` (logits, cache), or None when its
+        compiled graph cannot stand in for the call."""
         compiled, self.compiled = self.compiled, []
-        if len(compiled) != 1 or not _same_cache(args[4], out):
+        if len(compiled) != 1 or not _same_cache(cache, out):
             return None
         example, fn = compiled[0]
         if not all(isinstance(t, torch.Tensor) for t in example):
             return None
-        flat = flat_args(args)
         position = {id(t): i for i, t in enumerate(flat)}
         if len(position) != len(flat):  # one tensor in two arguments: dynamo made one input of it
             return None
         step = DirectStep(fn, [None if id(t) in position else t for t in example],
                           [(slot, position[id(t)]) for slot, t in enumerate(example) if id(t) in position])
         try:
-            outputs = step.outputs(args)
+            outputs = step.outputs(flat)
         except Exception:  # noqa: BLE001 - whatever it is, dynamo's call still serves this signature
             return None
         return step if len(outputs) == 1 and torch.equal(outputs[0], out[0]) else None
 
 
 class DirectStep:
-    """fn(*inputs) with the weights held and a call's arguments put in their slots:
-    step(args) -> (logits, cache), args as `DirectCalls.entry` takes them."""
+    """fn(*inputs) with the weights held and a call's tensors put in their slots:
+    step(flat, cache) -> (logits, cache), flat as `flat_args` gives them."""
 
     def __init__(self, fn, held, fills):
         self.fn, self.held, self.fills = fn, held, fills
 
-    def __call__(self, args):
-        return self.outputs(args)[0], args[4]
+    def __call__(self, flat, cache):
+        return self.outputs(flat)[0], cache
 
-    def outputs(self, args):
-        flat, inputs = flat_args(args), self.held.copy()  # Inductor clears its input list: a fresh one each call
+    def outputs(self, flat):
+        inputs = self.held.copy()  # Inductor clears its input list: a fresh one each call
         for slot, i in self.fills:
             inputs[slot] = flat[i]
         return self.fn(*inputs)
