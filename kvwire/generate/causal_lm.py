@@ -122,15 +122,18 @@ class CausalLM(nn.Module):
         adds a pass that runs ggml matmuls reading one input as one call, and turns off Inductor's
         `reorder_for_locality` so the step writes one slot of each cache in place (with `mode=`,
         another backend or that option set, the step returns updated copies of the caches).
-        Returns self.
+        Returns self. Without `options` nothing is imported here: torch.compile's machinery (~1.5 s
+        to import) loads with the first compiled step.
 
         Example:
             >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()
             >>> lm.generate("Once upon a time", max_new_tokens=64)
         """
-        from .compiled import CompiledDecode
+        from .compiled import CompiledDecode, check_settings
 
-        CompiledDecode(self.cached, self.head, bucket, prefill_tokens, **options)  # checks the options now
+        check_settings(bucket, prefill_tokens)
+        if options:  # torch.compile checks them now; kvwire's defaults wait for the first step, which
+            CompiledDecode(self.cached, self.head, bucket, prefill_tokens, **options)  # imports dynamo (~1.5 s)
         self._compile_options, self._decode = dict(options, bucket=bucket, prefill_tokens=prefill_tokens), None
         self._caches = {}
         return self

@@ -58,11 +58,7 @@ class CompiledDecode:
     """
 
     def __init__(self, cached, head, bucket=64, prefill_tokens=PREFILL_TOKENS, **options):
-        if not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"bucket must be a positive int (the smallest cache length), got {bucket!r}")
-        if not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 0:
-            raise ValueError(f"prefill_tokens must be an int >= 0 (the longest prompt run compiled; 0: none), "
-                             f"got {prefill_tokens!r}")
+        check_settings(bucket, prefill_tokens)
         self.bucket, self.head, self.prefill_tokens = bucket, head, prefill_tokens
         graph = cached.graph_module
 
@@ -138,6 +134,15 @@ class CompiledDecode:
                 raise
         self.seen.discard(key)
         return self(token_ids, positions, cache_index, attention_mask, cache, extra)
+
+
+def check_settings(bucket, prefill_tokens):
+    """Refuse a bucket or prefill_tokens `CompiledDecode` cannot use (needs no torch.compile import)."""
+    if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket < 1:
+        raise ValueError(f"bucket must be a positive int (the smallest cache length), got {bucket!r}")
+    if not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 0:
+        raise ValueError(f"prefill_tokens must be an int >= 0 (the longest prompt run compiled; 0: none), "
+                         f"got {prefill_tokens!r}")
 
 
 def _with_passes(options):
