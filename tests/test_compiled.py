@@ -62,6 +62,29 @@ def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing()
         torch.testing.assert_close(logits, lm.head(hidden[:, -1]), atol=1e-4, rtol=1e-4)
 
 
+def test_compile_imports_torch_compile_only_when_options_need_checking(tmp_path):
+    """`lm.compile()` is settings only: dynamo (~1.5 s to import) loads with the first compiled step,
+    or at once when options are given, so torch.compile checks them (a GGUF file: kw.load imports
+    no transformers, which would import dynamo itself)."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import tiny_hf_gpt2
+    from .gguf_files import write_gpt2
+
+    write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))
+    code = ("import sys, kvwire as kw\n"
+            f"lm = kw.load({str(tmp_path / 'g.gguf')!r}, progress=False).compile()\n"
+            "print('torch._dynamo' in sys.modules)\n"
+            "lm.compile(options={'size_asserts': True})\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    env = {**os.environ, "KVWIRE_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+
+
 def test_bad_bucket_or_prefill_tokens():
     lm = kw.from_hf(FAMILIES["gpt2"]())
     with pytest.raises(ValueError, match="bucket must be a positive int .* got 0"):
