@@ -136,64 +136,83 @@ void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
 }
 
 #if X86
-/* y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r, for
- * r < rows (made by kvw_x16_quantize, kvw_x16_act_bytes apart). Activation rows go four at a time
- * against one read of the group's blocks. FIVE: Q5_0 (else Q4_1), a constant once inlined. */
+/* y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r, for the
+ * NR (1 to 4, a constant once inlined) rows at a[0..NR-1] (made by kvw_x16_quantize), all against one
+ * read of the group's blocks. FIVE: Q5_0 (else Q4_1), a constant too: with both known the loops
+ * below unroll and the 8 unpacked weight vectors, 4 accumulators and 4 offsets stay in registers. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
-static inline void dots(const int FIVE, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
-                        int64_t y_stride) {
-    enum { R = 4 };
-    const int64_t blocks = n / QK, act_bytes = kvw_x16_act_bytes(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, n);
+static inline void dots_rows(const int FIVE, const int NR, int64_t n, const void *w, int64_t u,
+                             const uint8_t *const *a, float *y, int64_t y_stride) {
+    const int64_t blocks = n / QK;
     const int64_t bytes = FIVE ? 22 : 20, x_block = FIVE ? 34 : 36, x_qs = FIVE ? 2 : 4;
     const __mmask16 lanes = (__mmask16)((1u << u) - 1);
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     /* a 32-bit lane's four bytes all take byte k of the lane's qh word: shuffle control for k = 0 */
     const __m512i spread = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000);
     const __m512i bit_low = _mm512_set1_epi32(0x08040201), bit_high = _mm512_set1_epi32((int)0x80402010u);
-    for (int64_t r0 = 0; r0 < rows; r0 += R) {
-        const int nr = rows - r0 < R ? (int)(rows - r0) : R;
-        const uint8_t *a[R];
-        const float *scale[R], *offset[R];
-        __m512 acc[R], offs[R];
-        for (int r = 0; r < R; r++) {
-            a[r] = (const uint8_t *)x + (r0 + (r < nr ? r : 0)) * act_bytes;
-            scale[r] = (const float *)(a[r] + floats_at(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, blocks));
-            offset[r] = scale[r] + blocks;
-            acc[r] = offs[r] = _mm512_setzero_ps();
-        }
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *tail = chunk + 16 * u;
-            __m512i q[8];
-            const __m512i qh = FIVE ? _mm512_maskz_loadu_epi32(lanes, tail) : _mm512_setzero_si512();
-            for (int k = 0; k < 4; k++) {
-                const __m512i packed = _mm512_maskz_loadu_epi32(lanes, chunk + k * 4 * u);
-                q[k] = _mm512_and_si512(packed, low);
-                q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-                if (FIVE) { /* the fifth bit: +16 where qh has it */
-                    const __m512i bits = _mm512_shuffle_epi8(qh, _mm512_add_epi8(spread, _mm512_set1_epi8((char)k)));
-                    q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(bits, bit_low), q[k], fifth);
-                    q[4 + k] = _mm512_mask_add_epi8(q[4 + k], _mm512_test_epi8_mask(bits, bit_high), q[4 + k], fifth);
-                }
-            }
-            const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, FIVE ? tail + 4 * u : tail));
-            const __m512 m = FIVE ? d : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, tail + 2 * u));
-            for (int r = 0; r < nr; r++) {
-                const uint8_t *qx = a[r] + b * x_block + x_qs;
-                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-                for (int k = 0; k < 8; k += 2) {
-                    int32_t x0, x1;
-                    memcpy(&x0, qx + 4 * k, 4);
-                    memcpy(&x1, qx + 4 * k + 4, 4);
-                    even = _mm512_dpbusd_epi32(even, q[k], _mm512_set1_epi32(x0));
-                    odd = _mm512_dpbusd_epi32(odd, q[k + 1], _mm512_set1_epi32(x1));
-                }
-                const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-                acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(scale[r][b])), acc[r]);
-                offs[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(offset[r][b]), offs[r]);
+    const float *scale[4], *offset[4];
+    __m512 acc[4], offs[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        scale[r] = (const float *)(a[r] + floats_at(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, blocks));
+        offset[r] = scale[r] + blocks;
+        acc[r] = offs[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *tail = chunk + 16 * u;
+        __m512i q[8];
+        const __m512i qh = FIVE ? _mm512_maskz_loadu_epi32(lanes, tail) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m512i packed = _mm512_maskz_loadu_epi32(lanes, chunk + k * 4 * u);
+            q[k] = _mm512_and_si512(packed, low);
+            q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            if (FIVE) { /* the fifth bit: +16 where qh has it */
+                const __m512i bits = _mm512_shuffle_epi8(qh, _mm512_add_epi8(spread, _mm512_set1_epi8((char)k)));
+                q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(bits, bit_low), q[k], fifth);
+                q[4 + k] = _mm512_mask_add_epi8(q[4 + k], _mm512_test_epi8_mask(bits, bit_high), q[4 + k], fifth);
             }
         }
-        for (int r = 0; r < nr; r++)
-            _mm512_mask_storeu_ps(y + (r0 + r) * y_stride, lanes, _mm512_add_ps(acc[r], offs[r]));
+        const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, FIVE ? tail + 4 * u : tail));
+        const __m512 m = FIVE ? d : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, tail + 2 * u));
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *qx = a[r] + b * x_block + x_qs;
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 8; k += 2) {
+                int32_t x0, x1;
+                memcpy(&x0, qx + 4 * k, 4);
+                memcpy(&x1, qx + 4 * k + 4, 4);
+                even = _mm512_dpbusd_epi32(even, q[k], _mm512_set1_epi32(x0));
+                odd = _mm512_dpbusd_epi32(odd, q[k + 1], _mm512_set1_epi32(x1));
+            }
+            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(scale[r][b])), acc[r]);
+            offs[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(offset[r][b]), offs[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        _mm512_mask_storeu_ps(y + r * y_stride, lanes, _mm512_add_ps(acc[r], offs[r]));
+}
+
+/* Activation rows (kvw_x16_act_bytes apart at x) four at a time, the last 1 to 4 by their own
+ * constant-count copy of the loop. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+static inline void dots(const int FIVE, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                        int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, n);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const uint8_t *a[4];
+        for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
+        float *out = y + r0 * y_stride;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: dots_rows(FIVE, 1, n, w, u, a, out, y_stride); break;
+        case 2: dots_rows(FIVE, 2, n, w, u, a, out, y_stride); break;
+        case 3: dots_rows(FIVE, 3, n, w, u, a, out, y_stride); break;
+        default: dots_rows(FIVE, 4, n, w, u, a, out, y_stride); break;
+        }
     }
 }
 
