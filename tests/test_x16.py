@@ -1,4 +1,4 @@
-"""Q4_1 and Q5_0 blocks repacked for kvwire's AVX-512 VNNI kernel (`x16.c`): the repacking is
+"""Q4_1, Q5_0 and Q8_0 blocks repacked for kvwire's AVX-512 VNNI kernel (`x16.c`): the repacking is
 lossless, the kernel computes ggml's products (to float32 summation order) at every row count and
 shape, and the choice between it and ggml's own kernels follows the CPU, refusing what it cannot run."""
 import copy
@@ -25,7 +25,7 @@ def _x16_runs():
 
 needs_x16 = pytest.mark.skipif("not HAVE_GGML or not _x16_runs()",
                                reason="this CPU lacks AVX-512 F/BW/VL + VNNI: the x16 kernel does not run here")
-FORMATS = ["q4_1", "q5_0"]
+FORMATS = ["q4_1", "q5_0", "q8_0"]
 
 
 def _pair(out, n, seed=0, kind="q4_1"):
@@ -138,8 +138,8 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
     runs = linear.x16_runs()
     assert linear.ggml_kernel() == ("x16" if runs else "ggml")
     w = torch.randn(32, 64)
-    assert GGMLLinear.quantize(w, "q4_1").repacked == GGMLLinear.quantize(w, "q5_0").repacked == runs
-    assert not GGMLLinear.quantize(w, "q8_0", kernel="x16").repacked  # only the formats x16 has
+    assert all(GGMLLinear.quantize(w, kind).repacked == runs for kind in FORMATS)
+    assert not GGMLLinear.quantize(w, "q4_0", kernel="x16").repacked  # only the formats x16 has
     monkeypatch.setenv("KVWIRE_GGML_KERNEL", "ggml")
     assert not GGMLLinear.quantize(w, "q4_1").repacked
     monkeypatch.setenv("KVWIRE_GGML_KERNEL", "fast")

@@ -108,8 +108,10 @@ def _blocks_for(gguf, source, weight, bias):
                          f"{dims[0]} for a weight of shape {tuple(weight.shape)}")
     whole = len(rows) == blocks.shape[0] and np.array_equal(rows, np.arange(len(rows)))
     picked = torch.from_numpy(blocks if whole else np.ascontiguousarray(blocks[rows]))
+    # rows repacked for x16 are not read from the file again: their pages go back as they are copied
+    release = (lambda start, stop: gguf.forget(blocks[start:stop])) if whole else None
     try:  # GGMLLinear checks the row bytes against ggml's own size for the type
-        module = GGMLLinear(picked, qtype, weight.shape[1], bias)
+        module = GGMLLinear(picked, qtype, weight.shape[1], bias, release=release)
     except ValueError as e:
         raise ValueError(f"{gguf.path}: GGUF tensor {name!r}: {e}") from e
     if whole and module.blocks.data_ptr() != picked.data_ptr():  # repacked: the file's pages are not read again

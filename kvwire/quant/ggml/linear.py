@@ -8,10 +8,11 @@ own matrix product, tiled as llama.cpp's is (`matmul.c`'s `kvw_matmuls` chooses)
 has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's float32 GEMM
 beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
 
-On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1 and Q5_0 blocks are repacked at construction
+On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0 and Q8_0 blocks are repacked at construction
 into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at every row
 count (bench/ggml_matmul.py, 1536x1024: Q4_1 2x ggml's row loop at one row, 3.6x at 32, 1.8x
-dequantise + MKL at 512; Q5_0 1.7x, 1.7x and 1.5x ggml's fastest). `ggml_kernel()` chooses,
+dequantise + MKL at 512; Q5_0 1.7x, 1.7x and 1.5x ggml's fastest; Q8_0 2.4x, 3.2x and 2.3x; a
+262144x640 Q8_0 head streams at memory speed either way at one row, 2.1x ggml's fastest at 4). `ggml_kernel()` chooses,
 `KVWIRE_GGML_KERNEL=ggml|x16` overrides.
 """
 import os
@@ -32,8 +33,9 @@ UNTILED = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
 MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # the formats x16.c repacks, and the type numbers matmul.c knows their repacked blocks by
-X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002}
+X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002, GGMLQuantizationType.Q8_0: 1003}
 KERNELS = ("x16", "ggml")
+REPACK_ROWS = 16384  # rows repacked at a time (a multiple of x16's 16-row groups)
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
 QUANTIZE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 
@@ -45,8 +47,10 @@ class GGMLLinear(nn.Module):
         blocks: (out, row_bytes) uint8, each row `in_features` weights in `qtype` blocks.
         qtype: a `gguf.GGMLQuantizationType` (or its id) with a ggml CPU dot product.
         in_features: weights per row. bias: (out,) or None.
-        kernel: for Q4_1 and Q5_0, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel) or
-            "ggml"; None: `ggml_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
+        kernel: for Q4_1, Q5_0 and Q8_0, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel)
+            or "ggml"; None: `ggml_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
+        release: called as release(start, stop) once rows start..stop of `blocks` are repacked (a
+            loader gives a memory-mapped file's pages back there); None: nothing is called.
 
     Shapes: x (..., in) -> (..., out), in x's dtype (computed in float32).
 
@@ -56,7 +60,7 @@ class GGMLLinear(nn.Module):
         torch.Size([2, 64])
     """
 
-    def __init__(self, blocks, qtype, in_features, bias=None, kernel=None):
+    def __init__(self, blocks, qtype, in_features, bias=None, kernel=None, release=None):
         super().__init__()
         lib = library()
         self.qtype = GGMLQuantizationType(int(qtype))
@@ -71,7 +75,7 @@ class GGMLLinear(nn.Module):
         # the type number the kernels are called with: qtype's own, or X16's for repacked blocks
         self.kernel_type = int(self.qtype)
         if self.qtype in X16 and ggml_kernel(kernel) == "x16":
-            blocks, self.kernel_type = _repacked(blocks, self.qtype, in_features, to_x16=True), X16[self.qtype]
+            blocks, self.kernel_type = _repacked(blocks, self.qtype, in_features, True, release), X16[self.qtype]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
@@ -168,7 +172,7 @@ class GGMLLinear(nn.Module):
 
 
 def ggml_kernel(asked=None):
-    """The kernel for the formats in X16 (Q4_1, Q5_0): `asked` ("x16" / "ggml"), else
+    """The kernel for the formats in X16 (Q4_1, Q5_0, Q8_0): `asked` ("x16" / "ggml"), else
     `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU has AVX-512
     F, BW, VL and VNNI and 'ggml' (ggml's kernels on the file's layout) where it has not. x16 on a
     CPU without those features is refused, naming them."""
@@ -191,12 +195,18 @@ def x16_runs():
     return bool(library().kvw_x16_supported())
 
 
-def _repacked(blocks, qtype, in_features, to_x16):
-    """`qtype` blocks (out, row_bytes) uint8 moved to x16.c's layout (`to_x16`) or back: a new tensor."""
+def _repacked(blocks, qtype, in_features, to_x16, release=None):
+    """`qtype` blocks (out, row_bytes) uint8 moved to x16.c's layout (`to_x16`) or back: a new tensor.
+    `release(start, stop)`, when given, is called after each chunk of rows is copied (a loader gives a
+    memory-mapped file's pages back there, so a 178 MB head never sits in memory twice)."""
     blocks = blocks.contiguous()
     out = torch.empty_like(blocks)
-    library().kvw_x16_repack_rows(int(qtype), blocks.data_ptr(), out.data_ptr(), blocks.shape[0], in_features,
-                                  int(to_x16), torch.get_num_threads())
+    for start in range(0, blocks.shape[0], REPACK_ROWS):
+        stop = min(start + REPACK_ROWS, blocks.shape[0])
+        library().kvw_x16_repack_rows(int(qtype), blocks[start].data_ptr(), out[start].data_ptr(), stop - start,
+                                      in_features, int(to_x16), torch.get_num_threads())
+        if release is not None:
+            release(start, stop)
     return out
 
 

@@ -11,8 +11,8 @@
  * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on for most formats
  * (`kvw_matmuls` chooses; bench/ggml_matmul.py measures).
  *
- * Q4_1 and Q5_0 weights repacked for AVX-512 VNNI (`x16.c`) carry kvwire's own type numbers
- * (KVW_Q4_1_X16, KVW_Q5_0_X16) and run that file's kernel in the row loop.
+ * Q4_1, Q5_0 and Q8_0 weights repacked for AVX-512 VNNI (`x16.c`) carry kvwire's own type numbers
+ * (KVW_Q4_1_X16, KVW_Q5_0_X16, KVW_Q8_0_X16) and run that file's kernel in the row loop.
  *
  * Built by kvwire/quant/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
  */
@@ -26,6 +26,7 @@
 /* kvwire's type numbers for blocks in x16.c's layout */
 #define KVW_Q4_1_X16 1001
 #define KVW_Q5_0_X16 1002
+#define KVW_Q8_0_X16 1003
 
 int kvw_x16_supported(void);
 void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16);
@@ -36,11 +37,12 @@ void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, 
 
 void kvw_init(void) { ggml_cpu_init(); }
 
-static int is_x16(int type) { return type == KVW_Q4_1_X16 || type == KVW_Q5_0_X16; }
+static int is_x16(int type) { return type == KVW_Q4_1_X16 || type == KVW_Q5_0_X16 || type == KVW_Q8_0_X16; }
 
 /* ggml's type a kvwire type number stands for (a repacked type's blocks hold the same bytes) */
 static enum ggml_type ggml_type_of(int type) {
-    return type == KVW_Q4_1_X16 ? GGML_TYPE_Q4_1 : type == KVW_Q5_0_X16 ? GGML_TYPE_Q5_0 : (enum ggml_type)type;
+    return type == KVW_Q4_1_X16 ? GGML_TYPE_Q4_1 : type == KVW_Q5_0_X16 ? GGML_TYPE_Q5_0 :
+           type == KVW_Q8_0_X16 ? GGML_TYPE_Q8_0 : (enum ggml_type)type;
 }
 
 int64_t kvw_block_size(int type) { return ggml_blck_size(ggml_type_of(type)); }

@@ -1,22 +1,26 @@
 /* ggml blocks laid out for AVX-512 VNNI: sixteen weight rows a step instead of one block.
  *
- * ggml's Q4_1 and Q5_0 dot products handle one block of 32 weights at a time (~20 instructions:
- * bit unpacking, a dot product, half-precision scale lookups, a horizontal sum a row) and are bound
+ * ggml's Q4_1, Q5_0 and Q8_0 dot products handle one block of 32 weights of one row at a time
+ * (bit unpacking, a dot product, half-precision scale lookups, a horizontal sum a row) and are bound
  * by that arithmetic, not by memory (bench/decode_bound.py). Here the same blocks are repacked,
  * losslessly and in the same number of bytes, so that one 64-byte load holds 4 bytes of the same
  * block of 16 rows: every int32 lane of a VNNI dot product belongs to one output row, 8 `vpdpbusd`
  * finish a block for 16 rows against the activation's bytes broadcast, the 16 rows' scales are one
  * half-precision load, and no horizontal sum is left at the end. The activations are ggml's own
- * partner blocks (Q8_1 for Q4_1, Q8_0 for Q5_0), so each block's integer dot product and its
- * scaling are ggml's; only the order of the float sums differs.
+ * partner blocks (Q8_1 for Q4_1, Q8_0 for Q5_0 and Q8_0), so each block's integer dot product and
+ * its scaling are ggml's; only the order of the float sums differs.
  *
  * Rows go in groups of 16 (the last may hold fewer, u), a group in the bytes its rows held:
  * for each block b of 32 weights,
- *   qs: 4 chunks of u x 4 bytes; chunk k, lane j = bytes 4k..4k+3 of row j's block b nibbles
- *       (low nibbles: weights 4k..4k+3 of the block; high nibbles: weights 16+4k..16+4k+3)
- *   Q4_1: d, then m: u half-precision scales and minimums           = 20 u bytes, as Q4_1;
- *   Q5_0: qh: u 32-bit words of fifth bits, byte k = the bits of chunk k's weights 4k..4k+3 (low
- *         half) and 16+4k..16+4k+3 (high half); then d: u scales    = 22 u bytes, as Q5_0.
+ *   Q4_1, Q5_0: qs: 4 chunks of u x 4 bytes; chunk k, lane j = bytes 4k..4k+3 of row j's block b
+ *       nibbles (low nibbles: weights 4k..4k+3 of the block; high nibbles: weights 16+4k..16+4k+3)
+ *     Q4_1: d, then m: u half-precision scales and minimums           = 20 u bytes, as Q4_1;
+ *     Q5_0: qh: u 32-bit words of fifth bits, byte k = the bits of chunk k's weights 4k..4k+3 (low
+ *           half) and 16+4k..16+4k+3 (high half); then d: u scales    = 22 u bytes, as Q5_0.
+ *   Q8_0: qs: 8 chunks of u x 4 bytes; chunk k, lane j = weights 4k..4k+3 of row j's block b,
+ *       each + 128 (its sign bit flipped: VNNI multiplies unsigned by signed bytes, so the weights
+ *       go unsigned and the activation's 128 x its sum comes off the integer sum); then d: u
+ *       scales                                                          = 34 u bytes, as Q8_0.
  * So rows 16G.. of a packed weight sit where they sat in ggml's layout: slicing at multiples of
  * 16 rows still works.
  *
@@ -53,8 +57,11 @@ int kvw_x16_supported(void) {
 }
 
 static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
+static int is_q8_0(int type) { return type == GGML_TYPE_Q8_0; }
 
-static size_t block_bytes(int type) { return is_q5_0(type) ? sizeof(q5_0_block) : sizeof(q4_1_block); }
+static size_t block_bytes(int type) {
+    return is_q8_0(type) ? sizeof(q8_0_block) : is_q5_0(type) ? sizeof(q5_0_block) : sizeof(q4_1_block);
+}
 
 /* qh's bits for weights 4k..4k+3 in byte k's low half, 16+4k..16+4k+3 in its high half (and back) */
 static uint32_t reorder_qh(uint32_t qh, int to_x16) {
@@ -68,8 +75,25 @@ static uint32_t reorder_qh(uint32_t qh, int to_x16) {
     return out;
 }
 
-/* Q4_1 or Q5_0 rows (`type`: ggml's number; rows, n / 32 blocks) <-> the layout above; `to_x16`
- * chooses the direction. */
+/* Q8_0 rows' block b of row j <-> its place in a group (u rows at `chunk`): quants with their sign
+ * bit flipped (the same map both ways), then the scale */
+static void repack_q8_0(uint8_t *plain, uint8_t *chunk, int64_t u, int64_t j, int to_x16) {
+    q8_0_block *p = (q8_0_block *)plain;
+    uint8_t *qs = (uint8_t *)p->qs;
+    for (int k = 0; k < 8; k++) {
+        uint8_t *lane = chunk + k * 4 * u + 4 * j;
+        uint32_t word;
+        memcpy(&word, to_x16 ? qs + 4 * k : lane, 4);
+        word ^= 0x80808080u;
+        memcpy(to_x16 ? lane : qs + 4 * k, &word, 4);
+    }
+    ggml_fp16_t *d = (ggml_fp16_t *)(chunk + 32 * u) + j;
+    if (to_x16) *d = p->d;
+    else p->d = *d;
+}
+
+/* Q4_1, Q5_0 or Q8_0 rows (`type`: ggml's number; rows, n / 32 blocks) <-> the layout above;
+ * `to_x16` chooses the direction. */
 void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16) {
     const int64_t blocks = n / QK, bytes = (int64_t)block_bytes(type), row_bytes = blocks * bytes;
     for (int64_t g = 0; g < rows; g += GROUP) {
@@ -79,6 +103,10 @@ void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t 
             uint8_t *chunk = packed + b * u * bytes, *tail = chunk + 16 * u;
             for (int64_t j = 0; j < u; j++) {
                 uint8_t *plain = (uint8_t *)(to_x16 ? src : dst) + (g + j) * row_bytes + b * bytes;
+                if (is_q8_0(type)) {
+                    repack_q8_0(plain, chunk, u, j, to_x16);
+                    continue;
+                }
                 uint8_t *qs = plain + bytes - 16; /* both formats end with their 16 nibble bytes */
                 for (int k = 0; k < 4; k++) {
                     uint8_t *lane = chunk + k * 4 * u + 4 * j;
@@ -102,11 +130,12 @@ void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t 
 }
 
 /* ggml's partner format of the weights, whose blocks lead an activation row */
-static int partner(int type) { return is_q5_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE_Q8_1; }
+static int partner(int type) { return is_q5_0(type) || is_q8_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE_Q8_1; }
 
 /* Bytes of one activation row for kvw_x16_dots: its partner blocks, then each block's scale and
  * offset term as floats (Q4_1: scale x sum of quants, times the weight's minimum; Q5_0: -16 x scale
- * x sum of quants, times the weight's scale: Q5_0 stores weights + 16). */
+ * x sum of quants, times the weight's scale: Q5_0 stores weights + 16; Q8_0: 128 x sum of quants,
+ * exact in a float, taken off the integer sum: the repacked weights are + 128). */
 /* where the floats start: after the partner blocks, rounded up to a float's alignment */
 static int64_t floats_at(int type, int64_t blocks) {
     return (blocks * (int64_t)ggml_type_size((enum ggml_type)partner(type)) + 3) / 4 * 4;
@@ -121,12 +150,12 @@ void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
     float *scale = (float *)((uint8_t *)dst + floats_at(type, blocks));
     float *offset = scale + blocks;
     for (int64_t b = 0; b < blocks; b++) {
-        if (is_q5_0(type)) {
+        if (is_q5_0(type) || is_q8_0(type)) {
             const q8_0_block *q = (const q8_0_block *)dst + b;
             int sum = 0;
             for (int i = 0; i < QK; i++) sum += q->qs[i];
             scale[b] = ggml_fp16_to_fp32(q->d);
-            offset[b] = -16.0f * scale[b] * (float)sum;
+            offset[b] = is_q8_0(type) ? 128.0f * (float)sum : -16.0f * scale[b] * (float)sum;
         } else {
             const q8_1_block *q = (const q8_1_block *)dst + b;
             scale[b] = ggml_fp16_to_fp32(q->d);
@@ -136,15 +165,19 @@ void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
 }
 
 #if X86
+enum { Q4_1, Q5_0, Q8_0 }; /* the kernel's KIND */
+
 /* y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r, for the
  * NR (1 to 4, a constant once inlined) rows at a[0..NR-1] (made by kvw_x16_quantize), all against one
- * read of the group's blocks. FIVE: Q5_0 (else Q4_1), a constant too: with both known the loops
- * below unroll and the 8 unpacked weight vectors, 4 accumulators and 4 offsets stay in registers. */
+ * read of the group's blocks. KIND is a constant too: with both known the loops below unroll and
+ * the 8 weight vectors, 4 accumulators and 4 offsets stay in registers. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
-static inline void dots_rows(const int FIVE, const int NR, int64_t n, const void *w, int64_t u,
+static inline void dots_rows(const int KIND, const int NR, int64_t n, const void *w, int64_t u,
                              const uint8_t *const *a, float *y, int64_t y_stride) {
+    const int FIVE = KIND == Q5_0, EIGHT = KIND == Q8_0;
     const int64_t blocks = n / QK;
-    const int64_t bytes = FIVE ? 22 : 20, x_block = FIVE ? 34 : 36, x_qs = FIVE ? 2 : 4;
+    const int64_t bytes = EIGHT ? 34 : FIVE ? 22 : 20, x_block = KIND == Q4_1 ? 36 : 34, x_qs = KIND == Q4_1 ? 4 : 2;
+    const int64_t qs_bytes = EIGHT ? 32 : 16; /* a row's quant bytes a block, ahead of the scales */
     const __mmask16 lanes = (__mmask16)((1u << u) - 1);
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     /* a 32-bit lane's four bytes all take byte k of the lane's qh word: shuffle control for k = 0 */
@@ -154,27 +187,33 @@ static inline void dots_rows(const int FIVE, const int NR, int64_t n, const void
     __m512 acc[4], offs[4];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        scale[r] = (const float *)(a[r] + floats_at(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, blocks));
+        scale[r] = (const float *)(a[r] + floats_at(EIGHT ? GGML_TYPE_Q8_0 : FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1,
+                                                    blocks));
         offset[r] = scale[r] + blocks;
         acc[r] = offs[r] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *tail = chunk + 16 * u;
+        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *tail = chunk + qs_bytes * u;
         __m512i q[8];
-        const __m512i qh = FIVE ? _mm512_maskz_loadu_epi32(lanes, tail) : _mm512_setzero_si512();
+        if (EIGHT) { /* whole bytes: one load a chunk */
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) q[k] = _mm512_maskz_loadu_epi32(lanes, chunk + k * 4 * u);
+        } else {
+            const __m512i qh = FIVE ? _mm512_maskz_loadu_epi32(lanes, tail) : _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            const __m512i packed = _mm512_maskz_loadu_epi32(lanes, chunk + k * 4 * u);
-            q[k] = _mm512_and_si512(packed, low);
-            q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            if (FIVE) { /* the fifth bit: +16 where qh has it */
-                const __m512i bits = _mm512_shuffle_epi8(qh, _mm512_add_epi8(spread, _mm512_set1_epi8((char)k)));
-                q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(bits, bit_low), q[k], fifth);
-                q[4 + k] = _mm512_mask_add_epi8(q[4 + k], _mm512_test_epi8_mask(bits, bit_high), q[4 + k], fifth);
+            for (int k = 0; k < 4; k++) {
+                const __m512i packed = _mm512_maskz_loadu_epi32(lanes, chunk + k * 4 * u);
+                q[k] = _mm512_and_si512(packed, low);
+                q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                if (FIVE) { /* the fifth bit: +16 where qh has it */
+                    const __m512i bits = _mm512_shuffle_epi8(qh, _mm512_add_epi8(spread, _mm512_set1_epi8((char)k)));
+                    q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(bits, bit_low), q[k], fifth);
+                    q[4 + k] = _mm512_mask_add_epi8(q[4 + k], _mm512_test_epi8_mask(bits, bit_high), q[4 + k], fifth);
+                }
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, FIVE ? tail + 4 * u : tail));
-        const __m512 m = FIVE ? d : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, tail + 2 * u));
+        const __m512 m = KIND == Q4_1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, tail + 2 * u)) : d;
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const uint8_t *qx = a[r] + b * x_block + x_qs;
@@ -187,52 +226,60 @@ static inline void dots_rows(const int FIVE, const int NR, int64_t n, const void
                 even = _mm512_dpbusd_epi32(even, q[k], _mm512_set1_epi32(x0));
                 odd = _mm512_dpbusd_epi32(odd, q[k + 1], _mm512_set1_epi32(x1));
             }
-            const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            if (EIGHT) /* weights + 128: 128 x the activation's sum comes off (exact: both below 2^24) */
+                sums = _mm512_sub_ps(sums, _mm512_set1_ps(offset[r][b]));
             acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(scale[r][b])), acc[r]);
-            offs[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(offset[r][b]), offs[r]);
+            if (!EIGHT) offs[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(offset[r][b]), offs[r]);
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
-        _mm512_mask_storeu_ps(y + r * y_stride, lanes, _mm512_add_ps(acc[r], offs[r]));
+        _mm512_mask_storeu_ps(y + r * y_stride, lanes, EIGHT ? acc[r] : _mm512_add_ps(acc[r], offs[r]));
 }
 
 /* Activation rows (kvw_x16_act_bytes apart at x) four at a time, the last 1 to 4 by their own
  * constant-count copy of the loop. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
-static inline void dots(const int FIVE, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+static inline void dots(const int KIND, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                         int64_t y_stride) {
-    const int64_t act_bytes = kvw_x16_act_bytes(FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1, n);
+    const int64_t act_bytes = kvw_x16_act_bytes(KIND == Q8_0 ? GGML_TYPE_Q8_0 : KIND == Q5_0 ? GGML_TYPE_Q5_0
+                                                                                           : GGML_TYPE_Q4_1, n);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const uint8_t *a[4];
         for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
         float *out = y + r0 * y_stride;
         switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: dots_rows(FIVE, 1, n, w, u, a, out, y_stride); break;
-        case 2: dots_rows(FIVE, 2, n, w, u, a, out, y_stride); break;
-        case 3: dots_rows(FIVE, 3, n, w, u, a, out, y_stride); break;
-        default: dots_rows(FIVE, 4, n, w, u, a, out, y_stride); break;
+        case 1: dots_rows(KIND, 1, n, w, u, a, out, y_stride); break;
+        case 2: dots_rows(KIND, 2, n, w, u, a, out, y_stride); break;
+        case 3: dots_rows(KIND, 3, n, w, u, a, out, y_stride); break;
+        default: dots_rows(KIND, 4, n, w, u, a, out, y_stride); break;
         }
     }
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 static void dots_q4_1(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
-    dots(0, n, w, u, x, rows, y, y_stride);
+    dots(Q4_1, n, w, u, x, rows, y, y_stride);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 static void dots_q5_0(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
-    dots(1, n, w, u, x, rows, y, y_stride);
+    dots(Q5_0, n, w, u, x, rows, y, y_stride);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q8_0(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    dots(Q8_0, n, w, u, x, rows, y, y_stride);
 }
 
 #endif
 
-/* y[r * y_stride + j] = row j of `type`'s (Q4_1 or Q5_0) packed row group `w` . activation row r. */
+/* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0 or Q8_0) packed row group `w` . activation row r. */
 void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                   int64_t y_stride) {
 #if X86
-    (is_q5_0(type) ? dots_q5_0 : dots_q4_1)(n, w, u, x, rows, y, y_stride);
+    (is_q8_0(type) ? dots_q8_0 : is_q5_0(type) ? dots_q5_0 : dots_q4_1)(n, w, u, x, rows, y, y_stride);
 #else  /* unreachable: kvw_supported refuses the x16 types where kvw_x16_supported() is 0 */
     (void)type, (void)n, (void)w, (void)u, (void)x, (void)rows, (void)y, (void)y_stride;
 #endif
