@@ -12,8 +12,8 @@ On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0 and Q8_0 blocks are repack
 into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at every row
 count (bench/ggml_matmul.py, 1536x1024: Q4_1 2x ggml's row loop at one row, 3.6x at 32, 1.8x
 dequantise + MKL at 512; Q5_0 1.7x, 1.7x and 1.5x ggml's fastest; Q8_0 2.4x, 3.2x and 2.3x; a
-262144x640 Q8_0 head streams at memory speed either way at one row, 2.1x ggml's fastest at 4). `ggml_kernel()` chooses,
-`KVWIRE_GGML_KERNEL=ggml|x16` overrides.
+262144x640 Q8_0 head streams at memory speed either way at one row, 2.1x ggml's fastest at 4).
+`ggml_kernel()` chooses, `KVWIRE_GGML_KERNEL=ggml|x16` overrides.
 """
 import os
 from functools import lru_cache
