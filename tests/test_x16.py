@@ -202,3 +202,22 @@ def test_a_repacked_tensor_gives_its_file_pages_back(tmp_path):
     assert (blocks == before).all()  # read again: the file's bytes
     gguf.forget(before)  # not the file's memory: nothing happens
     assert (before == blocks).all()
+
+
+@needs_x16
+def test_a_big_weight_is_repacked_in_chunks_each_released_once_copied(monkeypatch):
+    """Repacking goes REPACK_ROWS rows at a time and calls `release(start, stop)` after each chunk (the
+    GGUF loader gives those rows' file pages back there: a 178 MB head is never held twice); the
+    chunked copy equals the whole one."""
+    from kvwire.quant.ggml import GGMLLinear, linear
+
+    w = torch.randn(200, 64, generator=torch.Generator().manual_seed(3))
+    plain = GGMLLinear.quantize(w, "q8_0", kernel="ggml")
+    whole = GGMLLinear(plain.blocks, plain.qtype, 64, kernel="x16")
+    monkeypatch.setattr(linear, "REPACK_ROWS", 48)  # a multiple of the 16-row groups
+    released = []
+    chunked = GGMLLinear(plain.blocks, plain.qtype, 64, kernel="x16",
+                         release=lambda start, stop: released.append((start, stop)))
+    assert released == [(0, 48), (48, 96), (96, 144), (144, 192), (192, 200)]
+    assert torch.equal(chunked.blocks, whole.blocks)
+    assert torch.equal(chunked.ggml_blocks(), plain.blocks)
