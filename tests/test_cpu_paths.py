@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvwire.layers import cpu
-from kvwire.layers.linear import linear
+from kvwire.layers.linear import Linear, linear
 
 
 @pytest.fixture(autouse=True)
@@ -32,10 +32,46 @@ def dtype_reaching_gemm(monkeypatch, rows=128):
     return seen[-1]
 
 
-@pytest.mark.skipif(not cpu.native_bf16(), reason="this CPU has no bf16 units (AVX512_BF16/AMX): native path not run")
-def test_bf16_gemm_stays_native_on_a_cpu_with_bf16_units(monkeypatch):
-    assert cpu.bf16_gemm() == "native"
+NO_BF16_UNITS = "this CPU has no bf16 units (AVX512_BF16/AMX): the native and packed paths do not run"
+
+
+@pytest.mark.skipif(not cpu.native_bf16(), reason=NO_BF16_UNITS)
+def test_bf16_gemm_stays_bf16_on_packed_weights_on_a_cpu_with_bf16_units(monkeypatch):
+    assert cpu.bf16_gemm() == ("packed" if torch.backends.mkldnn.is_available() else "native")
     assert dtype_reaching_gemm(monkeypatch) == torch.bfloat16
+
+
+@pytest.mark.skipif(not cpu.native_bf16(), reason=NO_BF16_UNITS)
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build: nothing is packed")
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_products_run_on_a_packed_copy_with_the_same_values(monkeypatch, bias):
+    """`Linear` packs a bf16 weight for oneDNN after `after` products and gives linear's values bit
+    for bit at every row count; an in-place edit is followed; "native" never packs."""
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(96, 80, bias=bias).to(torch.bfloat16)
+    layer.pack.after = 2
+    xs = [torch.randn(rows, 96, generator=g).to(torch.bfloat16) for rows in (1, 4, 33)]
+    with torch.inference_mode():
+        for rows_x in xs:
+            for _ in range(3):
+                torch.testing.assert_close(layer(rows_x), torch.nn.functional.linear(rows_x, layer.weight, layer.bias),
+                                           atol=0, rtol=0)
+        assert layer.pack.packed is not None and layer.pack.packed.is_mkldnn
+        layer.weight.mul_(-0.5)  # in place: the stale copy goes, the next products read the new values
+        for _ in range(3):
+            torch.testing.assert_close(layer(xs[0]), torch.nn.functional.linear(xs[0], layer.weight, layer.bias),
+                                       atol=0, rtol=0)
+        layer.pack.clear()
+        monkeypatch.setenv("KVWIRE_BF16_GEMM", "native")
+        cpu.bf16_gemm.cache_clear()
+        for _ in range(3):
+            layer(xs[1])
+        assert layer.pack.packed is None
+    with torch.enable_grad():  # autograd: the packed kernel has no backward, so `linear` runs
+        monkeypatch.delenv("KVWIRE_BF16_GEMM")
+        cpu.bf16_gemm.cache_clear()
+        out = [layer(xs[0].requires_grad_()) for _ in range(3)][-1]
+        assert layer.pack.packed is None and out.requires_grad
 
 
 @pytest.mark.skipif(cpu.native_bf16(), reason="this CPU has bf16 units: the upcast default is not chosen here")
@@ -52,12 +88,20 @@ def test_the_choice_can_be_forced_to_upcast_anywhere(monkeypatch):
 
 def test_a_path_the_cpu_cannot_run_is_refused_naming_the_feature(monkeypatch):
     monkeypatch.setattr(cpu, "native_bf16", lambda: False)
-    monkeypatch.setenv("KVWIRE_BF16_GEMM", "native")
-    with pytest.raises(ValueError, match="needs bfloat16 dot-product units, but this CPU has neither AVX512_BF16 nor AMX"):
+    for asked in ("native", "packed"):
+        monkeypatch.setenv("KVWIRE_BF16_GEMM", asked)
+        with pytest.raises(ValueError, match=f"KVWIRE_BF16_GEMM={asked} needs bfloat16 dot-product units, but "
+                                             "this CPU has neither AVX512_BF16 nor AMX"):
+            cpu.bf16_gemm()
+        cpu.bf16_gemm.cache_clear()
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setenv("KVWIRE_BF16_GEMM", "packed")
+    with pytest.raises(ValueError, match=r"KVWIRE_BF16_GEMM=packed needs oneDNN, which this torch build lacks"):
         cpu.bf16_gemm()
     cpu.bf16_gemm.cache_clear()
     monkeypatch.setenv("KVWIRE_BF16_GEMM", "fast")
-    with pytest.raises(ValueError, match=r"KVWIRE_BF16_GEMM='fast'; expected one of native, upcast"):
+    with pytest.raises(ValueError, match=r"KVWIRE_BF16_GEMM='fast'; expected one of packed, native, upcast"):
         cpu.bf16_gemm()
 
 
@@ -65,3 +109,31 @@ def test_the_report_names_features_and_paths():
     line = cpu.report()
     assert "avx512_bf16" in line and f"bf16 GEMM: {cpu.bf16_gemm()}" in line
     assert all(isinstance(v, bool) for v in cpu.features().values())
+
+
+@pytest.mark.skipif(not cpu.native_bf16(), reason=NO_BF16_UNITS)
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build: nothing is packed")
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_a_bf16_model_generates_the_same_tokens_on_packed_weights(monkeypatch, family):
+    """Generation long enough to pack every bf16 projection and the head (64 products each) gives
+    the tokens and log-probabilities the unpacked weights give; `reset_caches` frees the copies."""
+    from kvwire.layers.linear import WeightPack
+
+    from .test_devices import tiny_lm
+
+    lm = tiny_lm(family, dtype="bfloat16")
+    packs = [m.pack for m in lm.modules() if isinstance(getattr(m, "pack", None), WeightPack)]
+    assert len(packs) > 4  # the head's and every projection's (gpt2: bias too)
+    runs = {}
+    for choice in ("native", "packed"):
+        monkeypatch.setenv("KVWIRE_BF16_GEMM", choice)
+        cpu.bf16_gemm.cache_clear()
+        out = lm.generate(["Hello there", "A"], max_new_tokens=70, ignore_eos=True, return_logprobs=True)
+        runs[choice] = (out.tokens, out.logprobs)
+        assert all((p.packed is not None) == (choice == "packed") for p in packs), choice
+        if choice == "native":
+            lm.reset_caches()
+    assert runs["packed"][0] == runs["native"][0]
+    torch.testing.assert_close(runs["packed"][1], runs["native"][1], atol=0, rtol=0)
+    lm.reset_caches()
+    assert all(p.packed is None for p in packs)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from kvwire.layers import cpu
 from kvwire.layers.linear import SMALL_ROWS, linear
 
 
@@ -23,14 +24,16 @@ def test_linear_kernel_choice_matches_nn_functional(rows, dtype, bias, out):
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
 
-def test_one_row_pack_matches_linear_and_follows_weight_edits():
+def test_one_row_pack_matches_linear_and_follows_weight_edits(monkeypatch):
     import copy
 
-    from kvwire.layers.linear import OneRowPack
+    from kvwire.layers.linear import WeightPack
 
     if not torch.backends.mkl.is_available():
         pytest.skip("no MKL in this torch build")
-    pack = OneRowPack(after=3)
+    monkeypatch.setenv("KVWIRE_BF16_GEMM", "upcast")  # bf16 products are never packed then
+    cpu.bf16_gemm.cache_clear()
+    pack = WeightPack(after=3)
     w = torch.randn(300, 48)
     x = torch.randn(1, 1, 48)
     with torch.inference_mode():
@@ -47,6 +50,7 @@ def test_one_row_pack_matches_linear_and_follows_weight_edits():
     with torch.enable_grad():  # another test may leave grad mode off in this process
         assert pack(x, w.requires_grad_()) is None  # autograd: the packed kernel has no backward
     assert copy.deepcopy(pack).packed is None
+    cpu.bf16_gemm.cache_clear()
 
 
 @pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row"])

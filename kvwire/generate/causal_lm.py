@@ -7,6 +7,7 @@ from torch import nn
 
 from ..graph import clone, with_cache
 from ..io.tokenizer import eos_list
+from ..layers.linear import clear_packs
 from .loop import Generation, Stopper, beam_search, finish
 from .samplers import BeamSearch, Greedy, Sampler
 from .session import Session
@@ -57,7 +58,7 @@ class CausalLM(nn.Module):
     def _apply(self, fn, recurse=True):
         """`to`, `cuda`, `half`, ... (every move or cast of nn.Module goes through here): refuse to
         move CPU-only kernels off the CPU, keep a tied head tied, and take along what generation keeps
-        (caches move, float32 whatever the weights' dtype); the packed head copy and a compiled
+        (caches move, float32 whatever the weights' dtype); the packed weight copies and a compiled
         decode step are for the old device and dtype, so they are dropped (made again when needed)."""
         device = fn(torch.zeros((), device="cpu")).device  # where fn sends tensors
         if device.type != "cpu":
@@ -73,9 +74,7 @@ class CausalLM(nn.Module):
         self._decode = None
         if self._prefix_store is not None:  # keys/values on the old device
             self._prefix_store.clear()
-        pack = getattr(self.head, "pack", None)
-        if pack is not None:
-            pack.clear()
+        clear_packs(self)
         return self
 
     @property
@@ -97,14 +96,13 @@ class CausalLM(nn.Module):
 
     def reset_caches(self):
         """Forget the cached graph, the kept caches, the prefix store's entries, the compiled decode
-        step (made again when next needed) and the head's packed weight (after swapping layers in
-        place, or to free memory)."""
+        step (made again when next needed) and the packed weight copies (`WeightPack`: the head's, and
+        every bf16 projection's where the CPU has bf16 units), after swapping layers in place or to
+        free memory."""
         self._cached, self._caches, self._decode = None, {}, None
         if self._prefix_store is not None:
             self._prefix_store.clear()
-        pack = getattr(self.head, "pack", None)
-        if pack is not None:
-            pack.clear()
+        clear_packs(self)
 
     def compile(self, bucket=64, prefill_tokens=32, **options):
         """Run generation's one-token decode steps and short prompts through `torch.compile` (cached

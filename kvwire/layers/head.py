@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from .base import Layer
-from .linear import OneRowPack, linear
+from .linear import WeightPack, linear
 
 
 class OutputWeight(Layer):
@@ -19,9 +19,10 @@ class OutputWeight(Layer):
 class TiedHead(Layer):
     """Logits from hidden states with the token embedding's weight, or an `OutputWeight`'s:
     (B, T, D) -> (B, T, V), divided by `divisor` (Granite's logits_scaling) and optionally
-    soft-capped as tanh(logits / c) * c. Shares the owner's weight; a float32
-    batch-1 decode step reads an MKL-packed copy of it (`OneRowPack`: the head is most of a decode
-    step's bytes), made on first use and freed by `lm.reset_caches()`.
+    soft-capped as tanh(logits / c) * c. Shares the owner's weight; a float32 batch-1 decode step
+    reads an MKL-packed copy of it, bfloat16 products a oneDNN-packed one where the CPU has bf16 units
+    (`WeightPack`: the head is most of a decode step's bytes), made after 64 products and freed by
+    `lm.reset_caches()`.
 
     Example:
         >>> head = TiedHead(backbone.embed_tokens)
@@ -36,7 +37,7 @@ class TiedHead(Layer):
         # set by `kw.quantize`: a quantised copy of the weight that computes the logits, while the
         # embedding keeps the float table for its lookups
         self.quantized = None
-        self.pack = OneRowPack()
+        self.pack = WeightPack()
 
     def forward(self, hidden):
         if self.quantized is not None:

@@ -33,7 +33,7 @@ def linear(x, weight, bias=None):
     # bf16 GEMM costs about rows x GEMV here: from 8 rows, upcasting a (small) weight is cheaper
     upcast = rows > SMALL_ROWS or (rows > 4 and weight.numel() < 1 << 24)
     if upcast and x.dtype in _UPCAST and x.device.type == "cpu" and not (x.dtype == torch.bfloat16
-                                                                        and bf16_gemm() == "native"):
+                                                                        and bf16_gemm() != "upcast"):
         b = None if bias is None else bias.float()
         return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
     if rows > SMALL_ROWS or x.dtype != torch.float32:
@@ -49,34 +49,53 @@ def linear(x, weight, bias=None):
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class OneRowPack:
-    """An MKL-packed copy of a float32 weight for one-row products (batch-1 decode): the default
-    model's 262144 x 640 head in 43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms
-    with `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked
-    (best of 4, interleaved), for a second copy of the weight in memory (671 MB there). The copy
-    is made once `after` one-row products have read the same weight, and rebuilt when the weight
-    changes (in-place edits bump its version). Packing the default model's head takes about a
-    second, which ~100 decode steps win back: packing at the first call made every short run
-    (`kvwire generate`, a first token) that second slower.
+class WeightPack:
+    """A copy of a weight in the layout the CPU's fastest kernel reads, for the products it pays in:
 
-    Call `pack(x, weight)`: the product (1, out), or None where it does not apply (other dtypes
-    or row counts, autograd, compilers and exporters, no MKL, not yet `after` calls); the caller
-    falls back to `linear`.
+    - float32, one row (batch-1 decode; the head's pack): MKL-packed. The default model's
+      262144 x 640 head in 43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms with
+      `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best
+      of 4, interleaved). Packing that head takes about a second.
+    - bfloat16, any row count, where `cpu.bf16_gemm()` is "packed" (a CPU with bf16 units): oneDNN's
+      blocked layout, the same values as `linear` bit for bit. Unpacked, oneDNN re-lays the weight out
+      on every call: at one row a 2048 x 640 projection took 0.079 against 0.039 ms packed, the head
+      19.0 against 12.9 ms (memory speed); 0.249 against 0.206 ms at 32 rows, ~2 % less at 512.
+
+    Either way the copy is a second one in memory (the weight's size: 671 MB for the float32 head,
+    335 MB bf16), made once `after` products have read the same weight so short runs (`kvwire
+    generate`, a first token) skip it, rebuilt when the weight changes (in-place edits bump its
+    version), and freed by `lm.reset_caches()` (`clear`).
+
+    Call `pack(x, weight, bias=None)`: the product (..., out), or None where it does not apply (other
+    dtypes or row counts, autograd, compilers and exporters, no MKL / oneDNN, not yet `after` calls);
+    the caller falls back to `linear`.
     """
 
-    def __init__(self, after=64):
+    def __init__(self, after=64, float32=True):
         self.key = self.packed = None
-        self.after, self.calls = after, (None, 0)  # (weight key, one-row calls seen with it)
+        self.after, self.float32 = after, float32
+        self.calls = (None, 0)  # (weight key, products seen with it)
 
-    def __call__(self, x, weight):
+    def kind(self, x, weight, bias):
+        """"mkl", "onednn" or None: the packed kernel this product can take."""
         if torch.compiler.is_compiling() or is_exporting():  # first: compilers cannot trace the rest
             return None
-        rows = x.numel() // x.shape[-1]
-        if (rows != 1 or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-                or type(x) is not torch.Tensor or not torch.backends.mkl.is_available()
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        if (x.device.type != "cpu" or type(x) is not torch.Tensor or x.dtype != weight.dtype
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                 or (bias is not None and bias.requires_grad)))):
             return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype) and bf16_gemm() == "packed":
+            return "onednn"
+        if (self.float32 and x.dtype == torch.float32 and bias is None and x.numel() == x.shape[-1]
+                and torch.backends.mkl.is_available()):
+            return "mkl"
+        return None
+
+    def __call__(self, x, weight, bias=None):
+        kind = self.kind(x, weight, bias)
+        if kind is None:
+            return None
+        key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape))
         if key != self.key:
             self.packed, self.key = None, None  # a stale copy (the weight changed) goes at once
             seen, count = self.calls
@@ -84,9 +103,12 @@ class OneRowPack:
             self.calls = (key, count)
             if count < self.after:
                 return None
-            self.packed, self.key = None, None  # free the old copy before packing the new one
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 1)
+            w = weight.detach()
+            self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, 1) if kind == "mkl"
+                           else torch.ops.mkldnn._reorder_linear_weight(w, None))
             self.key = key
+        if kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [None], "")
         out = torch.ops.mkl._mkl_linear(x.reshape(1, -1), self.packed, weight, None, 1)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -95,11 +117,31 @@ class OneRowPack:
         self.calls = (None, 0)
 
     def __deepcopy__(self, memo):  # a copied model packs its own weight when it needs to
-        return OneRowPack(self.after)
+        return WeightPack(self.after, self.float32)
+
+    def __getstate__(self):  # pickled empty: a packed tensor has no storage to save
+        return {"after": self.after, "float32": self.float32}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+
+def clear_packs(module):
+    """Free every `WeightPack` copy under `module` (they are made again when needed)."""
+    for m in module.modules():
+        pack = getattr(m, "pack", None)
+        if isinstance(pack, WeightPack):
+            pack.clear()
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` computed with `linear` above (same parameters, same results)."""
+    """`nn.Linear` computed with `linear` above, or on a packed copy of its weight (`WeightPack`:
+    bfloat16 where the CPU has bf16 units); same parameters, same results."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pack = WeightPack(float32=False)
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        out = self.pack(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias) if out is None else out
