@@ -48,7 +48,7 @@ def cpu_paths():
     if importlib.util.find_spec("llama_cpp") is not None:
         from kvwire.quant.ggml.linear import ggml_kernel
 
-        line += f"; Q4_1/Q5_0/Q8_0 kernel: {ggml_kernel()}"
+        line += f"; Q4_1/Q5_0/Q8_0/Q4_K kernel: {ggml_kernel()}"
     return line
 
 

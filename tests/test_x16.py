@@ -1,4 +1,4 @@
-"""Q4_1, Q5_0 and Q8_0 blocks repacked for kvwire's AVX-512 VNNI kernel (`x16.c`): the repacking is
+"""Q4_1, Q5_0, Q8_0 and Q4_K blocks repacked for kvwire's AVX-512 VNNI kernel (`x16.c`): the repacking is
 lossless, the kernel computes ggml's products (to float32 summation order) at every row count and
 shape, and the choice between it and ggml's own kernels follows the CPU, refusing what it cannot run."""
 import copy
@@ -25,13 +25,19 @@ def _x16_runs():
 
 needs_x16 = pytest.mark.skipif("not HAVE_GGML or not _x16_runs()",
                                reason="this CPU lacks AVX-512 F/BW/VL + VNNI: the x16 kernel does not run here")
-FORMATS = ["q4_1", "q5_0", "q8_0"]
+FORMATS = ["q4_1", "q5_0", "q8_0", "q4_k"]
+
+
+def _n(kind, n):
+    """A row length `kind` can hold: Q4_K's super-blocks take 256 weights, the others' blocks 32."""
+    return -(-n // 256) * 256 if kind == "q4_k" else n
 
 
 def _pair(out, n, seed=0, kind="q4_1"):
     """The same weight in `kind` blocks on ggml's kernels and on x16."""
     from kvwire.quant.ggml import GGMLLinear
 
+    n = _n(kind, n)
     w = torch.randn(out, n, generator=torch.Generator().manual_seed(seed))
     return GGMLLinear.quantize(w, kind, kernel="ggml"), GGMLLinear.quantize(w, kind, kernel="x16")
 
@@ -43,10 +49,11 @@ def test_repacked_blocks_hold_ggmls_bytes_and_values(out, n, kind):
     from kvwire.quant.ggml.linear import X16
 
     plain, packed = _pair(out, n, kind=kind)
+    n = _n(kind, n)
     assert plain.kernel_type == int(plain.qtype) and packed.kernel_type == X16[packed.qtype]
     assert packed.repacked and not plain.repacked and "repacked for x16" in repr(packed)
     assert packed.blocks.shape == plain.blocks.shape
-    assert not torch.equal(packed.blocks, plain.blocks) or out == 1 and n == 32  # the layout did change
+    assert not torch.equal(packed.blocks, plain.blocks) or out == 1 and n in (32, 256)  # the layout did change
     assert torch.equal(packed.ggml_blocks(), plain.blocks)  # and back, byte for byte
     assert torch.equal(packed.dequantize(), plain.dequantize())
 
@@ -59,6 +66,7 @@ def test_x16_computes_ggmls_products(out, n, rows, kind):
     """Each block's integer dot product and scaling are ggml's: only the float sums' order differs.
     (Past 32 rows ggml's layout dequantises for float32 GEMM; x16 keeps its kernel: the operator.)"""
     plain, packed = _pair(out, n, seed=rows, kind=kind)
+    n = _n(kind, n)
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(100 + rows))
     expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
     got = packed(x)
@@ -73,13 +81,13 @@ def test_a_fused_call_mixes_x16_with_other_formats():
     from kvwire.quant.ggml import GGMLLinear
 
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(3, 576, generator=g)
-    qs = [GGMLLinear.quantize(torch.randn(out, 576, generator=g), kind, kernel=kernel)
+    x = torch.randn(3, 768, generator=g)
+    qs = [GGMLLinear.quantize(torch.randn(out, 768, generator=g), kind, kernel=kernel)
           for out, kind, kernel in [(40, "q4_1", "x16"), (24, "q8_0", None), (19, "q4_1", "ggml"), (33, "q5_0", "x16"),
-                                    (17, "q5_0", "ggml"), (50, "q4_1", "x16")]]
-    fused = torch.ops.kvwire.ggml_matmuls(x, [q.blocks for q in qs], [q.kernel_type for q in qs], 576)
+                                    (17, "q5_0", "ggml"), (50, "q4_1", "x16"), (21, "q4_k", "x16"), (18, "q4_k", "ggml")]]
+    fused = torch.ops.kvwire.ggml_matmuls(x, [q.blocks for q in qs], [q.kernel_type for q in qs], 768)
     for q, y in zip(qs, fused):
-        assert torch.equal(y, torch.ops.kvwire.ggml_matmul(x, q.blocks, q.kernel_type, 576))
+        assert torch.equal(y, torch.ops.kvwire.ggml_matmul(x, q.blocks, q.kernel_type, 768))
 
 
 @needs_x16
@@ -87,12 +95,13 @@ def test_a_fused_call_mixes_x16_with_other_formats():
 def test_requantize_and_copies_of_a_repacked_weight(kind):
     from kvwire.quant.ggml import GGMLLinear
 
-    plain, packed = _pair(16384 + 21, 64, kind=kind)  # more than one of requantize's 16,384-row chunks
+    n = _n(kind, 64)
+    plain, packed = _pair(16384 + 21, n, kind=kind)  # more than one of requantize's 16,384-row chunks
     assert torch.equal(packed.requantize("q8_0").blocks, plain.requantize("q8_0").blocks)
-    x = torch.randn(2, 64)
+    x = torch.randn(2, n)
     clone = copy.deepcopy(packed)
     assert clone.kernel_type == packed.kernel_type and torch.equal(clone(x), packed(x))
-    assert torch.equal(GGMLLinear(packed.ggml_blocks(), packed.qtype, 64).blocks, packed.blocks)
+    assert torch.equal(GGMLLinear(packed.ggml_blocks(), packed.qtype, n).blocks, packed.blocks)
 
 
 @needs_x16
@@ -137,7 +146,7 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
 
     runs = linear.x16_runs()
     assert linear.ggml_kernel() == ("x16" if runs else "ggml")
-    w = torch.randn(32, 64)
+    w = torch.randn(32, 256)
     assert all(GGMLLinear.quantize(w, kind).repacked == runs for kind in FORMATS)
     assert not GGMLLinear.quantize(w, "q4_0", kernel="x16").repacked  # only the formats x16 has
     monkeypatch.setenv("KVWIRE_GGML_KERNEL", "ggml")

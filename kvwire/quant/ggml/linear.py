@@ -8,10 +8,11 @@ own matrix product, tiled as llama.cpp's is (`matmul.c`'s `kvw_matmuls` chooses)
 has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's float32 GEMM
 beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
 
-On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0 and Q8_0 blocks are repacked at construction
-into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at every row
-count (bench/ggml_matmul.py, 1536x1024: Q4_1 2x ggml's row loop at one row, 3.6x at 32, 1.8x
-dequantise + MKL at 512; Q5_0 1.7x, 1.7x and 1.5x ggml's fastest; Q8_0 2.4x, 3.2x and 2.3x; a
+On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0, Q8_0 and Q4_K blocks are repacked at
+construction into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at
+every row count (bench/ggml_matmul.py, 1536x1024: Q4_1 2x ggml's row loop at one row, 3.6x at 32,
+1.8x dequantise + MKL at 512; Q5_0 1.7x, 1.7x and 1.5x ggml's fastest; Q8_0 2.4x, 3.2x and 2.3x;
+Q4_K 1.6-2.6x at one row, 3.1x at 4, 1.1-1.35x at 32, 0.82-1.06x ggml's tiled product at 512; a
 262144x640 Q8_0 head streams at memory speed either way at one row, 2.1x ggml's fastest at 4).
 `ggml_kernel()` chooses, `KVWIRE_GGML_KERNEL=ggml|x16` overrides.
 """
@@ -33,7 +34,8 @@ UNTILED = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
 MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # the formats x16.c repacks, and the type numbers matmul.c knows their repacked blocks by
-X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002, GGMLQuantizationType.Q8_0: 1003}
+X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002, GGMLQuantizationType.Q8_0: 1003,
+       GGMLQuantizationType.Q4_K: 1004}
 KERNELS = ("x16", "ggml")
 REPACK_ROWS = 16384  # rows repacked at a time (a multiple of x16's 16-row groups)
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
@@ -47,7 +49,7 @@ class GGMLLinear(nn.Module):
         blocks: (out, row_bytes) uint8, each row `in_features` weights in `qtype` blocks.
         qtype: a `gguf.GGMLQuantizationType` (or its id) with a ggml CPU dot product.
         in_features: weights per row. bias: (out,) or None.
-        kernel: for Q4_1, Q5_0 and Q8_0, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel)
+        kernel: for Q4_1, Q5_0, Q8_0 and Q4_K, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel)
             or "ggml"; None: `ggml_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
         release: called as release(start, stop) once rows start..stop of `blocks` are repacked (a
             loader gives a memory-mapped file's pages back there); None: nothing is called.
@@ -172,7 +174,7 @@ class GGMLLinear(nn.Module):
 
 
 def ggml_kernel(asked=None):
-    """The kernel for the formats in X16 (Q4_1, Q5_0, Q8_0): `asked` ("x16" / "ggml"), else
+    """The kernel for the formats in X16 (Q4_1, Q5_0, Q8_0, Q4_K): `asked` ("x16" / "ggml"), else
     `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU has AVX-512
     F, BW, VL and VNNI and 'ggml' (ggml's kernels on the file's layout) where it has not. x16 on a
     CPU without those features is refused, naming them."""

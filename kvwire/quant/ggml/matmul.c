@@ -11,8 +11,9 @@
  * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on for most formats
  * (`kvw_matmuls` chooses; bench/ggml_matmul.py measures).
  *
- * Q4_1, Q5_0 and Q8_0 weights repacked for AVX-512 VNNI (`x16.c`) carry kvwire's own type numbers
- * (KVW_Q4_1_X16, KVW_Q5_0_X16, KVW_Q8_0_X16) and run that file's kernel in the row loop.
+ * Q4_1, Q5_0, Q8_0 and Q4_K weights repacked for AVX-512 VNNI (`x16.c`) carry kvwire's own type
+ * numbers (KVW_Q4_1_X16, KVW_Q5_0_X16, KVW_Q8_0_X16, KVW_Q4_K_X16) and run that file's kernel in the
+ * row loop, at every row count.
  *
  * Built by kvwire/quant/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
  */
@@ -27,6 +28,7 @@
 #define KVW_Q4_1_X16 1001
 #define KVW_Q5_0_X16 1002
 #define KVW_Q8_0_X16 1003
+#define KVW_Q4_K_X16 1004
 
 int kvw_x16_supported(void);
 void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16);
@@ -37,12 +39,14 @@ void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, 
 
 void kvw_init(void) { ggml_cpu_init(); }
 
-static int is_x16(int type) { return type == KVW_Q4_1_X16 || type == KVW_Q5_0_X16 || type == KVW_Q8_0_X16; }
+static int is_x16(int type) {
+    return type == KVW_Q4_1_X16 || type == KVW_Q5_0_X16 || type == KVW_Q8_0_X16 || type == KVW_Q4_K_X16;
+}
 
 /* ggml's type a kvwire type number stands for (a repacked type's blocks hold the same bytes) */
 static enum ggml_type ggml_type_of(int type) {
     return type == KVW_Q4_1_X16 ? GGML_TYPE_Q4_1 : type == KVW_Q5_0_X16 ? GGML_TYPE_Q5_0 :
-           type == KVW_Q8_0_X16 ? GGML_TYPE_Q8_0 : (enum ggml_type)type;
+           type == KVW_Q8_0_X16 ? GGML_TYPE_Q8_0 : type == KVW_Q4_K_X16 ? GGML_TYPE_Q4_K : (enum ggml_type)type;
 }
 
 int64_t kvw_block_size(int type) { return ggml_blck_size(ggml_type_of(type)); }
@@ -206,7 +210,7 @@ int kvw_dequantize(int type, const void *w, int64_t rows, int64_t n, float *dst,
     return failed ? -1 : 0;
 }
 
-/* dst = src's rows of ggml type `type` (Q4_1, Q5_0) in x16.c's layout (`to_x16`) or back, groups
+/* dst = src's rows of ggml type `type` (Q4_1, Q5_0, Q8_0, Q4_K) in x16.c's layout (`to_x16`) or back, groups
  * of 16 rows split across threads. */
 void kvw_x16_repack_rows(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16, int threads) {
     const size_t w_row = ggml_row_size((enum ggml_type)type, n);

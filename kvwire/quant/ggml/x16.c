@@ -8,7 +8,9 @@
  * finish a block for 16 rows against the activation's bytes broadcast, the 16 rows' scales are one
  * half-precision load, and no horizontal sum is left at the end. The activations are ggml's own
  * partner blocks (Q8_1 for Q4_1, Q8_0 for Q5_0 and Q8_0), so each block's integer dot product and
- * its scaling are ggml's; only the order of the float sums differs.
+ * its scaling are ggml's; only the order of the float sums differs. Q4_K's 256-weight super-blocks
+ * (Q8_K partner) go the same way, 8 sub-blocks of 32 a super-block, each sub-block's integer sum
+ * times its 6-bit scale, the minimums' term one `vpdpwssd` per two sub-blocks.
  *
  * Rows go in groups of 16 (the last may hold fewer, u), a group in the bytes its rows held:
  * for each block b of 32 weights,
@@ -21,6 +23,11 @@
  *       each + 128 (its sign bit flipped: VNNI multiplies unsigned by signed bytes, so the weights
  *       go unsigned and the activation's 128 x its sum comes off the integer sum); then d: u
  *       scales                                                          = 34 u bytes, as Q8_0.
+ *   Q4_K (super-blocks of 256 weights, 8 sub-blocks of 32 with 6-bit scales and minimums):
+ *     qs: 32 chunks of u x 4 bytes; chunk c, lane j = bytes 4c..4c+3 of row j's 128 nibble bytes
+ *       (chunk 8p + k: low nibbles weights 4k..4k+3 of sub-block 2p, high nibbles the same of 2p+1);
+ *     scales: 3 chunks of u x 4 bytes, lane j = bytes 4s..4s+3 of row j's 12 packed scale bytes;
+ *     then d and dmin: u half-precision values each                    = 144 u bytes, as Q4_K.
  * So rows 16G.. of a packed weight sit where they sat in ggml's layout: slicing at multiples of
  * 16 rows still works.
  *
@@ -32,12 +39,14 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
-enum { QK = 32, GROUP = 16 };
+enum { QK = 32, QK_K = 256, GROUP = 16 };
 
 typedef struct { ggml_fp16_t d, m; uint8_t qs[16]; } q4_1_block;
 typedef struct { ggml_fp16_t d; uint8_t qh[4]; uint8_t qs[16]; } q5_0_block;
 typedef struct { ggml_fp16_t d, s; int8_t qs[32]; } q8_1_block;
 typedef struct { ggml_fp16_t d; int8_t qs[32]; } q8_0_block;
+typedef struct { ggml_fp16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } q4_k_block;
+typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } q8_k_block;
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -58,10 +67,15 @@ int kvw_x16_supported(void) {
 
 static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
 static int is_q8_0(int type) { return type == GGML_TYPE_Q8_0; }
+static int is_q4_k(int type) { return type == GGML_TYPE_Q4_K; }
 
 static size_t block_bytes(int type) {
-    return is_q8_0(type) ? sizeof(q8_0_block) : is_q5_0(type) ? sizeof(q5_0_block) : sizeof(q4_1_block);
+    return is_q4_k(type) ? sizeof(q4_k_block) : is_q8_0(type) ? sizeof(q8_0_block) :
+           is_q5_0(type) ? sizeof(q5_0_block) : sizeof(q4_1_block);
 }
+
+/* weights a block: Q4_K's super-blocks hold 256 */
+static int64_t block_weights(int type) { return is_q4_k(type) ? QK_K : QK; }
 
 /* qh's bits for weights 4k..4k+3 in byte k's low half, 16+4k..16+4k+3 in its high half (and back) */
 static uint32_t reorder_qh(uint32_t qh, int to_x16) {
@@ -92,10 +106,27 @@ static void repack_q8_0(uint8_t *plain, uint8_t *chunk, int64_t u, int64_t j, in
     else p->d = *d;
 }
 
-/* Q4_1, Q5_0 or Q8_0 rows (`type`: ggml's number; rows, n / 32 blocks) <-> the layout above;
- * `to_x16` chooses the direction. */
+/* Q4_K rows' block b of row j <-> its place in a group (u rows at `chunk`): the nibble bytes and the
+ * scale bytes as 4-byte lanes, then d and dmin */
+static void repack_q4_k(uint8_t *plain, uint8_t *chunk, int64_t u, int64_t j, int to_x16) {
+    q4_k_block *p = (q4_k_block *)plain;
+    for (int c = 0; c < 32; c++) {
+        uint8_t *lane = chunk + c * 4 * u + 4 * j;
+        memcpy(to_x16 ? lane : p->qs + 4 * c, to_x16 ? p->qs + 4 * c : lane, 4);
+    }
+    for (int c = 0; c < 3; c++) {
+        uint8_t *lane = chunk + 128 * u + c * 4 * u + 4 * j;
+        memcpy(to_x16 ? lane : p->scales + 4 * c, to_x16 ? p->scales + 4 * c : lane, 4);
+    }
+    ggml_fp16_t *d = (ggml_fp16_t *)(chunk + 140 * u) + j, *dmin = d + u;
+    if (to_x16) { *d = p->d; *dmin = p->dmin; }
+    else { p->d = *d; p->dmin = *dmin; }
+}
+
+/* Q4_1, Q5_0, Q8_0 or Q4_K rows (`type`: ggml's number; rows, n / 32 or n / 256 blocks) <-> the
+ * layout above; `to_x16` chooses the direction. */
 void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16) {
-    const int64_t blocks = n / QK, bytes = (int64_t)block_bytes(type), row_bytes = blocks * bytes;
+    const int64_t blocks = n / block_weights(type), bytes = (int64_t)block_bytes(type), row_bytes = blocks * bytes;
     for (int64_t g = 0; g < rows; g += GROUP) {
         const int64_t u = rows - g < GROUP ? rows - g : GROUP;
         uint8_t *packed = (uint8_t *)(to_x16 ? dst : src) + g * row_bytes;
@@ -103,8 +134,8 @@ void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t 
             uint8_t *chunk = packed + b * u * bytes, *tail = chunk + 16 * u;
             for (int64_t j = 0; j < u; j++) {
                 uint8_t *plain = (uint8_t *)(to_x16 ? src : dst) + (g + j) * row_bytes + b * bytes;
-                if (is_q8_0(type)) {
-                    repack_q8_0(plain, chunk, u, j, to_x16);
+                if (is_q8_0(type) || is_q4_k(type)) {
+                    (is_q8_0(type) ? repack_q8_0 : repack_q4_k)(plain, chunk, u, j, to_x16);
                     continue;
                 }
                 uint8_t *qs = plain + bytes - 16; /* both formats end with their 16 nibble bytes */
@@ -130,7 +161,9 @@ void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t 
 }
 
 /* ggml's partner format of the weights, whose blocks lead an activation row */
-static int partner(int type) { return is_q5_0(type) || is_q8_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE_Q8_1; }
+static int partner(int type) {
+    return is_q4_k(type) ? GGML_TYPE_Q8_K : is_q5_0(type) || is_q8_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE_Q8_1;
+}
 
 /* Bytes of one activation row for kvw_x16_dots: its partner blocks, then each block's scale and
  * offset term as floats (Q4_1: scale x sum of quants, times the weight's minimum; Q5_0: -16 x scale
@@ -141,11 +174,22 @@ static int64_t floats_at(int type, int64_t blocks) {
     return (blocks * (int64_t)ggml_type_size((enum ggml_type)partner(type)) + 3) / 4 * 4;
 }
 
-int64_t kvw_x16_act_bytes(int type, int64_t n) { return floats_at(type, n / QK) + n / QK * 2 * (int64_t)sizeof(float); }
+/* (Q4_K's partner blocks, Q8_K, carry their float scale and their quant sums: no floats follow) */
+int64_t kvw_x16_act_bytes(int type, int64_t n) {
+    if (is_q4_k(type)) return n / QK_K * (int64_t)sizeof(q8_k_block);
+    return floats_at(type, n / QK) + n / QK * 2 * (int64_t)sizeof(float);
+}
 
 /* One activation row x (n floats) -> dst (kvw_x16_act_bytes): ggml's quantisation to the partner format. */
 void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
     ggml_get_type_traits_cpu((enum ggml_type)partner(type))->from_float(x, dst, n);
+    if (is_q4_k(type)) { /* bsums[0..7] become the 8 sub-blocks' quant sums (each within an int16) */
+        for (int64_t b = 0; b < n / QK_K; b++) {
+            q8_k_block *q = (q8_k_block *)dst + b;
+            for (int s = 0; s < 8; s++) q->bsums[s] = (int16_t)(q->bsums[2 * s] + q->bsums[2 * s + 1]);
+        }
+        return;
+    }
     const int64_t blocks = n / QK;
     float *scale = (float *)((uint8_t *)dst + floats_at(type, blocks));
     float *offset = scale + blocks;
@@ -273,13 +317,124 @@ static void dots_q8_0(int64_t n, const void *w, int64_t u, const void *x, int64_
     dots(Q8_0, n, w, u, x, rows, y, y_stride);
 }
 
+/* Q4_K: y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r (Q8_K
+ * blocks), for NR (1 to 4, a constant once inlined) rows against one read of the group's blocks. As
+ * ggml's: a super-block's integer sum is sum_s scale_s x (q_s . x_s), its minimums' sum_s min_s x
+ * (the sum of x_s's quants), both exact in int32; then d x d_x and dmin x d_x scale them. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+static inline void dots_rows_q4_k(const int NR, int64_t n, const void *w, int64_t u, const uint8_t *const *a,
+                                  float *y, int64_t y_stride) {
+    const int64_t blocks = n / QK_K, bytes = sizeof(q4_k_block);
+    const __mmask16 lanes = (__mmask16)((1u << u) - 1);
+    const __m512i low = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15),
+                  two = _mm512_set1_epi32(3);
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *sc = chunk + 128 * u;
+        const __m512i s0 = _mm512_maskz_loadu_epi32(lanes, sc), s1 = _mm512_maskz_loadu_epi32(lanes, sc + 4 * u),
+                      s2 = _mm512_maskz_loadu_epi32(lanes, sc + 8 * u);
+        const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, chunk + 140 * u));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, chunk + 142 * u));
+        const q8_k_block *x[4];
+        __m512i isum[4], msum[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            x[r] = (const q8_k_block *)a[r] + b;
+            isum[r] = msum[r] = _mm512_setzero_si512();
+        }
+        /* minimums (ggml's get_scale_min_k4): sub-blocks 0-3 in bytes 4-7, 4-7 in bytes 8-11's high
+         * nibbles with their top bits in bytes 4-7's; sub-blocks 2i and 2i + 1 as one lane's int16 pair,
+         * against the activation's sub-block sums (kvw_x16_quantize's bsums[2i], [2i + 1]) */
+        __m512i m[8];
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const int t = s & 3;
+            m[s] = s < 4 ? _mm512_and_si512(_mm512_srli_epi32(s1, 8 * t), six)
+                : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * t + 4), four),
+                                  _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 8 * t + 6), two), 4));
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m512i pair = _mm512_or_si512(m[2 * i], _mm512_slli_epi32(m[2 * i + 1], 16));
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                int32_t sums;
+                memcpy(&sums, x[r]->bsums + 2 * i, 4);
+                msum[r] = _mm512_dpwssd_epi32(msum[r], pair, _mm512_set1_epi32(sums));
+            }
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            __m512i lo[8], hi[8];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m512i raw = _mm512_maskz_loadu_epi32(lanes, chunk + (8 * p + k) * 4 * u);
+                lo[k] = _mm512_and_si512(raw, low);
+                hi[k] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+            /* scales of sub-blocks 2p and 2p + 1: bytes 0-3, or bytes 8-11's low nibbles with their
+             * top bits in bytes 0-3's */
+            __m512i scale[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const int s = 2 * p + h, t = s & 3;
+                scale[h] = s < 4 ? _mm512_and_si512(_mm512_srli_epi32(s0, 8 * t), six)
+                    : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * t), four),
+                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 8 * t + 6), two), 4));
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                const int8_t *qx = x[r]->qs + 64 * p;
+                __m512i dot_lo = _mm512_setzero_si512(), dot_hi = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, qx + 4 * k, 4);
+                    memcpy(&x1, qx + 32 + 4 * k, 4);
+                    dot_lo = _mm512_dpbusd_epi32(dot_lo, lo[k], _mm512_set1_epi32(x0));
+                    dot_hi = _mm512_dpbusd_epi32(dot_hi, hi[k], _mm512_set1_epi32(x1));
+                }
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo, scale[0]),
+                                                                     _mm512_mullo_epi32(dot_hi, scale[1])));
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m512 dx = _mm512_set1_ps(x[r]->d);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dx), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) _mm512_mask_storeu_ps(y + r * y_stride, lanes, acc[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q4_k(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q4_K, n);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const uint8_t *a[4];
+        for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
+        float *out = y + r0 * y_stride;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: dots_rows_q4_k(1, n, w, u, a, out, y_stride); break;
+        case 2: dots_rows_q4_k(2, n, w, u, a, out, y_stride); break;
+        case 3: dots_rows_q4_k(3, n, w, u, a, out, y_stride); break;
+        default: dots_rows_q4_k(4, n, w, u, a, out, y_stride); break;
+        }
+    }
+}
+
 #endif
 
-/* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0 or Q8_0) packed row group `w` . activation row r. */
+/* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0, Q8_0 or Q4_K) packed row group `w` . activation row r. */
 void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                   int64_t y_stride) {
 #if X86
-    (is_q8_0(type) ? dots_q8_0 : is_q5_0(type) ? dots_q5_0 : dots_q4_1)(n, w, u, x, rows, y, y_stride);
+    (is_q4_k(type) ? dots_q4_k : is_q8_0(type) ? dots_q8_0 : is_q5_0(type) ? dots_q5_0 : dots_q4_1)(
+        n, w, u, x, rows, y, y_stride);
 #else  /* unreachable: kvw_supported refuses the x16 types where kvw_x16_supported() is 0 */
     (void)type, (void)n, (void)w, (void)u, (void)x, (void)rows, (void)y, (void)y_stride;
 #endif
