@@ -117,6 +117,22 @@ def test_cached_weights_per_dtype(tmp_path):
         torch.testing.assert_close(half(ids).float(), full(ids), atol=0.5, rtol=0.05)
 
 
+def test_a_first_load_in_bfloat16_caches_that_dtype_too(tmp_path):
+    """Converting a GGUF for a bfloat16 load writes the bfloat16 file with the float32 one, so the
+    second load maps it (no float32 pass over the whole model) and equals the first."""
+    hf = tiny_hf_gpt2(vocab_size=300)
+    write_gpt2(tmp_path / "g.gguf", hf)
+    first = kw.load(tmp_path / "g.gguf", dtype="bfloat16", progress=False)
+    [half] = (tmp_path / "cache").glob("*/weights-bfloat16.safetensors")
+    assert list(half.parent.glob("weights.safetensors"))
+    written = half.stat().st_mtime_ns
+    again = kw.load(tmp_path / "g.gguf", dtype="bfloat16", progress=False)
+    assert half.stat().st_mtime_ns == written  # mapped, not converted again
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), first(ids), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("alignment, message", [
     (0, "general.alignment = 0 is not a positive power of two"),
     (48, "general.alignment = 48 is not a positive power of two"),
