@@ -164,8 +164,9 @@ def load_variant(variant, model="gemma3-270m"):
     import kvwire as kw
 
     spec = parse_variant(variant)
-    lm = kw.load(model, dtype=spec["dtype"], progress=False, quantize=spec["quantize"])
-    if spec["head"]:
+    at_load = spec["head"] if spec["quantize"] == "gguf" else None  # re-quantised from the file's blocks
+    lm = kw.load(model, dtype=spec["dtype"], progress=False, quantize=spec["quantize"], head=at_load)
+    if spec["head"] and not at_load:
         kw.quantize(lm, spec["head"], layers=False)
     if not spec["compile"]:
         return lm

@@ -23,9 +23,10 @@ from .models.presets import PRESETS
 from .quant import SCHEMES
 from .quant import quantize as quantize_lm
 from .quant.ggml import qtype_of, use_gguf_blocks
+from .quant.ggml.linear import QUANTIZE_TYPES
 
 
-def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu"):
+def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu", head=None):
     """Load a model: a preset name, a GGUF file or a Hugging Face checkpoint folder.
 
     Args:
@@ -41,6 +42,9 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
             All of these are CPU kernels: with another device, quantize must be None.
         device: where the weights go ("cpu", "cuda", "cuda:1", a torch.device); files are read and
             converted on the CPU, then moved. Generation runs where the weights are.
+        head: with quantize="gguf", a ggml type ("q5_0", ...) the logits head is re-quantised to
+            straight from the file's blocks (the head is most of a decode step's bytes; the file's own
+            head is never held whole). None: the file's own head.
 
     Returns a `CausalLM`.
 
@@ -52,6 +56,14 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
     if quantize is not None and quantize != "gguf" and quantize not in SCHEMES and not _is_ggml_type(quantize):
         raise ValueError(f"unknown quantize={quantize!r}; expected None, 'gguf', a ggml type such as 'q8_0' "
                          f"or 'q4_k', or one of {SCHEMES}")
+    if head is not None:
+        if quantize != "gguf":
+            raise ValueError(f"head={head!r} re-quantises a GGUF's own head at load and needs quantize='gguf', "
+                             f"got quantize={quantize!r}; otherwise quantise the head after loading: "
+                             f"kw.quantize(lm, {head!r}, layers=False)")
+        if not _is_ggml_type(head) or qtype_of(head).name not in QUANTIZE_TYPES:
+            raise ValueError(f"head={head!r} is not a ggml type kvwire quantises to; expected one of "
+                             f"{', '.join(t.lower() for t in QUANTIZE_TYPES)}")
     if quantize is not None and device.type != "cpu":
         kernels = "PyTorch's CPU int8/int4 kernels" if quantize in SCHEMES else "ggml's CPU kernels"
         raise ValueError(f"quantize={quantize!r} runs on {kernels}, which device={str(device)!r} cannot run; "
@@ -62,7 +74,7 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
                          f"file (use a ggml type such as 'q8_0' to quantise other weights)")
     lm = _load(source, dtype, progress).to(device)
     if quantize == "gguf":
-        lm = use_gguf_blocks(lm, source)
+        lm = use_gguf_blocks(lm, source, head)
     elif quantize is not None:
         lm = quantize_lm(lm, quantize)
     give_back_freed_memory()  # what reading the tokenizer and converting weights freed (io/heap.py)

@@ -148,6 +148,45 @@ def test_a_gguf_head_is_requantized_from_its_blocks_not_the_float_table(tmp_path
     _rollout_equals_cached(lm, torch.tensor([[5, 17, 42, 9]]))
 
 
+def test_load_requantizes_the_head_straight_from_the_file_chunk_by_chunk(tmp_path, monkeypatch):
+    """`kw.load(..., quantize="gguf", head="q5_0")` gives the blocks `kw.quantize(lm, "q5_0",
+    layers=False)` gives after loading, read from the file's blocks a chunk of rows at a time with
+    each chunk's pages given back (the file's head is never held whole); the embedding is untouched."""
+    from kvwire.io.gguf import GGUFFile
+    from kvwire.quant.ggml import linear
+
+    write_gemma3(tmp_path / "m.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
+    reference = kw.quantize(kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf"), "q5_0", layers=False)
+    forgotten = []
+    real_forget = GGUFFile.forget
+    monkeypatch.setattr(GGUFFile, "forget", lambda self, a: (forgotten.append(a.shape[0]), real_forget(self, a)))
+    real_quantized = linear.GGMLLinear._quantized.__func__
+
+    def in_chunks_of_128(cls, rows_of, *args, **kwargs):  # 300 rows: three chunks
+        return real_quantized(cls, lambda start, stop: torch.cat([rows_of(a, min(a + 128, stop))
+                                                                   for a in range(start, stop, 128)]), *args, **kwargs)
+    monkeypatch.setattr(linear.GGMLLinear, "_quantized", classmethod(in_chunks_of_128))
+    lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="q5_0")
+    assert lm.head.quantized.qtype.name == "Q5_0"
+    assert torch.equal(lm.head.quantized.ggml_blocks(), reference.head.quantized.ggml_blocks())
+    assert forgotten[-4:] == [128, 128, 300 - 256, 300]  # the head's chunks went back as read, then all of it
+    ids = torch.tensor([[5, 17, 42, 9]])
+    with torch.no_grad():
+        assert torch.equal(lm(ids), reference(ids))
+    _rollout_equals_cached(lm, ids)
+
+
+def test_a_bad_head_at_load_is_a_clear_error(tmp_path):
+    write_gemma3(tmp_path / "m.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
+    with pytest.raises(ValueError, match=r"head='q5_0' re-quantises a GGUF's own head at load and needs "
+                                         r"quantize='gguf', got quantize=None; .*kw.quantize\(lm, 'q5_0', layers=False\)"):
+        kw.load(tmp_path / "m.gguf", progress=False, head="q5_0")
+    with pytest.raises(ValueError, match="head='iq4_nl' is not a ggml type kvwire quantises to; expected one of q8_0, "):
+        kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="iq4_nl")
+    with pytest.raises(ValueError, match="head='fast' is not a ggml type"):
+        kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="fast")
+
+
 def test_a_saved_ggml_linear_runs_in_a_fresh_process(tmp_path):
     import subprocess
     import sys

@@ -96,7 +96,7 @@ def test_requantize_and_copies_of_a_repacked_weight(kind):
     from kvwire.quant.ggml import GGMLLinear
 
     n = _n(kind, 64)
-    plain, packed = _pair(16384 + 21, n, kind=kind)  # more than one of requantize's 16,384-row chunks
+    plain, packed = _pair(16384 + 21, n, kind=kind)  # more than one of requantize's 4,096-row chunks
     assert torch.equal(packed.requantize("q8_0").blocks, plain.requantize("q8_0").blocks)
     x = torch.randn(2, n)
     clone = copy.deepcopy(packed)

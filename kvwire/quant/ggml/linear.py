@@ -38,6 +38,7 @@ X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002, GGMLQua
        GGMLQuantizationType.Q4_K: 1004}
 KERNELS = ("x16", "ggml")
 REPACK_ROWS = 16384  # rows repacked at a time (a multiple of x16's 16-row groups)
+QUANTIZE_ROWS = 4096  # rows quantised at a time (a multiple of 16): a float chunk of 10 MB for a 640-wide head
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
 QUANTIZE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 
@@ -106,18 +107,29 @@ class GGMLLinear(nn.Module):
     @classmethod
     def _quantized(cls, rows_of, qtype, out_features, in_features, bias, kernel=None):
         """A GGMLLinear of `qtype` blocks quantised from rows_of(start, stop) -> (stop - start, in)
-        float32, 16,384 rows at a time (a float32 copy of a 262k-row head would be 671 MB)."""
+        float32, QUANTIZE_ROWS rows at a time (a float32 copy of a 262k-row head would be 671 MB), each
+        chunk repacked for x16 as it is made (the whole weight is never held in both layouts)."""
         qtype = qtype_of(qtype)
         if qtype.name not in QUANTIZE_TYPES:
             raise ValueError(f"kvwire quantises to {', '.join(t.lower() for t in QUANTIZE_TYPES)}; "
                              f"got {qtype.name.lower()}")
         lib = library()
         _check_width(qtype, in_features)  # before ggml's quantiser, which would abort on it
-        blocks = torch.empty(out_features, lib.kvw_row_bytes(int(qtype), in_features), dtype=torch.uint8)
-        for start in range(0, out_features, 16384):
-            part = rows_of(start, min(start + 16384, out_features))
-            lib.kvw_quantize(int(qtype), part.data_ptr(), blocks[start:].data_ptr(), part.shape[0], in_features)
-        return cls(blocks, qtype, in_features, bias, kernel)
+        x16 = qtype in X16 and ggml_kernel(kernel) == "x16"
+        row_bytes = lib.kvw_row_bytes(int(qtype), in_features)
+        blocks = torch.empty(out_features, row_bytes, dtype=torch.uint8)
+        chunk = torch.empty(min(QUANTIZE_ROWS, out_features), row_bytes, dtype=torch.uint8) if x16 else None
+        for start in range(0, out_features, QUANTIZE_ROWS):
+            part = rows_of(start, min(start + QUANTIZE_ROWS, out_features))
+            into = chunk if x16 else blocks[start:]
+            lib.kvw_quantize(int(qtype), part.data_ptr(), into.data_ptr(), part.shape[0], in_features)
+            if x16:  # QUANTIZE_ROWS is a multiple of x16's 16-row groups
+                lib.kvw_x16_repack_rows(int(qtype), chunk.data_ptr(), blocks[start].data_ptr(), part.shape[0],
+                                        in_features, 1, torch.get_num_threads())
+        module = cls(blocks, qtype, in_features, bias, kernel="ggml")  # blocks already in the kernel's layout
+        if x16:
+            module.kernel_type = X16[qtype]
+        return module
 
     def forward(self, x):
         rows = x.numel() // self.in_features
