@@ -53,11 +53,11 @@ def _load_model(args, quantize=None):
         if getattr(args, "control_vector", None):
             raise ValueError("--control-vector applies to eager models; export a steered model instead "
                              "(kvwire export --control-vector V ...) and pass --strength at run time")
-        if quantize:
-            raise ValueError(f"--quantize applies to eager models; --runtime {args.runtime} runs the file's "
-                             "own weights (export with kvwire export --quantize for ONNX)")
+        if quantize or getattr(args, "head", None):
+            raise ValueError(f"--quantize and --head apply to eager models; --runtime {args.runtime} runs the "
+                             "file's own weights (export with kvwire export --quantize for ONNX)")
         return load_exported(args.model)
-    lm = load(args.model, dtype=args.dtype, quantize=quantize)
+    lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
     if getattr(args, "control_vector", None):
         strength = 1.0 if args.strength is None else args.strength
         lm = lm.steer(ControlVector.load(args.control_vector), strength,
@@ -416,6 +416,9 @@ def _quantize_option(p):
     p.add_argument("--quantize", default=None, metavar="Q",
                    help="weights of the eager model: 'gguf' (a GGUF file's own quantised blocks on ggml's "
                         f"kernels), a ggml type (q8_0, q5_0, q4_k, ...) or {' / '.join(SCHEMES)} (PyTorch kernels)")
+    p.add_argument("--head", default=None, metavar="Q",
+                   help="with --quantize gguf: re-quantise the logits head to ggml type Q (q5_0: a smaller head, "
+                        "most of a decode step's bytes) straight from the file's blocks")
 
 
 def _model_options(p):

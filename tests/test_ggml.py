@@ -318,3 +318,16 @@ def test_ggml_quantize_refuses_before_changing_anything():
     with pytest.raises(ValueError, match="Q8_0 packs 32 weights a block; a weight with 48 inputs is not a multiple of 32"):
         kw.quantize(lm, "q8_0")
     assert {n: type(m) for n, m in lm.named_modules()} == before and lm.head.quantized is None
+
+
+def test_the_cli_loads_a_gguf_with_a_requantized_head(tmp_path, capsys):
+    from kvwire import cli
+
+    write_gemma3(tmp_path / "m.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
+    model = str(tmp_path / "m.gguf")
+    base = ["generate", "hi", "--model", model, "--max-new-tokens", "3"]
+    assert cli.main(base + ["--quantize", "gguf", "--head", "q5_0"]) == 0
+    assert cli.main(base + ["--head", "q5_0"]) == 2
+    assert "head='q5_0' re-quantises a GGUF's own head at load and needs quantize='gguf'" in capsys.readouterr().err
+    assert cli.main(base + ["--quantize", "gguf", "--head", "q9"]) == 2
+    assert "head='q9' is not a ggml type kvwire quantises to" in capsys.readouterr().err

@@ -54,7 +54,7 @@ def bf16_gemm():
 
 
 def report():
-    """One line for `kvwire info` and benchmark headers: the features and the paths chosen."""
+    """One line for benchmark headers: the features and the paths chosen."""
     have = " ".join(f"{name}{'+' if on else '-'}" for name, on in features().items())
     return f"CPU features: {have}; bf16 GEMM: {bf16_gemm()}; torch CPU capability: " \
            f"{torch.backends.cpu.get_cpu_capability()}"
