@@ -46,16 +46,20 @@ def test_bf16_gemm_stays_bf16_on_packed_weights_on_a_cpu_with_bf16_units(monkeyp
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_products_run_on_a_packed_copy_with_the_same_values(monkeypatch, bias):
     """`Linear` packs a bf16 weight for oneDNN after `after` products and gives linear's values bit
-    for bit at every row count; an in-place edit is followed; "native" never packs."""
+    for bit at every row count (a strided input as its dense copy: with a bias, linear on the strided
+    view itself rounds the product and the sum separately); an in-place edit is followed; "native"
+    never packs."""
     g = torch.Generator().manual_seed(0)
     layer = Linear(96, 80, bias=bias).to(torch.bfloat16)
     layer.pack.after = 2
     xs = [torch.randn(rows, 96, generator=g).to(torch.bfloat16) for rows in (1, 4, 33)]
+    xs += [torch.randn(2, 5, 96, generator=g).to(torch.bfloat16)[:, ::2],  # strided views: made dense first
+           torch.randn(96, 3, generator=g).to(torch.bfloat16).t(), torch.randn(96, generator=g).to(torch.bfloat16)]
     with torch.inference_mode():
         for rows_x in xs:
             for _ in range(3):
-                torch.testing.assert_close(layer(rows_x), torch.nn.functional.linear(rows_x, layer.weight, layer.bias),
-                                           atol=0, rtol=0)
+                torch.testing.assert_close(layer(rows_x), torch.nn.functional.linear(rows_x.contiguous(), layer.weight,
+                                                                                     layer.bias), atol=0, rtol=0)
         assert layer.pack.packed is not None and layer.pack.packed.is_mkldnn
         layer.weight.mul_(-0.5)  # in place: the stale copy goes, the next products read the new values
         for _ in range(3):

@@ -57,7 +57,7 @@ class WeightPack:
       `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best
       of 4, interleaved). Packing that head takes about a second.
     - bfloat16, any row count, where `cpu.bf16_gemm()` is "packed" (a CPU with bf16 units): oneDNN's
-      blocked layout, the same values as `linear` bit for bit. Unpacked, oneDNN re-lays the weight out
+      blocked layout, the same values as `linear` on the dense input bit for bit. Unpacked, oneDNN re-lays the weight out
       on every call: at one row a 2048 x 640 projection took 0.079 against 0.039 ms packed, the head
       19.0 against 12.9 ms (memory speed); 0.249 against 0.206 ms at 32 rows, ~2 % less at 512.
 
@@ -107,8 +107,8 @@ class WeightPack:
             self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, 1) if kind == "mkl"
                            else torch.ops.mkldnn._reorder_linear_weight(w, None))
             self.key = key
-        if kind == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [None], "")
+        if kind == "onednn":  # oneDNN reads x as dense: a strided view gives wrong values, not an error
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [None], "")
         out = torch.ops.mkl._mkl_linear(x.reshape(1, -1), self.packed, weight, None, 1)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 

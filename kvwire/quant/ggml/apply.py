@@ -56,8 +56,8 @@ def use_gguf_blocks(lm, path, head=None):
     `GGMLLinear` on the file's own blocks (memory-mapped), head included. In place; returns `lm`.
     `head`: a ggml type the head is re-quantised to instead, read from the file's blocks a chunk of
     rows at a time, each chunk's pages given back once read: the file's head is never held whole
-    (Gemma 3's 178 MB Q8_0 head to a 115 MB Q5_0 one: a 0.61 GB load peak, against 0.85 GB
-    re-quantising a loaded head with `kw.quantize(lm, "q5_0", layers=False)`).
+    (Gemma 3's 178 MB Q8_0 head to a 115 MB Q5_0 one: a 0.62 GB peak over the load and a 512-token
+    prompt, against 0.85 GB re-quantising a loaded head with `kw.quantize(lm, "q5_0", layers=False)`).
 
     Which tensor (and which of its rows) feeds which weight is found by running the family's GGUF
     converter on row numbers instead of values: converters may split or reorder whole rows (GPT-2
