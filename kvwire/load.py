@@ -74,7 +74,8 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
                          f"file (use a ggml type such as 'q8_0' to quantise other weights)")
     lm = _load(source, dtype, progress).to(device)
     if quantize == "gguf":
-        lm = use_gguf_blocks(lm, source, head)
+        entry = weights_cache.entry_for(source) if head is not None else None
+        lm = use_gguf_blocks(lm, source, head, entry if entry is not None and weights_cache.is_complete(entry) else None)
     elif quantize is not None:
         lm = quantize_lm(lm, quantize)
     give_back_freed_memory()  # what reading the tokenizer and converting weights freed (io/heap.py)

@@ -331,3 +331,29 @@ def test_the_cli_loads_a_gguf_with_a_requantized_head(tmp_path, capsys):
     assert "head='q5_0' re-quantises a GGUF's own head at load and needs quantize='gguf'" in capsys.readouterr().err
     assert cli.main(base + ["--quantize", "gguf", "--head", "q9"]) == 2
     assert "head='q9' is not a ggml type kvwire quantises to" in capsys.readouterr().err
+
+
+def test_a_requantized_head_is_kept_for_the_next_load(tmp_path, monkeypatch):
+    """The head re-quantised at load is kept beside the converted weights: the next load reads it
+    (no quantising) and equals the first; a damaged kept file is made again, not an error."""
+    from safetensors.torch import load_file
+
+    from kvwire.quant.ggml import apply
+
+    write_gemma3(tmp_path / "m.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
+    first = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="q5_0")
+    [kept] = (tmp_path / "cache").glob("*/token_embd.weight.q5_0.*.safetensors")
+
+    def refuse(*args):
+        raise AssertionError("quantised again")
+    with monkeypatch.context() as m:
+        m.setattr(apply, "_requantized", refuse)
+        again = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="q5_0")
+    ids = torch.tensor([[5, 17, 42, 9]])
+    assert torch.equal(again.head.quantized.ggml_blocks(), first.head.quantized.ggml_blocks())
+    with torch.no_grad():
+        assert torch.equal(again(ids), first(ids))
+    kept.write_bytes(b"not a safetensors file")
+    third = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="q5_0")
+    assert torch.equal(third.head.quantized.ggml_blocks(), first.head.quantized.ggml_blocks())
+    assert torch.equal(load_file(str(kept))["blocks"], first.head.quantized.blocks)  # written again, as the kernel reads it

@@ -126,8 +126,15 @@ class GGMLLinear(nn.Module):
             if x16:  # QUANTIZE_ROWS is a multiple of x16's 16-row groups
                 lib.kvw_x16_repack_rows(int(qtype), chunk.data_ptr(), blocks[start].data_ptr(), part.shape[0],
                                         in_features, 1, torch.get_num_threads())
-        module = cls(blocks, qtype, in_features, bias, kernel="ggml")  # blocks already in the kernel's layout
-        if x16:
+        return cls.in_kernel_layout(blocks, qtype, in_features, bias, kernel)
+
+    @classmethod
+    def in_kernel_layout(cls, blocks, qtype, in_features, bias=None, kernel=None):
+        """A GGMLLinear on `blocks` already in the layout its kernel reads (x16's where
+        `ggml_kernel(kernel)` is "x16" for the type, else ggml's), taken as they are: no repacking."""
+        qtype = qtype_of(qtype)
+        module = cls(blocks, qtype, in_features, bias, kernel="ggml")
+        if qtype in X16 and ggml_kernel(kernel) == "x16":
             module.kernel_type = X16[qtype]
         return module
 
