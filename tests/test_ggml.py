@@ -353,7 +353,10 @@ def test_a_requantized_head_is_kept_for_the_next_load(tmp_path, monkeypatch):
     assert torch.equal(again.head.quantized.ggml_blocks(), first.head.quantized.ggml_blocks())
     with torch.no_grad():
         assert torch.equal(again(ids), first(ids))
-    kept.write_bytes(b"not a safetensors file")
-    third = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="q5_0")
-    assert torch.equal(third.head.quantized.ggml_blocks(), first.head.quantized.ggml_blocks())
+    from safetensors.torch import save_file
+    for damaged in (b"not a safetensors file", {"blocks": torch.zeros((), dtype=torch.uint8)},
+                    {"blocks": torch.zeros(299, 22, dtype=torch.uint8)}, {"other": torch.zeros(3)}):
+        kept.write_bytes(damaged) if isinstance(damaged, bytes) else save_file(damaged, str(kept))
+        third = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="q5_0")
+        assert torch.equal(third.head.quantized.ggml_blocks(), first.head.quantized.ggml_blocks())
     assert torch.equal(load_file(str(kept))["blocks"], first.head.quantized.blocks)  # written again, as the kernel reads it

@@ -171,7 +171,7 @@ def _kept(file, qtype, weight, bias):
         return None
     try:
         blocks = load_file(str(file))["blocks"]
-        if blocks.shape[0] != weight.shape[0]:
+        if blocks.dim() != 2 or blocks.shape[0] != weight.shape[0]:
             return None
         return GGMLLinear.in_kernel_layout(blocks, qtype, weight.shape[1], bias)
     except (OSError, ValueError, KeyError, SafetensorError):
@@ -189,7 +189,7 @@ def _keep(file, module):
         os.close(fd)
         save_file({"blocks": module.blocks.contiguous()}, tmp)
         os.replace(tmp, file)
-    except OSError:
+    except (OSError, SafetensorError):
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
