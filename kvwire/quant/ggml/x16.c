@@ -209,7 +209,8 @@ void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
 }
 
 #if X86
-enum { Q4_1, Q5_0, Q8_0 }; /* the kernel's KIND */
+enum { Q4_1, Q5_0, Q8_0, Q4_K }; /* the kernel's KIND, and ggml's type of each */
+static const int KIND_TYPE[] = {GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K};
 
 /* y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r, for the
  * NR (1 to 4, a constant once inlined) rows at a[0..NR-1] (made by kvw_x16_quantize), all against one
@@ -231,8 +232,7 @@ static inline void dots_rows(const int KIND, const int NR, int64_t n, const void
     __m512 acc[4], offs[4];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        scale[r] = (const float *)(a[r] + floats_at(EIGHT ? GGML_TYPE_Q8_0 : FIVE ? GGML_TYPE_Q5_0 : GGML_TYPE_Q4_1,
-                                                    blocks));
+        scale[r] = (const float *)(a[r] + floats_at(KIND_TYPE[KIND], blocks));
         offset[r] = scale[r] + blocks;
         acc[r] = offs[r] = _mm512_setzero_ps();
     }
@@ -280,41 +280,6 @@ static inline void dots_rows(const int KIND, const int NR, int64_t n, const void
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
         _mm512_mask_storeu_ps(y + r * y_stride, lanes, EIGHT ? acc[r] : _mm512_add_ps(acc[r], offs[r]));
-}
-
-/* Activation rows (kvw_x16_act_bytes apart at x) four at a time, the last 1 to 4 by their own
- * constant-count copy of the loop. */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
-static inline void dots(const int KIND, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
-                        int64_t y_stride) {
-    const int64_t act_bytes = kvw_x16_act_bytes(KIND == Q8_0 ? GGML_TYPE_Q8_0 : KIND == Q5_0 ? GGML_TYPE_Q5_0
-                                                                                           : GGML_TYPE_Q4_1, n);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const uint8_t *a[4];
-        for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
-        float *out = y + r0 * y_stride;
-        switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: dots_rows(KIND, 1, n, w, u, a, out, y_stride); break;
-        case 2: dots_rows(KIND, 2, n, w, u, a, out, y_stride); break;
-        case 3: dots_rows(KIND, 3, n, w, u, a, out, y_stride); break;
-        default: dots_rows(KIND, 4, n, w, u, a, out, y_stride); break;
-        }
-    }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-static void dots_q4_1(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
-    dots(Q4_1, n, w, u, x, rows, y, y_stride);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-static void dots_q5_0(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
-    dots(Q5_0, n, w, u, x, rows, y, y_stride);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-static void dots_q8_0(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
-    dots(Q8_0, n, w, u, x, rows, y, y_stride);
 }
 
 /* Q4_K: y[r * y_stride + j] = row j (< u <= 16) of the packed row group `w` . activation row r (Q8_K
@@ -411,20 +376,51 @@ static inline void dots_rows_q4_k(const int NR, int64_t n, const void *w, int64_
     for (int r = 0; r < NR; r++) _mm512_mask_storeu_ps(y + r * y_stride, lanes, acc[r]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-static void dots_q4_k(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
-    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q4_K, n);
+/* One of the row kernels above, KIND and NR constants once inlined. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+static inline void rows_of_kind(const int KIND, const int NR, int64_t n, const void *w, int64_t u,
+                                const uint8_t *const *a, float *y, int64_t y_stride) {
+    if (KIND == Q4_K) dots_rows_q4_k(NR, n, w, u, a, y, y_stride);
+    else dots_rows(KIND, NR, n, w, u, a, y, y_stride);
+}
+
+/* Activation rows (kvw_x16_act_bytes apart at x) four at a time, the last 1 to 4 by their own
+ * constant-count copy of the loop. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+static inline void dots(const int KIND, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                        int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(KIND_TYPE[KIND], n);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const uint8_t *a[4];
         for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
         float *out = y + r0 * y_stride;
         switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: dots_rows_q4_k(1, n, w, u, a, out, y_stride); break;
-        case 2: dots_rows_q4_k(2, n, w, u, a, out, y_stride); break;
-        case 3: dots_rows_q4_k(3, n, w, u, a, out, y_stride); break;
-        default: dots_rows_q4_k(4, n, w, u, a, out, y_stride); break;
+        case 1: rows_of_kind(KIND, 1, n, w, u, a, out, y_stride); break;
+        case 2: rows_of_kind(KIND, 2, n, w, u, a, out, y_stride); break;
+        case 3: rows_of_kind(KIND, 3, n, w, u, a, out, y_stride); break;
+        default: rows_of_kind(KIND, 4, n, w, u, a, out, y_stride); break;
         }
     }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q4_1(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    dots(Q4_1, n, w, u, x, rows, y, y_stride);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q5_0(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    dots(Q5_0, n, w, u, x, rows, y, y_stride);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q8_0(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    dots(Q8_0, n, w, u, x, rows, y, y_stride);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void dots_q4_k(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y, int64_t y_stride) {
+    dots(Q4_K, n, w, u, x, rows, y, y_stride);
 }
 
 #endif
