@@ -59,6 +59,18 @@ def test_unsteered_greedy_equals_eager_with_padding_and_past_the_window(exported
     assert onnx_lm.generate(PROMPTS + [long], max_new_tokens=8) == lm.generate(PROMPTS + [long], max_new_tokens=8)
 
 
+def test_long_prompts_prefill_in_bounded_calls_through_the_runtime(exported, monkeypatch):
+    """With a prefill budget of 8 tokens a call, a batch's prompts run through ONNX Runtime in
+    chunks of 2 tokens a row and give eager's one-call tokens."""
+    from kvwire.generate import session
+
+    lm, _, onnx_lm, _ = exported
+    rows = PROMPTS + ["A prompt well past the window"]
+    whole = lm.generate(rows, max_new_tokens=6)
+    monkeypatch.setattr(session, "PREFILL_CALL_TOKENS", 8)
+    assert onnx_lm.generate(rows, max_new_tokens=6) == whole
+
+
 def test_steered_rows_equal_eager_steered_model(exported):
     lm, vec, onnx_lm, _ = exported
     strengths = torch.tensor([2.0, 0.0, -1.5])

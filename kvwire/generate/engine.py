@@ -30,7 +30,7 @@ from ..io.heap import give_back_freed_memory
 from .loop import Stopper, nonfinite_error, penalize
 from .prefix import PrefixStore, copy_positions
 from .samplers import Greedy
-from .session import decode_step, left_pad, prefill_chunk
+from .session import decode_step, left_pad, prefill_chunk, prefill_step
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _numbers = itertools.count(1)
@@ -521,9 +521,10 @@ class Engine:
 class _Prefill:
     """The prefill of a group of waiting sequences, run chunk by chunk.
 
-    Direct: left-padded together into their contiguous rows of the engine's cache, in one call.
-    Otherwise into a scratch cache of the group's length (in chunks of `prefill_chunk`), copied into
-    the rows when done; a prefix hit first restores the stored keys/values there.
+    Direct: left-padded together into their contiguous rows of the engine's cache, in chunks of
+    `prefill_step` tokens a row (one call up to 512 prompt tokens in all). Otherwise into a scratch
+    cache of the group's length (in chunks of `prefill_chunk`), copied into the rows when done; a
+    prefix hit first restores the stored keys/values there.
     """
 
     def __init__(self, engine, seqs, rows, direct, prefix):
@@ -574,8 +575,8 @@ class _Prefill:
         return (self._stop() - self.at) * self.ids.shape[0]
 
     def _stop(self):
-        end = self.ids.shape[1]
-        return end if self.direct else min(end, self.at + self.engine.prefill_chunk)
+        step = prefill_step(len(self.seqs), self.engine.multiple) if self.direct else self.engine.prefill_chunk
+        return min(self.ids.shape[1], self.at + step)
 
     def advance(self):
         """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""

@@ -1,6 +1,20 @@
 """A batch being generated: left-padded prompts, their caches and the cached-graph calls."""
 import torch
 
+# Prompt tokens (all rows together) one prefill call runs at most. A call's activations and its
+# attention masks (the flash kernel takes an additive one of groups*T x S floats for each window
+# size) grow with the chunk: one call for a 4,096-token prompt raised the default model's peak RSS
+# from 0.55 to 1.70 GB (2,048 tokens: 0.89 GB). 512 is llama.cpp's default micro-batch, and one
+# 512-token call is the fastest measured for such a prompt: 256-token chunks cost 5-18%
+# (bfloat16, gguf, float32; /tmp A/B in one process, session 22 notes).
+PREFILL_CALL_TOKENS = 512
+
+
+def prefill_step(batch, multiple=1):
+    """Prompt tokens per row in one prefill call of `batch` rows: PREFILL_CALL_TOKENS shared out,
+    rounded down to a multiple of `multiple` (a program's chunk length), at least one of those."""
+    return max(multiple, PREFILL_CALL_TOKENS // batch // multiple * multiple)
+
 
 def left_pad(rows, pad_id=0, multiple=1, device="cpu"):
     """Token id rows of different lengths -> ids (B, L), positions (B, L), pad counts (B,) on
@@ -69,14 +83,20 @@ class Session:
         self.max_length = max_length
         self.mask = torch.arange(max_length, device=device)[None] >= self.pads[:, None]  # left pads invalid
         self.index = 0
+        self.chunk = prefill_step(len(rows), multiple)
 
     @property
     def prompt_length(self):
         return self.ids.shape[1]
 
     def prefill(self):
-        """Logits of every row's next token after its prompt: (B, V)."""
-        return self._run(self.ids, self.positions)
+        """Logits of every row's next token after its prompt: (B, V). Long prompts run in chunks
+        (`prefill_step`)."""
+        end = self.ids.shape[1]
+        for at in range(0, end, self.chunk):
+            stop = min(end, at + self.chunk)
+            logits = self._run(self.ids[:, at:stop], self.positions[:, at:stop], last=stop == end)
+        return logits
 
     def step(self, tokens):
         """Feed one token per row (B,); logits of the next: (B, V)."""
@@ -101,8 +121,8 @@ class Session:
         self.mask, self.pads = self.mask[index], self.pads[index]
         self.inputs = {k: v[index] for k, v in self.inputs.items()}
 
-    def _run(self, ids, positions):
+    def _run(self, ids, positions, last=True):
         logits, self.cache = prefill_chunk(self.cached, self.head, self.decode, ids, positions, self.index,
-                                           self.mask, self.cache, self.inputs)
+                                           self.mask, self.cache, self.inputs, last)
         self.index += ids.shape[1]
         return logits
