@@ -1,10 +1,11 @@
 """The `kvwire` command: generate, chat, serve (OpenAI API), score, train control vectors (`steer train`),
-export, plot layer graphs."""
+export, plot layer graphs, and `info` (the CPU paths taken here)."""
 import argparse
 import sys
 
 import torch
 
+from . import info
 from .generate import BeamSearch
 from .quant import SCHEMES
 
@@ -297,6 +298,12 @@ def parser():
     _steer_options(s)
     s.set_defaults(run=_score)
     _steer_parser(commands)
+    i = commands.add_parser("info", help="this machine's CPU features and the kernel paths kvwire takes",
+                            description="Print kvwire's and torch's versions, the CPU's features, the bfloat16 "
+                            "GEMM path and ggml kernel chosen from them (and the variables overriding them), "
+                            "devices, optional packages and the cache. Exits 1 if a setting is invalid.")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(run=lambda args: info.main(args.json))
     e = commands.add_parser("export", help="export the (steered) model's cached graph to a file",
                             description="Export the cached graph plus head as one model: .onnx, .pte "
                             "(ExecuTorch) or .mlpackage (Core ML). Run .onnx / .pte files with kvwire generate "
@@ -430,11 +437,11 @@ def main(argv=None):
     args = parser().parse_args(argv)
     torch.set_grad_enabled(False)
     try:
-        args.run(args)
+        code = args.run(args)
     except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError) as e:
         print(f"kvwire: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

