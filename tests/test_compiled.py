@@ -253,18 +253,39 @@ def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_i
 
     calls, x, other = DirectCalls({}), torch.ones(2), [torch.zeros(1) for _ in range(3)]
     cache = [(torch.zeros(1), torch.zeros(1))]
+    before = [torch.zeros(1), torch.zeros(1)]  # the caches as the compiling call found them
     args = (x, *other, cache)
     calls.compiled = [([x], lambda *a: [a[0] * 2]), ([x], lambda *a: [a[0]])]
-    assert calls.entry(flat_args(args), cache, (x * 2, cache)) is None  # two graphs: dynamo's glue between them
+    assert calls.entry(flat_args(args), cache, (x * 2, cache), before) is None  # two graphs: dynamo's glue between them
     calls.compiled = [([x], lambda *a: [a[0] * 2])]
-    assert calls.entry(flat_args(args), cache, (x * 2, [(torch.zeros(1), torch.zeros(1))])) is None  # new caches returned
+    assert calls.entry(flat_args(args), cache, (x * 2, [(torch.zeros(1), torch.zeros(1))]), before) is None  # new caches returned
     calls.compiled = [([x], lambda *a: [a[0] * 3])]
-    assert calls.entry(flat_args(args), cache, (x * 2, cache)) is None  # not dynamo's logits
+    assert calls.entry(flat_args(args), cache, (x * 2, cache), before) is None  # not dynamo's logits
     calls.compiled = [([x, 2], lambda *a: [a[0] * 2])]
-    assert calls.entry(flat_args(args), cache, (x * 2, cache)) is None  # a size input (a dynamic prompt length)
+    assert calls.entry(flat_args(args), cache, (x * 2, cache), before) is None  # a size input (a dynamic prompt length)
     calls.compiled = [([x], lambda *a: [a[0] * 2])]
-    assert calls.entry(flat_args((x, x, *other[1:], cache)), cache, (x * 2, cache)) is None  # one tensor in two arguments
+    assert calls.entry(flat_args((x, x, *other[1:], cache)), cache, (x * 2, cache), before) is None  # one tensor in two arguments
     calls.compiled = [([x, torch.full((2,), 3.0)], lambda *a: [a[0] * a[1]])]
-    step = calls.entry(flat_args(args), cache, (x * 3, cache))
+    step = calls.entry(flat_args(args), cache, (x * 3, cache), before)
     y = torch.full((2,), 5.0)
     assert step is not None and torch.equal(step(flat_args((y, *other, cache)), cache)[0], y * 3)  # args by position, weights held
+    # the check re-runs the step on the copies, not on the caches the compiling call already wrote
+    calls.compiled = [([x, cache[0][0]], lambda *a: [a[0] * 2 + a[1].add_(1) * 0])]
+    assert calls.entry(flat_args(args), cache, (x * 2, cache), before) is not None
+    assert cache[0][0].item() == 0 and before[0].item() == 1
+
+
+def test_a_ring_caches_first_compiled_step_late_in_the_timeline_keeps_eagers_tokens():
+    """Mistral's tiny config: a window of 5 in 4 ring slots, so the first compiled step (position 30,
+    slot 2) reads the slot it then overwrites. Checking that the direct call stands in for it once
+    ran the step a second time on the written caches: every layer after the first stored wrong keys
+    and values there, and the tokens parted from eager's two steps later."""
+    torch._dynamo.reset()
+    prompt = [torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(0))]
+    lm = kw.from_hf(FAMILIES["mistral"](seed=0))
+    eager = lm.generate(prompt, max_new_tokens=5, ignore_eos=True, return_logprobs=True)
+    lm.compile(bucket=32, prefill_tokens=0)
+    compiled = lm.generate(prompt, max_new_tokens=5, ignore_eos=True, return_logprobs=True)
+    assert compiled.tokens == eager.tokens
+    assert len(lm._decoder().direct) == 1  # steps after the first called Inductor directly
+    torch.testing.assert_close(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs), atol=1e-4, rtol=1e-4)

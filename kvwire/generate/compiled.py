@@ -112,6 +112,10 @@ class CompiledDecode:
             return direct(flat, cache)
         if key not in self.seen:  # every guard; seen once a call of this signature compiled nothing new
             graphs = _compiled_graphs()
+            direct_ok = self.use_direct and self.writes is in_place_cache_writes
+            # the caches as this call finds them, for `entry`'s re-run of the step: the step writes
+            # its slots in place, and a ring cache's step reads a slot it then overwrites
+            before = [t.clone() for pair in cache for t in pair] if direct_ok else None
             # every batch size, cache length and chunk kind is a graph of the one `step` code
             # (shared by all instances): past dynamo's default of 8 it would run eager. The old
             # name: torch 2.6 has no `recompile_limit`, later versions alias it
@@ -119,8 +123,8 @@ class CompiledDecode:
                 out = self.step(*args)
             if _compiled_graphs() == graphs:
                 self.seen.add(key)
-            elif self.use_direct and self.writes is in_place_cache_writes:
-                entry = self.backend.entry(flat, cache, out)
+            elif direct_ok:
+                entry = self.backend.entry(flat, cache, out, before)
                 if entry is not None:
                     self.direct[key] = entry
             if self.use_direct:

@@ -15,7 +15,11 @@ A recorded graph is used only when it can stand in for the whole dynamo call, ch
 that compiled it: one graph (no graph break), tensor inputs only (a dynamic prompt length passes a
 size: those keep dynamo), the step's cache returned as the same tensors it was given (written in
 place, so dynamo's result is the one graph output plus those caches), and the direct call's logits
-equal to dynamo's, bit for bit (it runs the step again: the same values go to the same slots).
+equal to dynamo's, bit for bit. That check runs the step again on copies of the caches as the
+compiling call found them, never on the caches themselves: a step of a ring cache reads the slot
+it then overwrites (window 5 in 4 slots: position 28 attends to position 24 in slot 0, then writes
+itself there), so a second run in place attended to its own key instead and wrote wrong keys and
+values for every layer after the first (the tokens parted from eager's a few steps later).
 """
 import torch
 
@@ -42,10 +46,11 @@ class DirectCalls:
         """Forget graphs from earlier calls: the next call's compiles are recorded from empty."""
         self.compiled = []
 
-    def entry(self, flat, cache, out):
+    def entry(self, flat, cache, out, before):
         """A `DirectStep` for the call that just ran dynamo on the tensors `flat` (`flat_args` of
         its arguments), `cache` among them, and returned `out` (logits, cache), or None when its
-        compiled graph cannot stand in for the call."""
+        compiled graph cannot stand in for the call. `before`: copies of the cache's tensors (key,
+        value per layer) as that call found them; the check re-runs the step on them."""
         compiled, self.compiled = self.compiled, []
         if len(compiled) != 1 or not _same_cache(cache, out):
             return None
@@ -57,8 +62,9 @@ class DirectCalls:
             return None
         step = DirectStep(fn, [None if id(t) in position else t for t in example],
                           [(slot, position[id(t)]) for slot, t in enumerate(example) if id(t) in position])
+        first = position[id(cache[0][0])] if cache else len(flat)  # the caches' tensors come in a row
         try:
-            outputs = step.outputs(flat)
+            outputs = step.outputs(flat[:first] + list(before) + flat[first + len(before):])
         except Exception:  # noqa: BLE001 - whatever it is, dynamo's call still serves this signature
             return None
         return step if len(outputs) == 1 and torch.equal(outputs[0], out[0]) else None
