@@ -4,7 +4,8 @@ The CPU's features as torch's kernels see them, the bfloat16 GEMM path and the g
 from them (with the environment variables that override each), the devices, the optional packages
 behind presets, export and serving, and the on-disk cache. A setting kvwire would refuse (say
 `KVWIRE_BF16_GEMM=packed` on a CPU without bf16 units) shows as invalid with the reason, and the
-command exits 1.
+command exits 1; a path it cannot take here (ggml's bridge fails to build) shows as unavailable.
+It never builds the ggml bridge itself: before the first ggml use it says which kernel to expect.
 
 Example:
     $ kvwire info
@@ -38,7 +39,7 @@ OVERRIDES = ("KVWIRE_BF16_GEMM", "KVWIRE_GGML_KERNEL", "KVWIRE_CACHE")
 
 def info():
     """{section: values} describing this machine and kvwire's choices on it; a choice kvwire would
-    refuse is {"invalid": reason}.
+    refuse (a bad override) is {"invalid": reason}, one it cannot make here {"unavailable": reason}.
 
     Example:
         >>> from kvwire.info import info
@@ -79,7 +80,8 @@ def lines(report):
     for name, version in report["packages"].items():
         out.append(f"  {name:26} {version or 'not installed':14} {OPTIONAL[name]}")
     cache = report["cache"]
-    out.append(f"cache: {cache['path']} ({cache['entries']} entries, {cache['bytes'] / 1e9:.2f} GB)")
+    out.append(f"cache: {cache['path']} (unreadable: {cache['unreadable']})" if "unreadable" in cache else
+               f"cache: {cache['path']} ({cache['entries']} converted models, {cache['bytes'] / 1e9:.2f} GB)")
     return out
 
 
@@ -104,19 +106,34 @@ def _choice(fn):
 
 
 def _ggml_kernel():
+    """ggml_kernel()'s choice, or what stands in its way. kvwire's bridge to ggml is compiled on
+    first use (~15 s): info does not build it, but says what the choice will be from the features."""
     if importlib.util.find_spec("llama_cpp") is None:  # found, not imported (that loads libllama)
         return "not installed"
-    from .quant.ggml.lib import GGMLUnavailable
-    from .quant.ggml.linear import ggml_kernel
+    from .quant.ggml.lib import loaded_or_built
+    from .quant.ggml.linear import KERNELS, ggml_kernel
 
     try:
-        return _choice(ggml_kernel)  # builds kvwire's bridge to ggml on first use (~15 s)
-    except GGMLUnavailable as e:
-        return {"invalid": str(e)}
+        if loaded_or_built():
+            return _choice(ggml_kernel)
+    except Exception as e:  # noqa: BLE001 - a broken ggml install or bridge is reported, not raised
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+    asked = os.environ.get("KVWIRE_GGML_KERNEL", "").strip().lower()
+    if asked and asked not in KERNELS:
+        return {"invalid": f"KVWIRE_GGML_KERNEL={asked!r}; expected one of {', '.join(KERNELS)}"}
+    f = cpu.features()
+    x16 = f["avx512"] and f["avx512_vnni"]
+    if asked == "x16" and not x16:
+        return {"invalid": "KVWIRE_GGML_KERNEL='x16' needs AVX-512 F, BW and VL with AVX512_VNNI, which this "
+                           "CPU lacks"}
+    likely = asked or ("x16" if x16 else "ggml")
+    return f"{likely} (expected: kvwire's bridge to ggml is built on first use, ~15 s)"
 
 
 def _shown(value):
-    return f"invalid: {value['invalid']}" if isinstance(value, dict) else value
+    if isinstance(value, dict):
+        return "; ".join(f"{kind}: {why}" for kind, why in value.items())
+    return value
 
 
 def _devices():
@@ -136,10 +153,14 @@ def _version(name):
 
 
 def _cache():
+    """The cache folder, its converted models (folders; "ggml" holds the bridge) and bytes in all."""
     root = cache_root()
-    entries = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-    size = sum(f.stat().st_size for p in entries for f in p.rglob("*") if f.is_file())
-    return {"path": str(root), "entries": len(entries), "bytes": size}
+    try:
+        folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+        size = sum(f.stat().st_size for p in folders for f in p.rglob("*") if f.is_file())
+    except OSError as e:  # unreadable, or files removed while walking it
+        return {"path": str(root), "unreadable": str(e)}
+    return {"path": str(root), "entries": len([p for p in folders if p.name != "ggml"]), "bytes": size}
 
 
 def main(as_json=False):

@@ -25,8 +25,13 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     if importlib.util.find_spec("llama_cpp") is None:
         assert report["paths"]["ggml_kernel"] == "not installed"
     else:
+        from kvwire.quant.ggml.lib import loaded_or_built
         from kvwire.quant.ggml.linear import ggml_kernel
-        assert report["paths"]["ggml_kernel"] == ggml_kernel()
+        if loaded_or_built():  # asking ggml_kernel() otherwise would build the bridge (~15 s)
+            assert report["paths"]["ggml_kernel"] == ggml_kernel()
+        else:
+            assert report["paths"]["ggml_kernel"].endswith("(expected: kvwire's bridge to ggml is built on first "
+                                                           "use, ~15 s)")
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
     assert f"bfloat16 GEMM: {cpu.bf16_gemm()} " in text
@@ -63,3 +68,40 @@ def test_cpu_name_reads_cpuinfo_and_falls_back(tmp_path):
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t: avx2\n")
     assert cpu_name(str(cpuinfo)) == "Example CPU 9000"
     assert cpu_name(str(tmp_path / "absent"))  # platform's name or "unknown CPU", never empty
+
+
+@pytest.fixture
+def with_ggml():
+    pytest.importorskip("llama_cpp")
+    from kvwire.quant.ggml import lib
+    return lib
+
+
+def test_before_the_bridge_is_built_the_kernel_is_foretold_not_built(with_ggml, monkeypatch):
+    monkeypatch.setattr(with_ggml, "loaded_or_built", lambda: False)
+    monkeypatch.setattr(with_ggml, "library", lambda: pytest.fail("info must not build or load the bridge"))
+    f = cpu.features()
+    expected = "x16" if f["avx512"] and f["avx512_vnni"] else "ggml"
+    assert info()["paths"]["ggml_kernel"].startswith(f"{expected} (expected:")
+    monkeypatch.setenv("KVWIRE_GGML_KERNEL", "ggml")
+    assert info()["paths"]["ggml_kernel"].startswith("ggml (expected:")
+
+
+def test_a_bridge_that_cannot_be_built_is_unavailable_not_an_error(with_ggml, monkeypatch, capsys):
+    def broken():
+        raise with_ggml.GGMLUnavailable("no C compiler: set CC or install gcc")
+    monkeypatch.setattr(with_ggml, "loaded_or_built", broken)
+    assert cli.main(["info"]) == 0  # nothing the user set is wrong
+    assert "unavailable: GGMLUnavailable: no C compiler" in capsys.readouterr().out
+
+
+def test_an_unreadable_cache_is_reported(monkeypatch, capsys):
+    class Unreadable(type(__import__("pathlib").Path())):
+        def is_dir(self):
+            return True
+
+        def iterdir(self):
+            raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr("kvwire.info.cache_root", lambda: Unreadable("/cache"))
+    assert cli.main(["info"]) == 0
+    assert "cache: /cache (unreadable: [Errno 13] Permission denied" in capsys.readouterr().out

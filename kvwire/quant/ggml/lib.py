@@ -45,10 +45,7 @@ def library():
     """The loaded bridge (ctypes.CDLL), built on first use."""
     if "lib" not in _LIB:
         lib_dir, include = ggml_dirs()
-        ggml = lib_dir / "libggml-cpu.so"
-        stamp = b"".join(s.read_bytes() for s in SOURCES) + f"{ggml.resolve()} {ggml.stat().st_mtime_ns} " \
-            f"{torch.__version__} {Path(torch.__file__).parent}".encode()
-        target = cache_root() / "ggml" / hashlib.sha256(stamp).hexdigest()[:16] / "libkvwire_ggml.so"
+        target = bridge_path()
         if not target.exists():
             _build(target, lib_dir, include)
         torch.ops.load_library(str(target))  # after linear.py declared the operator's schema
@@ -57,6 +54,19 @@ def library():
         lib.kvw_init()
         _LIB["lib"] = lib
     return _LIB["lib"]
+
+
+def bridge_path():
+    """Where the bridge for these sources, this ggml and this torch is (or will be) built."""
+    ggml = ggml_dirs()[0] / "libggml-cpu.so"
+    stamp = b"".join(s.read_bytes() for s in SOURCES) + f"{ggml.resolve()} {ggml.stat().st_mtime_ns} " \
+        f"{torch.__version__} {Path(torch.__file__).parent}".encode()
+    return cache_root() / "ggml" / hashlib.sha256(stamp).hexdigest()[:16] / "libkvwire_ggml.so"
+
+
+def loaded_or_built():
+    """Whether the bridge is loaded, or built and waiting to be (using it then costs no build)."""
+    return "lib" in _LIB or bridge_path().exists()
 
 
 def _build(target, lib_dir, include):
