@@ -93,3 +93,29 @@ def test_prefill_step_shares_the_budget_out_in_whole_program_chunks():
     assert prefill_step(1, multiple=48) == budget // 48 * 48
     assert prefill_step(4, multiple=48) == budget // 4 // 48 * 48
     assert prefill_step(budget, multiple=8) == 8  # never less than one program chunk
+
+
+def test_prompts_joining_a_busy_engine_prefill_in_bounded_calls_too(monkeypatch):
+    """Rows that arrive while another decodes go through a scratch cache: their calls keep to the
+    budget as well (and to `prefill_chunk`), with the tokens of single runs."""
+    lm = tiny("gemma3")
+    first, *later = rows_of([6, 20, 17], seed=1)
+    alone = [generated(lm, [r])[0][0] for r in (first, *later)]
+    monkeypatch.setattr(session_module, "PREFILL_CALL_TOKENS", 8)
+    engine = kw.Engine(lm, max_batch=3, max_length=40)
+    a = engine.submit(first, 6)
+    for _ in range(2):
+        engine.step()  # `a` is decoding now
+    calls = recorded_calls(monkeypatch, engine_module)
+    joined = [engine.submit(r, 6) for r in later]
+    for _ in engine.run([a, *joined]):
+        pass
+    assert engine.stats["scratch_prefills"] >= 1
+    assert calls and max(rows * tokens for rows, tokens in calls) <= 8
+    assert [s.tokens for s in (a, *joined)] == alone
+
+
+def test_an_empty_batch_of_prompts_is_refused_clearly():
+    lm = tiny("llama")
+    with pytest.raises(ValueError, match="every prompt of the batch is empty"):
+        session_module.Session(lm.cached, lm.head, [[]], 8).prefill()

@@ -10,7 +10,8 @@ How rows that start at different times share one graph: the cached graph takes a
 in its own timeline. Prompts that arrive while others decode are prefilled (in chunks) into a
 scratch cache of their own length and copied into their row when done, so a decode step never
 touches a half-prefilled row; prompts that find the engine idle are prefilled straight into
-their rows, left-padded together, in one call (what `generate` of a batch does). Graphs that take
+their rows, left-padded together (what `generate` of a batch does). Either way a prefill call
+runs at most 512 prompt tokens, all rows together (`session.prefill_step`). Graphs that take
 one write index for the batch (exported runtimes) run in lockstep: a batch is admitted only when
 the engine is empty, and its rows step together until the last finishes.
 
@@ -521,10 +522,10 @@ class Engine:
 class _Prefill:
     """The prefill of a group of waiting sequences, run chunk by chunk.
 
-    Direct: left-padded together into their contiguous rows of the engine's cache, in chunks of
-    `prefill_step` tokens a row (one call up to 512 prompt tokens in all). Otherwise into a scratch
-    cache of the group's length (in chunks of `prefill_chunk`), copied into the rows when done; a
-    prefix hit first restores the stored keys/values there.
+    Direct: left-padded together into their contiguous rows of the engine's cache. Otherwise into a
+    scratch cache of the group's length, copied into the rows when done; a prefix hit first restores
+    the stored keys/values there. Either way in chunks of `prefill_step` tokens a row (512 prompt
+    tokens a call in all), scratch ones also at most `prefill_chunk`.
     """
 
     def __init__(self, engine, seqs, rows, direct, prefix):
@@ -575,7 +576,9 @@ class _Prefill:
         return (self._stop() - self.at) * self.ids.shape[0]
 
     def _stop(self):
-        step = prefill_step(len(self.seqs), self.engine.multiple) if self.direct else self.engine.prefill_chunk
+        step = prefill_step(len(self.seqs), self.engine.multiple)
+        if not self.direct:  # a scratch prefill shares steps with decoding rows: prefill_chunk a row at most
+            step = min(step, self.engine.prefill_chunk)
         return min(self.ids.shape[1], self.at + step)
 
     def advance(self):

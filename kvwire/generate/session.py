@@ -12,7 +12,8 @@ PREFILL_CALL_TOKENS = 512
 
 def prefill_step(batch, multiple=1):
     """Prompt tokens per row in one prefill call of `batch` rows: PREFILL_CALL_TOKENS shared out,
-    rounded down to a multiple of `multiple` (a program's chunk length), at least one of those."""
+    rounded down to a multiple of `multiple` (a program's chunk length), at least one of those (so
+    past 512 rows, or `multiple` x rows, a call runs more)."""
     return max(multiple, PREFILL_CALL_TOKENS // batch // multiple * multiple)
 
 
@@ -93,6 +94,9 @@ class Session:
         """Logits of every row's next token after its prompt: (B, V). Long prompts run in chunks
         (`prefill_step`)."""
         end = self.ids.shape[1]
+        if end == 0:
+            raise ValueError("every prompt of the batch is empty: there is nothing to prefill (start prompts "
+                             "with at least one token, e.g. BOS)")
         for at in range(0, end, self.chunk):
             stop = min(end, at + self.chunk)
             logits = self._run(self.ids[:, at:stop], self.positions[:, at:stop], last=stop == end)
