@@ -114,7 +114,8 @@ class CompiledDecode:
             graphs = _compiled_graphs()
             direct_ok = self.use_direct and self.writes is in_place_cache_writes
             # the caches as this call finds them, for `entry`'s re-run of the step: the step writes
-            # its slots in place, and a ring cache's step reads a slot it then overwrites
+            # its slots in place, and a ring cache's step reads a slot it then overwrites (a copy
+            # of the caches once per call signature, freed when the check is done)
             before = [t.clone() for pair in cache for t in pair] if direct_ok else None
             # every batch size, cache length and chunk kind is a graph of the one `step` code
             # (shared by all instances): past dynamo's default of 8 it would run eager. The old
