@@ -62,13 +62,20 @@ def test_unsteered_greedy_equals_eager_with_padding_and_past_the_window(exported
 def test_long_prompts_prefill_in_bounded_calls_through_the_runtime(exported, monkeypatch):
     """With a prefill budget of 8 tokens a call, a batch's prompts run through ONNX Runtime in
     chunks of 2 tokens a row and give eager's one-call tokens."""
-    from kvwire.generate import session
+    from kvwire.generate import engine, session
 
     lm, _, onnx_lm, _ = exported
     rows = PROMPTS + ["A prompt well past the window"]
     whole = lm.generate(rows, max_new_tokens=6)
     monkeypatch.setattr(session, "PREFILL_CALL_TOKENS", 8)
+    calls, original = [], engine.prefill_chunk
+
+    def recording(cached, head, decode, ids, *args, **kwargs):
+        calls.append(tuple(ids.shape))
+        return original(cached, head, decode, ids, *args, **kwargs)
+    monkeypatch.setattr(engine, "prefill_chunk", recording)
     assert onnx_lm.generate(rows, max_new_tokens=6) == whole
+    assert len(calls) > 1 and all(c == (4, 2) for c in calls)  # 4 rows, 2 tokens a row a call
 
 
 def test_steered_rows_equal_eager_steered_model(exported):
