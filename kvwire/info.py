@@ -17,7 +17,6 @@ import importlib.util
 import os
 import platform
 from importlib import metadata
-from pathlib import Path
 
 import torch
 
