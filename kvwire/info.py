@@ -65,11 +65,10 @@ def invalid(report):
 def lines(report):
     """`report` (an `info()`) as the lines `kvwire info` prints."""
     v, c, paths = report["versions"], report["cpu"], report["paths"]
-    have = " ".join(f"{name}{'+' if on else '-'}" for name, on in c["features"].items())
     out = [f"kvwire {v['kvwire']}, torch {v['torch']}, Python {v['python']} on {v['os']}",
            f"CPU: {c['name']} ({c['cores']} cores), torch uses {c['torch_threads']} threads, "
            f"capability {c['capability']}",
-           f"CPU features: {have}",
+           f"CPU features: {cpu.features_text(c['features'])}",
            f"bfloat16 GEMM: {_shown(paths['bf16_gemm'])} (KVWIRE_BF16_GEMM: packed / native / upcast)",
            f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K: {_shown(paths['ggml_kernel'])} (KVWIRE_GGML_KERNEL: x16 / ggml)"]
     if report["overrides"]:
@@ -110,23 +109,18 @@ def _ggml_kernel():
     if importlib.util.find_spec("llama_cpp") is None:  # found, not imported (that loads libllama)
         return "not installed"
     from .quant.ggml.lib import loaded_or_built
-    from .quant.ggml.linear import KERNELS, ggml_kernel
+    from .quant.ggml.linear import ggml_kernel
 
     try:
         if loaded_or_built():
             return _choice(ggml_kernel)
     except Exception as e:  # noqa: BLE001 - a broken ggml install or bridge is reported, not raised
         return {"unavailable": f"{type(e).__name__}: {e}"}
-    asked = os.environ.get("KVWIRE_GGML_KERNEL", "").strip().lower()
-    if asked and asked not in KERNELS:
-        return {"invalid": f"KVWIRE_GGML_KERNEL={asked!r}; expected one of {', '.join(KERNELS)}"}
-    f = cpu.features()
-    x16 = f["avx512"] and f["avx512_vnni"]
-    if asked == "x16" and not x16:
-        return {"invalid": "KVWIRE_GGML_KERNEL='x16' needs AVX-512 F, BW and VL with AVX512_VNNI, which this "
-                           "CPU lacks"}
-    likely = asked or ("x16" if x16 else "ggml")
-    return f"{likely} (expected: kvwire's bridge to ggml is built on first use, ~15 s)"
+    f = cpu.features()  # what the bridge would find: torch's probes of the same features
+    choice = _choice(lambda: ggml_kernel(runs=f["avx512"] and f["avx512_vnni"]))
+    if isinstance(choice, dict):
+        return choice
+    return f"{choice} (expected: kvwire's bridge to ggml is built on first use, ~15 s)"
 
 
 def _shown(value):

@@ -53,8 +53,12 @@ def bf16_gemm():
     return asked
 
 
+def features_text(found=None):
+    """`found` (default: `features()`) as "avx2+ avx512- ...": + where present."""
+    return " ".join(f"{name}{'+' if on else '-'}" for name, on in (found or features()).items())
+
+
 def report():
     """One line for benchmark headers: the features and the paths chosen."""
-    have = " ".join(f"{name}{'+' if on else '-'}" for name, on in features().items())
-    return f"CPU features: {have}; bf16 GEMM: {bf16_gemm()}; torch CPU capability: " \
+    return f"CPU features: {features_text()}; bf16 GEMM: {bf16_gemm()}; torch CPU capability: " \
            f"{torch.backends.cpu.get_cpu_capability()}"

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from ...io.gguf import GGUFFile
 from ..apply import linears, quantizable_head
-from .linear import FLOAT_TYPES, X16, GGMLLinear, ggml_kernel, qtype_of
+from .linear import FLOAT_TYPES, GGMLLinear, qtype_of, x16_layout
 
 # llama.cpp's fallbacks when a row is not a whole number of 256-weight K-quant blocks
 # (Gemma 3 270M's 640-wide rows): a 32-weight format with at least as many bits
@@ -136,7 +136,7 @@ def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None):
     try:  # GGMLLinear checks the row bytes against ggml's own size for the type
         if requantize is not None:
             target = fitting(requantize, weight.shape[1])
-            layout = "x16" if target in X16 and ggml_kernel() == "x16" else "ggml"
+            layout = "x16" if x16_layout(target) else "ggml"
             kept = None if cache is None else cache / f"{name}.{target.name.lower()}.{layout}.safetensors"
             module = _kept(kept, target, weight, bias)
             if module is None:

@@ -77,7 +77,7 @@ class GGMLLinear(nn.Module):
         self.in_features, self.out_features = in_features, blocks.shape[0]
         # the type number the kernels are called with: qtype's own, or X16's for repacked blocks
         self.kernel_type = int(self.qtype)
-        if self.qtype in X16 and ggml_kernel(kernel) == "x16":
+        if x16_layout(self.qtype, kernel):
             blocks, self.kernel_type = _repacked(blocks, self.qtype, in_features, True, release), X16[self.qtype]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
@@ -115,7 +115,7 @@ class GGMLLinear(nn.Module):
                              f"got {qtype.name.lower()}")
         lib = library()
         _check_width(qtype, in_features)  # before ggml's quantiser, which would abort on it
-        x16 = qtype in X16 and ggml_kernel(kernel) == "x16"
+        x16 = x16_layout(qtype, kernel)
         row_bytes = lib.kvw_row_bytes(int(qtype), in_features)
         blocks = torch.empty(out_features, row_bytes, dtype=torch.uint8)
         chunk = torch.empty(min(QUANTIZE_ROWS, out_features), row_bytes, dtype=torch.uint8) if x16 else None
@@ -134,7 +134,7 @@ class GGMLLinear(nn.Module):
         `ggml_kernel(kernel)` is "x16" for the type, else ggml's), taken as they are: no repacking."""
         qtype = qtype_of(qtype)
         module = cls(blocks, qtype, in_features, bias, kernel="ggml")
-        if qtype in X16 and ggml_kernel(kernel) == "x16":
+        if x16_layout(qtype, kernel):
             module.kernel_type = X16[qtype]
         return module
 
@@ -192,14 +192,15 @@ class GGMLLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}{layout}"
 
 
-def ggml_kernel(asked=None):
+def ggml_kernel(asked=None, runs=None):
     """The kernel for the formats in X16 (Q4_1, Q5_0, Q8_0, Q4_K): `asked` ("x16" / "ggml"), else
     `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU has AVX-512
     F, BW, VL and VNNI and 'ggml' (ggml's kernels on the file's layout) where it has not. x16 on a
-    CPU without those features is refused, naming them."""
+    CPU without those features is refused, naming them. `runs`: whether x16 runs here, when the
+    caller knows without the bridge (None: ask the bridge, built on first use)."""
     source = "kernel" if asked is not None else "KVWIRE_GGML_KERNEL"
     asked = (os.environ.get("KVWIRE_GGML_KERNEL", "") if asked is None else str(asked)).strip().lower()
-    runs = x16_runs()
+    runs = x16_runs() if runs is None else runs
     if not asked:
         return "x16" if runs else "ggml"
     if asked not in KERNELS:
@@ -208,6 +209,11 @@ def ggml_kernel(asked=None):
         raise ValueError(f"{source}=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, which this CPU lacks; "
                          "leave it unset (kvwire then runs ggml's own kernels)")
     return asked
+
+
+def x16_layout(qtype, kernel=None):
+    """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`."""
+    return qtype_of(qtype) in X16 and ggml_kernel(kernel) == "x16"
 
 
 @lru_cache(maxsize=None)
