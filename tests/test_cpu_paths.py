@@ -1,5 +1,6 @@
 """Kernel paths chosen by the CPU: bf16 GEMMs stay bf16 where the CPU has bf16 units, and are upcast
-to float32 where it has not. Each branch is tested where it runs; the other is skipped."""
+to float32 where it has not; few-row float32 products run `linear` on Intel CPUs and W @ x^T
+elsewhere. Each branch is tested where it runs; the other is skipped."""
 import pytest
 import torch
 
@@ -10,9 +11,12 @@ from kvwire.layers.linear import Linear, linear
 @pytest.fixture(autouse=True)
 def fresh_choice(monkeypatch):
     monkeypatch.delenv("KVWIRE_BF16_GEMM", raising=False)
+    monkeypatch.delenv("KVWIRE_F32_GEMV", raising=False)
     cpu.bf16_gemm.cache_clear()
+    cpu.f32_gemv.cache_clear()
     yield
     cpu.bf16_gemm.cache_clear()
+    cpu.f32_gemv.cache_clear()
 
 
 def dtype_reaching_gemm(monkeypatch, rows=128):
@@ -141,3 +145,65 @@ def test_a_bf16_model_generates_the_same_tokens_on_packed_weights(monkeypatch, f
     torch.testing.assert_close(runs["packed"][1], runs["native"][1], atol=0, rtol=0)
     lm.reset_caches()
     assert all(p.packed is None for p in packs)
+
+
+def float32_path(monkeypatch, rows):
+    """[(kind, rows)] of the products a float32 `linear` of `rows` rows ran: ("linear", rows) for
+    nn.functional.linear, ("matmul", rows) for W @ x^T; its values checked against x @ W^T."""
+    seen = []
+    real_linear, real_matmul = torch.nn.functional.linear, torch.Tensor.__matmul__
+    x, w = torch.randn(rows, 64), torch.randn(96, 64)  # a wide weight: "transposed" repeats odd rows
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "linear",
+                  lambda x, w, b=None: seen.append(("linear", x.shape[0])) or real_linear(x, w, b))
+        m.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(("matmul", b.shape[1])) or real_matmul(a, b))
+        out = linear(x, w)
+    torch.testing.assert_close(out, x @ w.t(), atol=1e-5, rtol=1e-5)
+    return seen
+
+
+INTEL = "an Intel CPU (vendor_id GenuineIntel): few-row float32 products run linear here"
+
+
+def test_the_float32_gemv_follows_the_cpu_vendor(monkeypatch):
+    for vendor, expected in (("GenuineIntel", "linear"), ("AuthenticAMD", "transposed"), (None, "transposed")):
+        monkeypatch.setattr(cpu, "cpuinfo_field", lambda key, cpuinfo=None, v=vendor: v)
+        cpu.f32_gemv.cache_clear()
+        assert cpu.f32_gemv() == expected, vendor
+
+
+@pytest.mark.skipif(cpu.cpuinfo_field("vendor_id") != "GenuineIntel", reason="not " + INTEL)
+def test_few_float32_rows_run_linear_on_an_intel_cpu(monkeypatch):
+    assert cpu.f32_gemv() == "linear"
+    assert float32_path(monkeypatch, 1) == [("linear", 1)]
+    assert float32_path(monkeypatch, 3) == [("linear", 3)]
+
+
+@pytest.mark.skipif(cpu.cpuinfo_field("vendor_id") == "GenuineIntel", reason=INTEL)
+def test_few_float32_rows_run_transposed_with_an_even_row_count_elsewhere(monkeypatch):
+    assert cpu.f32_gemv() == "transposed"
+    assert float32_path(monkeypatch, 1) == [("matmul", 2)]  # the row repeated for a wide weight
+    assert float32_path(monkeypatch, 4) == [("matmul", 4)]
+
+
+def test_the_float32_gemv_can_be_forced_and_a_bad_value_is_refused(monkeypatch):
+    for asked, path in (("linear", [("linear", 3)]), ("transposed", [("matmul", 4)])):
+        monkeypatch.setenv("KVWIRE_F32_GEMV", asked)
+        cpu.f32_gemv.cache_clear()
+        assert cpu.f32_gemv() == asked and float32_path(monkeypatch, 3) == path
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "fast")
+    cpu.f32_gemv.cache_clear()
+    with pytest.raises(ValueError, match=r"KVWIRE_F32_GEMV='fast'; expected one of linear, transposed"):
+        cpu.f32_gemv()
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL in this torch build: nothing is packed")
+def test_the_float32_head_is_packed_only_on_the_transposed_path(monkeypatch):
+    from kvwire.layers.linear import WeightPack
+
+    x, w = torch.randn(1, 1, 64), torch.randn(96, 64)
+    for asked, kind in (("linear", None), ("transposed", "mkl")):
+        monkeypatch.setenv("KVWIRE_F32_GEMV", asked)
+        cpu.f32_gemv.cache_clear()
+        with torch.inference_mode():
+            assert WeightPack().kind(x, w, None) == kind

@@ -14,14 +14,17 @@ from kvwire.layers import cpu
 def fresh_choices():
     """Clear the cached choices before and after (they read the environment once)."""
     cpu.bf16_gemm.cache_clear()
+    cpu.f32_gemv.cache_clear()
     yield
     cpu.bf16_gemm.cache_clear()
+    cpu.f32_gemv.cache_clear()
 
 
 def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     report = info()
     assert report["cpu"]["features"] == cpu.features()
     assert report["paths"]["bf16_gemm"] == cpu.bf16_gemm()
+    assert report["paths"]["f32_gemv"] == cpu.f32_gemv()
     if importlib.util.find_spec("llama_cpp") is None:
         assert report["paths"]["ggml_kernel"] == "not installed"
     else:
@@ -35,6 +38,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
     assert f"bfloat16 GEMM: {cpu.bf16_gemm()} " in text
+    assert f"float32 GEMV: {cpu.f32_gemv()} " in text
     assert f"capability {report['cpu']['capability']}" in text
     assert cli.main(["info", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["paths"] == report["paths"]
@@ -42,6 +46,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
 
 @pytest.mark.parametrize("variable, value, expected", [
     ("KVWIRE_BF16_GEMM", "bogus", "expected one of packed, native, upcast"),
+    ("KVWIRE_F32_GEMV", "bogus", "expected one of linear, transposed"),
     ("KVWIRE_GGML_KERNEL", "fastest", "expected one of"),
 ])
 def test_an_invalid_setting_is_shown_with_its_reason_and_exits_1(variable, value, expected, fresh_choices,

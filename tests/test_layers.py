@@ -6,13 +6,24 @@ from kvwire.layers import cpu
 from kvwire.layers.linear import SMALL_ROWS, linear
 
 
+@pytest.fixture(autouse=True)
+def fresh_gemv():
+    """The float32 GEMV choice reads KVWIRE_F32_GEMV once: tests that set it start and end afresh."""
+    yield
+    cpu.f32_gemv.cache_clear()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, SMALL_ROWS, SMALL_ROWS + 1, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out", [40, 48, 64], ids=["narrow", "square", "wide"])
-def test_linear_kernel_choice_matches_nn_functional(rows, dtype, bias, out):
-    """Every path gives linear's values: at 1 and 3 float32 rows a square or wide weight reads a
-    repeated row whose result is dropped, a narrow one does not; 65 rows and up run `linear`."""
+@pytest.mark.parametrize("gemv", cpu.F32_CHOICES)
+def test_linear_kernel_choice_matches_nn_functional(rows, dtype, bias, out, gemv, monkeypatch):
+    """Every path gives linear's values on any CPU (the float32 GEMV choice is speed only): at 1 and
+    3 float32 rows "transposed" reads a repeated row whose result is dropped for a square or wide
+    weight, not for a narrow one; 65 rows and up, and "linear" always, run `linear`."""
+    monkeypatch.setenv("KVWIRE_F32_GEMV", gemv)
+    cpu.f32_gemv.cache_clear()  # and after the test (`fresh_gemv`)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1, 48, generator=g).to(dtype)
     w = torch.randn(out, 48, generator=g).to(dtype)
@@ -32,7 +43,9 @@ def test_one_row_pack_matches_linear_and_follows_weight_edits(monkeypatch):
     if not torch.backends.mkl.is_available():
         pytest.skip("no MKL in this torch build")
     monkeypatch.setenv("KVWIRE_BF16_GEMM", "upcast")  # bf16 products are never packed then
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "transposed")  # the float32 pack's path (any CPU can run it)
     cpu.bf16_gemm.cache_clear()
+    cpu.f32_gemv.cache_clear()  # and after the test (`fresh_gemv`)
     pack = WeightPack(after=3)
     w = torch.randn(300, 48)
     x = torch.randn(1, 1, 48)

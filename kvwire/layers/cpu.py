@@ -8,6 +8,13 @@ many-row bf16 products are computed in float32 from upcast weights ("upcast"). `
 (`packed` / `native` / `upcast`) overrides the choice ("native": bf16 products on the weights as
 they are, no second copy); `packed` or `native` on a CPU without bf16 units is refused, naming the
 missing feature.
+
+Float32 products of a few rows (decode) are memory-bound GEMVs whose speed depends on how MKL
+dispatches on the CPU: on Intel CPUs `nn.functional.linear` (x @ W^T) streams the weights fastest
+("linear"); elsewhere (AMD, where MKL takes generic code paths) W @ x^T is 1.5-4x faster, with one
+row repeated for wide weights and an MKL-packed copy of the head at batch 1 ("transposed",
+`linear.linear`). `KVWIRE_F32_GEMV` (`linear` / `transposed`) overrides the choice; both give the
+same values (to float32 rounding) on any CPU.
 """
 import os
 from functools import lru_cache
@@ -15,6 +22,7 @@ from functools import lru_cache
 import torch
 
 BF16_CHOICES = ("packed", "native", "upcast")
+F32_CHOICES = ("linear", "transposed")
 
 
 @lru_cache(maxsize=None)
@@ -53,6 +61,34 @@ def bf16_gemm():
     return asked
 
 
+@lru_cache(maxsize=None)
+def f32_gemv():
+    """'linear' (few-row float32 products through `nn.functional.linear`) on Intel CPUs, else
+    'transposed' (W @ x^T); measured (README, session 23):
+    an Intel Xeon with AMX decoded the default model at 16.9 against 11.0 tokens/s with 'linear',
+    an AMD EPYC (Zen 4) at 1.44x transformers with 'transposed', where transformers' `linear` is slow."""
+    asked = os.environ.get("KVWIRE_F32_GEMV", "").strip().lower()
+    if not asked:
+        return "linear" if cpuinfo_field("vendor_id") == "GenuineIntel" else "transposed"
+    if asked not in F32_CHOICES:
+        raise ValueError(f"KVWIRE_F32_GEMV={asked!r}; expected one of {', '.join(F32_CHOICES)}")
+    return asked
+
+
+def cpuinfo_field(key, cpuinfo="/proc/cpuinfo"):
+    """The first value of `key` in /proc/cpuinfo ("vendor_id", "model name"), or None (not Linux,
+    unreadable, no such key)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def features_text(found=None):
     """`found` (default: `features()`) as "avx2+ avx512- ...": + where present."""
     return " ".join(f"{name}{'+' if on else '-'}" for name, on in (found or features()).items())
@@ -60,5 +96,5 @@ def features_text(found=None):
 
 def report():
     """One line for benchmark headers: the features and the paths chosen."""
-    return f"CPU features: {features_text()}; bf16 GEMM: {bf16_gemm()}; torch CPU capability: " \
-           f"{torch.backends.cpu.get_cpu_capability()}"
+    return f"CPU features: {features_text()}; bf16 GEMM: {bf16_gemm()}; float32 GEMV: {f32_gemv()}; " \
+           f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}"

@@ -1,14 +1,16 @@
 """Linear maps with a CPU kernel choice that matters for decoding.
 
-For a few rows (decode: batch x 1 token), MKL's float32 GEMM is far faster on W @ x^T than on the
-x @ W^T that `nn.functional.linear` runs: measured here, the 262144 x 640 head at 4 rows took
+For a few rows (decode: batch x 1 token) on a non-Intel CPU (`cpu.f32_gemv()` "transposed"), MKL's
+float32 GEMM is far faster on W @ x^T than on the x @ W^T that `nn.functional.linear` runs: measured
+on an AMD CPU, the 262144 x 640 head at 4 rows took
 69 ms against 272 ms, a 2048 x 640 projection at 1 row 0.2 ms against 0.44 ms. With weights
 streamed from memory (as in a real model), a wide weight (out > in) is read about 1.6x faster for
 an even number of rows than for one or three, and a square one about 1.5x (bench/gemv.py on an
 AVX2 CPU: 576 x 576 in 0.154 against 0.236 ms), so odd row counts get one repeated row there; a
 narrow one (out < in, a down projection) reads slower so (640 x 2048: 0.58 against 0.44 ms).
-Many rows (prefill) keep `linear`, which is slightly faster there. Compilers and exporters see
-plain `linear`.
+Many rows (prefill) keep `linear`, which is slightly faster there. On Intel CPUs ("linear") MKL's
+own kernels make `linear` the fastest at every row count (and the repeated row twice as slow), so
+all products go there. Compilers and exporters see plain `linear`.
 
 Reduced-precision weights stream half the bytes in decode (bf16 GEMV: 36 ms against 102 ms for the
 head), but bf16 GEMM with many rows is slow on CPUs without native bf16 (512 x 640 x 2048: 86 ms
@@ -18,7 +20,7 @@ with bf16 units (AVX512_BF16, AMX) keep them in bf16 (`cpu.bf16_gemm`).
 import torch
 from torch import nn
 
-from .cpu import bf16_gemm
+from .cpu import bf16_gemm, f32_gemv
 from .tracing import is_exporting
 
 SMALL_ROWS = 64
@@ -36,7 +38,7 @@ def linear(x, weight, bias=None):
                                                                         and bf16_gemm() != "upcast"):
         b = None if bias is None else bias.float()
         return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
-    if rows > SMALL_ROWS or x.dtype != torch.float32:
+    if rows > SMALL_ROWS or x.dtype != torch.float32 or f32_gemv() == "linear":
         return nn.functional.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     if rows % 2 and weight.shape[0] >= weight.shape[1]:
@@ -52,7 +54,8 @@ def linear(x, weight, bias=None):
 class WeightPack:
     """A copy of a weight in the layout the CPU's fastest kernel reads, for the products it pays in:
 
-    - float32, one row (batch-1 decode; the head's pack): MKL-packed. The default model's
+    - float32, one row (batch-1 decode; the head's pack) where `cpu.f32_gemv()` is "transposed":
+      MKL-packed (on Intel CPUs, "linear", the pack read no faster than `linear`: not made). The default model's
       262144 x 640 head in 43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms with
       `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best
       of 4, interleaved). Packing that head takes about a second.
@@ -87,7 +90,7 @@ class WeightPack:
         if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype) and bf16_gemm() == "packed":
             return "onednn"
         if (self.float32 and x.dtype == torch.float32 and bias is None and x.numel() == x.shape[-1]
-                and torch.backends.mkl.is_available()):
+                and torch.backends.mkl.is_available() and f32_gemv() == "transposed"):
             return "mkl"
         return None
 
