@@ -151,10 +151,21 @@ def import_library(lib, threads):
 
 
 def probe(peer, variant, args):
-    """Load `peer` and generate 2 tokens (in a child process of its own: it may crash)."""
+    """Load `peer` and generate 2 tokens (in a child process of its own: it may crash); for
+    llama.cpp also the CPU features its build uses."""
     import_library(peer, args.threads)
     open_library(peer, variant, args)(prompt_ids(counting, 16, 1), 2)
+    if peer == "llama.cpp":
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode()  # "CPU : SSE3 = 1 | ... | AMX_INT8 = 1 | "
+        on = [part.split("=")[0].split(":")[-1].strip() for part in info.split("|") if part.strip().endswith("= 1")]
+        return {"probed": peer, "build": " ".join(on)}
     return {"probed": peer}
+
+
+AMX_HINT = ("llama-cpp-python built natively on an AMX CPU crashes in ggml's AMX matmul "
+            "(ggml_backend_amx_mul_mat); README, Benchmarks, builds one without AMX")
 
 
 def footprint(lib, variant, args):
@@ -276,6 +287,10 @@ def main(argv=None):
     wanted = (["transformers"] if floats else []) + ["llama.cpp"]
     probes = probe_peers(__file__, wanted, ["--probe-variant", (floats or ["float32"])[0], *common])
     failed = {peer: f"not timed: {r.failure} (probe: load + 2 tokens)" for peer, r in probes.items() if not r.ok}
+    if probes["llama.cpp"].ok:
+        print(f"llama.cpp build: {probes['llama.cpp'].value.get('build', '?')}", flush=True)
+    elif "killed by" in probes["llama.cpp"].failure and "amx_tile+" in header(args.threads):
+        print(f"llama.cpp: {AMX_HINT}", flush=True)
     print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in COLUMNS))
     later, peer_sizes = [], {}  # a peer's footprint depends on its dtype only, not on kvwire's variant
     for variant in args.variants:
