@@ -158,14 +158,17 @@ def probe(peer, variant, args):
     if peer == "llama.cpp":
         import llama_cpp
 
-        info = llama_cpp.llama_print_system_info().decode()  # "CPU : SSE3 = 1 | ... | AMX_INT8 = 1 | "
-        on = [part.split("=")[0].split(":")[-1].strip() for part in info.split("|") if part.strip().endswith("= 1")]
-        return {"probed": peer, "build": " ".join(on)}
+        try:  # "CPU : SSE3 = 1 | ... | AMX_INT8 = 1 | OPENMP = 1 | "; another version may say it otherwise
+            info = llama_cpp.llama_print_system_info().decode()
+            on = [part.split("=")[0].split(":")[-1].strip() for part in info.split("|") if part.strip().endswith("= 1")]
+            return {"probed": peer, "build": " ".join(on)}
+        except Exception as e:  # noqa: BLE001 - the probe is about running, not this line
+            return {"probed": peer, "build": f"unknown ({type(e).__name__})"}
     return {"probed": peer}
 
 
-AMX_HINT = ("llama-cpp-python built natively on an AMX CPU crashes in ggml's AMX matmul "
-            "(ggml_backend_amx_mul_mat); README, Benchmarks, builds one without AMX")
+AMX_HINT = ("if this is the known crash, llama-cpp-python built natively on an AMX CPU segfaults in ggml's "
+            "AMX matmul (ggml_backend_amx_mul_mat); README, Benchmarks, builds one without AMX")
 
 
 def footprint(lib, variant, args):
@@ -288,8 +291,8 @@ def main(argv=None):
     probes = probe_peers(__file__, wanted, ["--probe-variant", (floats or ["float32"])[0], *common])
     failed = {peer: f"not timed: {r.failure} (probe: load + 2 tokens)" for peer, r in probes.items() if not r.ok}
     if probes["llama.cpp"].ok:
-        print(f"llama.cpp build: {probes['llama.cpp'].value.get('build', '?')}", flush=True)
-    elif "killed by" in probes["llama.cpp"].failure and "amx_tile+" in header(args.threads):
+        print(f"llama.cpp build features: {probes['llama.cpp'].value.get('build', '?')}", flush=True)
+    elif probes["llama.cpp"].failure == "killed by SIGSEGV" and "amx_tile+" in header(args.threads):
         print(f"llama.cpp: {AMX_HINT}", flush=True)
     print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in COLUMNS))
     later, peer_sizes = [], {}  # a peer's footprint depends on its dtype only, not on kvwire's variant

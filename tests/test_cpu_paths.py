@@ -116,6 +116,7 @@ def test_a_path_the_cpu_cannot_run_is_refused_naming_the_feature(monkeypatch):
 def test_the_report_names_features_and_paths():
     line = cpu.report()
     assert "avx512_bf16" in line and f"bf16 GEMM: {cpu.bf16_gemm()}" in line
+    assert f"float32 GEMV: {cpu.f32_gemv()};" in line
     assert all(isinstance(v, bool) for v in cpu.features().values())
 
 
@@ -162,24 +163,28 @@ def float32_path(monkeypatch, rows):
     return seen
 
 
-INTEL = "an Intel CPU (vendor_id GenuineIntel): few-row float32 products run linear here"
+ON_INTEL_AVX512 = cpu.cpuinfo_field("vendor_id") == "GenuineIntel" and cpu.features()["avx512"]
+INTEL = "an Intel CPU with AVX-512: few-row float32 products run linear here"
 
 
-def test_the_float32_gemv_follows_the_cpu_vendor(monkeypatch):
-    for vendor, expected in (("GenuineIntel", "linear"), ("AuthenticAMD", "transposed"), (None, "transposed")):
+def test_the_float32_gemv_follows_the_cpu_vendor_and_features(monkeypatch):
+    real = cpu.features()
+    for vendor, avx512, expected in (("GenuineIntel", True, "linear"), ("GenuineIntel", False, "transposed"),
+                                     ("AuthenticAMD", True, "transposed"), (None, True, "transposed")):
         monkeypatch.setattr(cpu, "cpuinfo_field", lambda key, cpuinfo=None, v=vendor: v)
+        monkeypatch.setattr(cpu, "features", lambda a=avx512: {**real, "avx512": a})
         cpu.f32_gemv.cache_clear()
-        assert cpu.f32_gemv() == expected, vendor
+        assert cpu.f32_gemv() == expected, (vendor, avx512)
 
 
-@pytest.mark.skipif(cpu.cpuinfo_field("vendor_id") != "GenuineIntel", reason="not " + INTEL)
+@pytest.mark.skipif(not ON_INTEL_AVX512, reason="not " + INTEL)
 def test_few_float32_rows_run_linear_on_an_intel_cpu(monkeypatch):
     assert cpu.f32_gemv() == "linear"
     assert float32_path(monkeypatch, 1) == [("linear", 1)]
     assert float32_path(monkeypatch, 3) == [("linear", 3)]
 
 
-@pytest.mark.skipif(cpu.cpuinfo_field("vendor_id") == "GenuineIntel", reason=INTEL)
+@pytest.mark.skipif(ON_INTEL_AVX512, reason=INTEL)
 def test_few_float32_rows_run_transposed_with_an_even_row_count_elsewhere(monkeypatch):
     assert cpu.f32_gemv() == "transposed"
     assert float32_path(monkeypatch, 1) == [("matmul", 2)]  # the row repeated for a wide weight

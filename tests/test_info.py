@@ -11,8 +11,11 @@ from kvwire.layers import cpu
 
 
 @pytest.fixture
-def fresh_choices():
-    """Clear the cached choices before and after (they read the environment once)."""
+def fresh_choices(monkeypatch):
+    """No overriding variables from the caller's shell; the cached choices cleared before and after
+    (they read the environment once)."""
+    for name in ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_GGML_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
     cpu.bf16_gemm.cache_clear()
     cpu.f32_gemv.cache_clear()
     yield

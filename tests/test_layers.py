@@ -8,7 +8,8 @@ from kvwire.layers.linear import SMALL_ROWS, linear
 
 @pytest.fixture(autouse=True)
 def fresh_gemv():
-    """The float32 GEMV choice reads KVWIRE_F32_GEMV once: tests that set it start and end afresh."""
+    """The float32 GEMV choice reads KVWIRE_F32_GEMV once: tests that set it clear it first, and
+    it is cleared after every test here."""
     yield
     cpu.f32_gemv.cache_clear()
 

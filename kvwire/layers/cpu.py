@@ -10,9 +10,10 @@ they are, no second copy); `packed` or `native` on a CPU without bf16 units is r
 missing feature.
 
 Float32 products of a few rows (decode) are memory-bound GEMVs whose speed depends on how MKL
-dispatches on the CPU: on Intel CPUs `nn.functional.linear` (x @ W^T) streams the weights fastest
-("linear"); elsewhere (AMD, where MKL takes generic code paths) W @ x^T is 1.5-4x faster, with one
-row repeated for wide weights and an MKL-packed copy of the head at batch 1 ("transposed",
+dispatches on the CPU: on Intel CPUs with AVX-512 `nn.functional.linear` (x @ W^T) streams the
+weights fastest ("linear"); elsewhere (AMD, where MKL takes generic code paths, and the machines not
+measured) W @ x^T is 1.5-4x faster, with one row repeated for wide or square weights and an
+MKL-packed copy of the head at batch 1 ("transposed",
 `linear.linear`). `KVWIRE_F32_GEMV` (`linear` / `transposed`) overrides the choice; both give the
 same values (to float32 rounding) on any CPU.
 """
@@ -63,13 +64,14 @@ def bf16_gemm():
 
 @lru_cache(maxsize=None)
 def f32_gemv():
-    """'linear' (few-row float32 products through `nn.functional.linear`) on Intel CPUs, else
-    'transposed' (W @ x^T); measured (README, session 23):
+    """'linear' (few-row float32 products through `nn.functional.linear`) on Intel CPUs with
+    AVX-512, else 'transposed' (W @ x^T; also where /proc/cpuinfo is missing); measured (README, session 23):
     an Intel Xeon with AMX decoded the default model at 16.9 against 11.0 tokens/s with 'linear',
     an AMD EPYC (Zen 4) at 1.44x transformers with 'transposed', where transformers' `linear` is slow."""
     asked = os.environ.get("KVWIRE_F32_GEMV", "").strip().lower()
     if not asked:
-        return "linear" if cpuinfo_field("vendor_id") == "GenuineIntel" else "transposed"
+        # only the AVX-512 Xeon was measured: other Intel CPUs keep the path they had
+        return "linear" if cpuinfo_field("vendor_id") == "GenuineIntel" and features()["avx512"] else "transposed"
     if asked not in F32_CHOICES:
         raise ValueError(f"KVWIRE_F32_GEMV={asked!r}; expected one of {', '.join(F32_CHOICES)}")
     return asked
