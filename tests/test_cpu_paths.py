@@ -212,3 +212,36 @@ def test_the_float32_head_is_packed_only_on_the_transposed_path(monkeypatch):
         cpu.f32_gemv.cache_clear()
         with torch.inference_mode():
             assert WeightPack().kind(x, w, None) == kind
+
+
+def flash_dtypes(monkeypatch, lm, prompt):
+    """The dtypes the flash kernel received over a generation of `prompt`, and its log-probs."""
+    from kvwire.layers import attention
+
+    seen, real = [], attention._flash
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_flash", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, kw["attn_mask"].dtype))
+                  or real(q, k, v, **kw))
+        out = lm.generate(prompt, max_new_tokens=3, ignore_eos=True, return_logprobs=True)
+    return set(seen), out
+
+
+@pytest.mark.skipif(not cpu.native_bf16(), reason=NO_BF16_UNITS)
+def test_a_bf16_prompt_attends_in_bf16_on_a_cpu_with_bf16_units(monkeypatch):
+    """A bf16 model's prompt runs the flash kernel in bf16 where the CPU has bf16 units (and in
+    float32 when told to upcast, or for a float32 model); the log-probs stay within bf16 rounding of
+    the float32 kernel's."""
+    from .test_devices import tiny_lm
+
+    lm = tiny_lm("gemma3", dtype="bfloat16")
+    prompt = torch.randint(3, lm.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    native, fast = flash_dtypes(monkeypatch, lm, prompt)
+    assert native == {(torch.bfloat16,) * 3}
+    monkeypatch.setenv("KVWIRE_BF16_GEMM", "upcast")
+    cpu.bf16_gemm.cache_clear()
+    upcast, slow = flash_dtypes(monkeypatch, lm, prompt)
+    assert upcast == {(torch.float32,) * 3}
+    torch.testing.assert_close(torch.tensor(fast.logprobs), torch.tensor(slow.logprobs), atol=0.02, rtol=0)  # measured 0.004
+    monkeypatch.delenv("KVWIRE_BF16_GEMM")
+    cpu.bf16_gemm.cache_clear()
+    assert flash_dtypes(monkeypatch, lm.to(torch.float32), prompt)[0] == {(torch.float32,) * 3}
