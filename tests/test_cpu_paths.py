@@ -226,11 +226,24 @@ def flash_dtypes(monkeypatch, lm, prompt):
     return set(seen), out
 
 
+def test_a_prompt_attends_in_float32_when_bf16_is_upcast_or_the_model_is_float32(monkeypatch):
+    """Any CPU: with many-row bf16 products upcast (the default without bf16 units) a bf16 model's
+    prompt runs the flash kernel in float32, as does a float32 model's."""
+    from .test_devices import tiny_lm
+
+    monkeypatch.setenv("KVWIRE_BF16_GEMM", "upcast")
+    lm = tiny_lm("gemma3", dtype="bfloat16")
+    prompt = torch.randint(3, lm.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    assert flash_dtypes(monkeypatch, lm, prompt)[0] == {(torch.float32,) * 3}
+    monkeypatch.delenv("KVWIRE_BF16_GEMM")
+    cpu.bf16_gemm.cache_clear()
+    assert flash_dtypes(monkeypatch, lm.to(torch.float32), prompt)[0] == {(torch.float32,) * 3}
+
+
 @pytest.mark.skipif(not cpu.native_bf16(), reason=NO_BF16_UNITS)
 def test_a_bf16_prompt_attends_in_bf16_on_a_cpu_with_bf16_units(monkeypatch):
-    """A bf16 model's prompt runs the flash kernel in bf16 where the CPU has bf16 units (and in
-    float32 when told to upcast, or for a float32 model); the log-probs stay within bf16 rounding of
-    the float32 kernel's."""
+    """A bf16 model's prompt runs the flash kernel in bf16 where the CPU has bf16 units; the
+    log-probs stay within bf16 rounding of the float32 kernel's (upcast)."""
     from .test_devices import tiny_lm
 
     lm = tiny_lm("gemma3", dtype="bfloat16")
@@ -242,6 +255,3 @@ def test_a_bf16_prompt_attends_in_bf16_on_a_cpu_with_bf16_units(monkeypatch):
     upcast, slow = flash_dtypes(monkeypatch, lm, prompt)
     assert upcast == {(torch.float32,) * 3}
     torch.testing.assert_close(torch.tensor(fast.logprobs), torch.tensor(slow.logprobs), atol=0.02, rtol=0)  # measured 0.004
-    monkeypatch.delenv("KVWIRE_BF16_GEMM")
-    cpu.bf16_gemm.cache_clear()
-    assert flash_dtypes(monkeypatch, lm.to(torch.float32), prompt)[0] == {(torch.float32,) * 3}

@@ -68,9 +68,12 @@ def test_one_row_pack_matches_linear_and_follows_weight_edits(monkeypatch):
 
 
 @pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row"])
-def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, cache_seen):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, cache_seen, dtype):
     """The fused kernel runs per block and skips a block no row sees, or the masking after it when
-    every row sees a key; merged, it equals dense attention over both blocks at once (GQA 4/1)."""
+    every row sees a key; merged, it equals dense attention over both blocks at once (GQA 4/1). For
+    a bf16 layer on a CPU with bf16 units the kernel runs in bf16 (output and merge float32): within
+    bf16 rounding of the dense float32 path."""
     from kvwire.layers import attention
     from kvwire.layers.shared import per_call
 
@@ -90,13 +93,16 @@ def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, ca
     blocks = [(cache_k, cache_v, old), (chunk_k, chunk_v, causal)]
     calls = []
     flash = attention._flash
-    monkeypatch.setattr(attention, "_flash", lambda *a, **k: calls.append(1) or flash(*a, **k))
+    monkeypatch.setattr(attention, "_flash", lambda *a, **k: calls.append(a[0].dtype) or flash(*a, **k))
     with per_call():
-        fused = attn._attend(q, blocks)
-    assert len(calls) == (1 if cache_seen == "none" else 2)  # the fused kernel ran, once a block seen
+        fused = attn._attend(q, blocks, dtype)
+    kernel = torch.bfloat16 if dtype == torch.bfloat16 and cpu.bf16_gemm() != "upcast" else torch.float32
+    assert calls == [kernel] * (1 if cache_seen == "none" else 2)  # the fused kernel ran, once a block seen
+    assert fused.dtype == torch.float32
     monkeypatch.setattr(attention, "FLASH_ROWS", 10 ** 9)
     dense = attn._attend(q, blocks)
-    torch.testing.assert_close(fused, dense, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if kernel == torch.float32 else 2e-2  # bf16 rounding of q, k, v and the probabilities
+    torch.testing.assert_close(fused, dense, atol=tol, rtol=tol)
     bias, seen = attention._flash_bias(old, 4)
     assert (bias is None) == (cache_seen == "none") and (seen is None) == (cache_seen != "some rows")
 

@@ -39,7 +39,9 @@ class Attention(Layer):
 
     Shapes: x (B, T, D) -> (B, T, D). The cache is a (key, value) pair, each
     (B, num_kv_heads, slots, head_dim), where slots = max_length, or window - 1 for a sliding layer.
-    Scores, softmax and the cache are float32 whatever the weights' dtype.
+    Scores, softmax and the cache are float32 whatever the weights' dtype, but for a bf16 prompt's
+    flash kernel on a CPU with bf16 units (bf16 inputs, probabilities rounded to bf16 inside it; its
+    output and the cache stay float32).
 
     Example:
         >>> attn = Attention(16, 4, 2, 4)
@@ -165,8 +167,9 @@ class Attention(Layer):
         B, H, T, hd = q.shape
         # A bfloat16 model on a CPU with bf16 units (`cpu.bf16_gemm()`) runs the kernel in bf16, as
         # transformers does: the default model's 512-token prefill 0.36 -> 0.30 s on an AMX Xeon.
-        # Queries, keys and values are rounded to bf16 for it; the output, the log-sum-exp merge
-        # and the caches stay float32.
+        # Queries, keys and values are rounded to bf16 for it (a cache block is copied to bf16 whole,
+        # every slot, as the kernel reads every slot anyway); the output, the log-sum-exp merge and
+        # the caches stay float32.
         kernel = torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm() != "upcast" else torch.float32
         qg = q.reshape(B, self.num_kv_heads, -1, hd).to(kernel).contiguous()
         outs, lses = [], []
