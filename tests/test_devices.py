@@ -195,9 +195,22 @@ def _tied_name(lm):
     return next((n for n, p in lm.backbone.named_parameters() if p is lm.head.weight), None)
 
 
+@pytest.fixture
+def packed_float32_head(monkeypatch):
+    """The head's float32 pack made from its first product (any CPU: the 'transposed' path), so a
+    test can see it made and then dropped."""
+    from kvwire.layers import cpu
+
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "transposed")
+    cpu.f32_gemv.cache_clear()
+    yield lambda lm: setattr(lm.head.pack, "after", 1)
+    cpu.f32_gemv.cache_clear()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
-def test_to_meta_moves_every_parameter_buffer_and_cache(family):
+def test_to_meta_moves_every_parameter_buffer_and_cache(family, packed_float32_head):
     lm = tiny_lm(family)
+    packed_float32_head(lm)
     tied = _tied_name(lm)
     # the head reads a backbone weight: llama's untied output matrix (backbone.lm_head), else the embedding
     assert tied.startswith("lm_head.") == (family == "llama")
@@ -207,6 +220,8 @@ def test_to_meta_moves_every_parameter_buffer_and_cache(family):
     lm.generate("Hello", max_new_tokens=3)  # kept caches, the cached graph and the head's packed copy
     steered.generate("Hello", max_new_tokens=3)
     assert lm._caches and steered._caches
+    if torch.backends.mkl.is_available():
+        assert lm.head.pack.packed is not None  # made, so dropping it below is seen
     assert lm.to("meta") is lm and steered.to("meta") is steered
     for model in (lm, steered):
         assert model.device == torch.device("meta")
@@ -226,14 +241,17 @@ def test_to_meta_moves_every_parameter_buffer_and_cache(family):
             assert {v.device.type for v in steers[0].runtime_defaults(2, lengths).values()} == {"meta"}
 
 
-def test_to_a_dtype_after_generating_equals_loading_in_that_dtype():
+def test_to_a_dtype_after_generating_equals_loading_in_that_dtype(packed_float32_head):
     """Kept caches stay float32 and the packed float32 head copy is dropped, so a cast model
     generates as one loaded in the dtype."""
     hf = MAKERS["llama"]()
     lm = kw.from_hf(hf)
+    packed_float32_head(lm)
     lm.tokenizer = char_level()
     lm.generate(PROMPTS, max_new_tokens=4)
     lm.generate("Hello", max_new_tokens=4)
+    if torch.backends.mkl.is_available():
+        assert lm.head.pack.packed is not None  # made, so dropping it below is seen
     lm.to(torch.bfloat16)
     assert all(t.dtype == CACHE_DTYPE for t in _tensors(lm) if t.dim() == 4)
     assert lm.head.weight.dtype == torch.bfloat16 and lm.head.pack.packed is None
