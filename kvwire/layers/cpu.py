@@ -13,8 +13,7 @@ Float32 products of a few rows (decode) are memory-bound GEMVs whose speed depen
 dispatches on the CPU: on Intel CPUs with AVX-512 `nn.functional.linear` (x @ W^T) streams the
 weights fastest ("linear"); elsewhere (AMD, where MKL takes generic code paths, and the machines not
 measured) W @ x^T is 1.5-4x faster, with one row repeated for wide or square weights and an
-MKL-packed copy of the head at batch 1 ("transposed",
-`linear.linear`). `KVWIRE_F32_GEMV` (`linear` / `transposed`) overrides the choice; both give the
+MKL-packed copy of the head at batch 1 ("transposed", `linear.linear`). `KVWIRE_F32_GEMV` (`linear` / `transposed`) overrides the choice; both give the
 same values (to float32 rounding) on any CPU.
 """
 import os
@@ -65,8 +64,8 @@ def bf16_gemm():
 @lru_cache(maxsize=None)
 def f32_gemv():
     """'linear' (few-row float32 products through `nn.functional.linear`) on Intel CPUs with
-    AVX-512, else 'transposed' (W @ x^T; also where /proc/cpuinfo is missing); measured (README, session 23):
-    an Intel Xeon with AMX decoded the default model at 16.9 against 11.0 tokens/s with 'linear',
+    AVX-512, else 'transposed' (W @ x^T; also where /proc/cpuinfo is missing). Measured (README,
+    session 23): an Intel Xeon with AMX decoded the default model at 16.9 against 11.0 tokens/s with 'linear',
     an AMD EPYC (Zen 4) at 1.44x transformers with 'transposed', where transformers' `linear` is slow."""
     asked = os.environ.get("KVWIRE_F32_GEMV", "").strip().lower()
     if not asked:
