@@ -254,4 +254,5 @@ def test_a_bf16_prompt_attends_in_bf16_on_a_cpu_with_bf16_units(monkeypatch):
     cpu.bf16_gemm.cache_clear()
     upcast, slow = flash_dtypes(monkeypatch, lm, prompt)
     assert upcast == {(torch.float32,) * 3}
-    torch.testing.assert_close(torch.tensor(fast.logprobs), torch.tensor(slow.logprobs), atol=0.02, rtol=0)  # measured 0.004
+    # bf16 rounding of q, k, v: measured 0.004
+    torch.testing.assert_close(torch.tensor(fast.logprobs), torch.tensor(slow.logprobs), atol=0.02, rtol=0)

@@ -1,8 +1,8 @@
 """Linear maps with a CPU kernel choice that matters for decoding.
 
 For a few rows (decode: batch x 1 token) where `cpu.f32_gemv()` is "transposed" (not an Intel CPU
-with AVX-512), MKL's float32 GEMM is far faster on W @ x^T than on the x @ W^T that `nn.functional.linear` runs: measured
-on an AMD CPU, the 262144 x 640 head at 4 rows took
+with AVX-512), MKL's float32 GEMM is far faster on W @ x^T than on the x @ W^T that
+`nn.functional.linear` runs: measured on an AMD CPU, the 262144 x 640 head at 4 rows took
 69 ms against 272 ms, a 2048 x 640 projection at 1 row 0.2 ms against 0.44 ms. With weights
 streamed from memory (as in a real model), a wide weight (out > in) is read about 1.6x faster for
 an even number of rows than for one or three, and a square one about 1.5x (bench/gemv.py on an
@@ -56,8 +56,8 @@ class WeightPack:
 
     - float32, one row (batch-1 decode; the head's pack) where `cpu.f32_gemv()` is "transposed":
       MKL-packed (on an Intel CPU with AVX-512, "linear", the pack read no faster than `linear`: not
-      made). The default model's 262144 x 640 head in 43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms with
-      `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best
+      made). The default model's 262144 x 640 head in 43-49 ms instead of 54-58 ms with the
+      repeated row or 74-77 ms with `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best
       of 4, interleaved). Packing that head takes about a second.
     - bfloat16, any row count, where `cpu.bf16_gemm()` is "packed" (a CPU with bf16 units): oneDNN's
       blocked layout, the same values as `linear` on the dense input bit for bit. Unpacked, oneDNN re-lays the weight out
