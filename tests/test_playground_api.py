@@ -81,7 +81,9 @@ def test_training_during_a_stream_swaps_after_it(lm, server, api):
     assert server.app.state.bridge.swaps == 1
     assert "joy" in api.get("/v1/models/tiny").json()["control_vectors"]
     assert [v["name"] for v in api.get("/kvwire/vectors").json()["data"]] == ["happy", "formal", "joy"]
-    graph = api.get("/kvwire/graph").json()
+    graph = api.get("/kvwire/graph")
+    assert graph.status_code == 200, graph.json()  # 503 names what is missing (Graphviz's `dot`)
+    graph = graph.json()
     assert sorted(n for n, v in graph["steer_nodes"].items() if v == "joy") == ["layers_1__steer_2", "layers_2__steer_1"]
     assert graph["svg"].count("#ffb347") == 6  # every Steer layer orange
 
