@@ -203,15 +203,44 @@ def test_the_float32_gemv_can_be_forced_and_a_bad_value_is_refused(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL in this torch build: nothing is packed")
-def test_the_float32_head_is_packed_only_on_the_transposed_path(monkeypatch):
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_the_float32_heads_pack_follows_the_gemv_choice(monkeypatch):
+    """'transposed': MKL's pack at one row only; 'linear': oneDNN's at 2-64 rows (batched decode),
+    none at one row or a prompt's many."""
     from kvwire.layers.linear import WeightPack
 
-    x, w = torch.randn(1, 1, 64), torch.randn(96, 64)
-    for asked, kind in (("linear", None), ("transposed", "mkl")):
+    w = torch.randn(96, 64)
+    for asked, kinds in (("linear", {1: None, 2: "onednn", 4: "onednn", 64: "onednn", 65: None}),
+                         ("transposed", {1: "mkl", 2: None, 4: None, 65: None})):
         monkeypatch.setenv("KVWIRE_F32_GEMV", asked)
         cpu.f32_gemv.cache_clear()
         with torch.inference_mode():
-            assert WeightPack().kind(x, w, None) == kind
+            got = {rows: WeightPack().kind(torch.randn(rows, 1, 64), w, None) for rows in kinds}
+        assert got == kinds, asked
+        with torch.inference_mode():  # a layer's pack (float32=False) and a biased product: never
+            assert WeightPack(float32=False).kind(torch.randn(4, 1, 64), w, None) is None
+            assert WeightPack().kind(torch.randn(4, 1, 64), w, torch.zeros(96)) is None
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_batched_float32_decode_on_the_packed_head_gives_the_unpacked_tokens(monkeypatch):
+    """The 'linear' path (forced, so any CPU runs it): a batch of 3 generating long enough to pack
+    the head (64 products) gives the tokens and log-probs of the same run with packing off."""
+    from .test_devices import tiny_lm
+
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "linear")
+    cpu.f32_gemv.cache_clear()
+    lm = tiny_lm("gemma3")
+    runs = {}
+    for after in (10**9, 1):
+        lm.head.pack.after = after
+        out = lm.generate(["Hello there", "A", "xyz"], max_new_tokens=70, ignore_eos=True, return_logprobs=True)
+        runs[after] = out
+        assert (lm.head.pack.packed is not None) == (after == 1)
+    assert runs[1].tokens == runs[10**9].tokens
+    torch.testing.assert_close(runs[1].logprobs, runs[10**9].logprobs, atol=1e-4, rtol=1e-4)
+    lm.reset_caches()
+    assert lm.head.pack.packed is None
 
 
 def flash_dtypes(monkeypatch, lm, prompt):

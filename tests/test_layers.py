@@ -67,6 +67,29 @@ def test_one_row_pack_matches_linear_and_follows_weight_edits(monkeypatch):
     cpu.bf16_gemm.cache_clear()
 
 
+def test_few_row_float32_pack_matches_linear(monkeypatch):
+    """The 'linear' path's head pack (oneDNN, 2-64 rows) equals `linear` to float32 rounding, for
+    3-D and strided inputs, and follows an in-place edit of the weight."""
+    from kvwire.layers.linear import WeightPack
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "linear")
+    cpu.f32_gemv.cache_clear()  # and after the test (`fresh_gemv`)
+    pack = WeightPack(after=2)
+    w = torch.randn(300, 48)
+    x = torch.randn(4, 1, 48)
+    with torch.inference_mode():
+        assert pack(x, w) is None and pack.packed is None
+        torch.testing.assert_close(pack(x, w), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+        strided = torch.randn(4, 96)[:, ::2].unsqueeze(1)  # (4, 1, 48), not contiguous
+        torch.testing.assert_close(pack(strided, w), torch.nn.functional.linear(strided, w), atol=1e-5, rtol=1e-5)
+        w.mul_(-1.0)
+        assert pack(x, w) is None
+        torch.testing.assert_close(pack(x, w), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+        assert pack(x[:1], w) is None  # one row: `linear` reads as fast
+
+
 @pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, cache_seen, dtype):

@@ -54,17 +54,21 @@ def linear(x, weight, bias=None):
 class WeightPack:
     """A copy of a weight in the layout the CPU's fastest kernel reads, for the products it pays in:
 
-    - float32, one row (batch-1 decode; the head's pack) where `cpu.f32_gemv()` is "transposed":
-      MKL-packed (on an Intel CPU with AVX-512, "linear", the pack read no faster than `linear`: not
-      made). The default model's 262144 x 640 head in 43-49 ms instead of 54-58 ms with the
-      repeated row or 74-77 ms with `linear` (two runs of bench/gemv.py); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best
-      of 4, interleaved). Packing that head takes about a second.
+    - float32 (the head's pack), by `cpu.f32_gemv()`:
+      "transposed", one row (batch-1 decode): MKL-packed. The default model's 262144 x 640 head in
+      43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms with `linear` (two runs of
+      bench/gemv.py, AMD); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best of 4,
+      interleaved). Packing that head takes about 1.5 s.
+      "linear" (an Intel CPU with AVX-512), 2 to 64 rows (batched decode): oneDNN-packed. On an AMX
+      Xeon the head at 4 rows took 39 against 80 ms with `linear`, at 8 rows 42 against 127 ms;
+      batch-4 decode 36.7 against 28.8 tokens/s (same process). One row stays on `linear`, which
+      reads as fast as either pack there. Packing takes about 0.3 s.
     - bfloat16, any row count, where `cpu.bf16_gemm()` is "packed" (a CPU with bf16 units): oneDNN's
       blocked layout, the same values as `linear` on the dense input bit for bit. Unpacked, oneDNN re-lays the weight out
       on every call: at one row a 2048 x 640 projection took 0.079 against 0.039 ms packed, the head
       19.0 against 12.9 ms (memory speed); 0.249 against 0.206 ms at 32 rows, ~2 % less at 512.
 
-    Either way the copy is a second one in memory (the weight's size: 671 MB for the float32 head,
+    Any way the copy is a second one in memory (the weight's size: 671 MB for the float32 head,
     335 MB bf16), made once `after` products have read the same weight so short runs (`kvwire
     generate`, a first token) skip it, rebuilt when the weight changes (in-place edits bump its
     version), and freed by `lm.reset_caches()` (`clear`).
@@ -89,10 +93,14 @@ class WeightPack:
             return None
         if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype) and bf16_gemm() == "packed":
             return "onednn"
-        if (self.float32 and x.dtype == torch.float32 and bias is None and x.numel() == x.shape[-1]
-                and torch.backends.mkl.is_available() and f32_gemv() == "transposed"):
-            return "mkl"
-        return None
+        if not (self.float32 and x.dtype == torch.float32 and bias is None):
+            return None
+        rows = x.numel() // x.shape[-1]
+        if f32_gemv() == "transposed":
+            return "mkl" if rows == 1 and torch.backends.mkl.is_available() else None
+        # "linear": MKL's x @ W^T of 4 or 8 rows on the default model's head ran at a third of memory
+        # speed (80 / 127 ms against 29 ms for one row), oneDNN's packed kernel at ~39 ms
+        return "onednn" if 2 <= rows <= SMALL_ROWS and torch.backends.mkldnn.is_available() else None
 
     def __call__(self, x, weight, bias=None):
         kind = self.kind(x, weight, bias)
