@@ -204,43 +204,56 @@ def test_the_float32_gemv_can_be_forced_and_a_bad_value_is_refused(monkeypatch):
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL in this torch build: nothing is packed")
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
-def test_the_float32_heads_pack_follows_the_gemv_choice(monkeypatch):
-    """'transposed': MKL's pack at one row only; 'linear': oneDNN's at 2-64 rows (batched decode),
-    none at one row or a prompt's many."""
+def test_float32_packs_follow_the_gemv_choice(monkeypatch):
+    """'transposed': MKL's pack for the head at one row only; 'linear': oneDNN's for the head and
+    MKL's for projections at 2-64 rows (batched decode), none at one row or a prompt's many."""
     from kvwire.layers.linear import WeightPack
 
     w = torch.randn(96, 64)
-    for asked, kinds in (("linear", {1: None, 2: "onednn", 4: "onednn", 64: "onednn", 65: None}),
-                         ("transposed", {1: "mkl", 2: None, 4: None, 65: None})):
+    expected = {("linear", "head"): {1: None, 2: "onednn", 4: "onednn", 64: "onednn", 65: None},
+                ("linear", "projection"): {1: None, 2: "mkl", 4: "mkl", 64: "mkl", 65: None},
+                ("transposed", "head"): {1: "mkl", 2: None, 4: None, 65: None},
+                ("transposed", "projection"): {1: None, 2: None, 4: None, 65: None}}
+    for (asked, role), kinds in expected.items():
         monkeypatch.setenv("KVWIRE_F32_GEMV", asked)
         cpu.f32_gemv.cache_clear()
         with torch.inference_mode():
-            got = {rows: WeightPack().kind(torch.randn(rows, 1, 64), w, None) for rows in kinds}
-        assert got == kinds, asked
-        with torch.inference_mode():  # a layer's pack (float32=False) and a biased product: never
-            assert WeightPack(float32=False).kind(torch.randn(4, 1, 64), w, None) is None
-            assert WeightPack().kind(torch.randn(4, 1, 64), w, torch.zeros(96)) is None
+            got = {rows: WeightPack(role=role).kind(torch.randn(rows, 1, 64), w, None) for rows in kinds}
+            assert got == kinds, (asked, role)
+            # a biased product: a projection's MKL pack adds the bias, the head has none
+            biased = WeightPack(role=role).kind(torch.randn(4, 1, 64), w, torch.zeros(96))
+            assert biased == ("mkl" if (asked, role) == ("linear", "projection") else None), (asked, role)
+    with pytest.raises(ValueError, match=r"role='lm_head'; expected 'head' or 'projection'"):
+        WeightPack(role="lm_head")
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
-def test_batched_float32_decode_on_the_packed_head_gives_the_unpacked_tokens(monkeypatch):
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available()),
+                    reason="no oneDNN or no MKL in this torch build")
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_batched_float32_decode_on_packed_weights_gives_the_unpacked_tokens(monkeypatch, family):
     """The 'linear' path (forced, so any CPU runs it): a batch of 3 generating long enough to pack
-    the head (64 products) gives the tokens and log-probs of the same run with packing off."""
+    the head and every projection (64 products each) gives the tokens and log-probs of the same
+    run with packing off; `reset_caches` frees the copies."""
+    from kvwire.layers.linear import WeightPack
+
     from .test_devices import tiny_lm
 
     monkeypatch.setenv("KVWIRE_F32_GEMV", "linear")
     cpu.f32_gemv.cache_clear()
-    lm = tiny_lm("gemma3")
+    lm = tiny_lm(family)
+    packs = [m.pack for m in lm.modules() if isinstance(getattr(m, "pack", None), WeightPack)]
+    assert len(packs) > 4  # the head's and every projection's (gpt2: with biases)
     runs = {}
-    for after in (10**9, 1):
-        lm.head.pack.after = after
-        out = lm.generate(["Hello there", "A", "xyz"], max_new_tokens=70, ignore_eos=True, return_logprobs=True)
-        runs[after] = out
-        assert (lm.head.pack.packed is not None) == (after == 1)
-    assert runs[1].tokens == runs[10**9].tokens
-    torch.testing.assert_close(runs[1].logprobs, runs[10**9].logprobs, atol=1e-4, rtol=1e-4)
+    for after in (10**9, 64):
+        for p in packs:
+            p.after = after
+        runs[after] = lm.generate(["Hello there", "A", "xyz"], max_new_tokens=70, ignore_eos=True,
+                                  return_logprobs=True)
+        assert all((p.packed is not None) == (after == 64) for p in packs), after
+    assert runs[64].tokens == runs[10**9].tokens
+    torch.testing.assert_close(runs[64].logprobs, runs[10**9].logprobs, atol=1e-4, rtol=1e-4)
     lm.reset_caches()
-    assert lm.head.pack.packed is None
+    assert all(p.packed is None for p in packs)
 
 
 def flash_dtypes(monkeypatch, lm, prompt):

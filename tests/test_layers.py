@@ -90,6 +90,33 @@ def test_few_row_float32_pack_matches_linear(monkeypatch):
         assert pack(x[:1], w) is None  # one row: `linear` reads as fast
 
 
+def test_few_row_float32_projection_pack_adds_the_bias_and_follows_the_row_count(monkeypatch):
+    """The 'linear' path's projection pack (MKL, made for one row count) equals `linear` with a
+    bias; another row count takes `linear` (the pack kept: a prompt chunk between decode steps)
+    until `after` such products come in a row, then it is packed for that count."""
+    from kvwire.layers.linear import WeightPack
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("no MKL in this torch build")
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "linear")
+    cpu.f32_gemv.cache_clear()  # and after the test (`fresh_gemv`)
+    pack = WeightPack(after=2, role="projection")
+    w, b = torch.randn(300, 48), torch.randn(300)
+    x4, x3 = torch.randn(4, 1, 48), torch.randn(3, 1, 48)
+    close = lambda got, x: torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-5,  # noqa: E731
+                                                      rtol=1e-5)
+    with torch.inference_mode():
+        assert pack(x4, w, b) is None
+        close(pack(x4, w, b), x4)
+        assert pack.rows == 4
+        for _ in range(3):  # 3 rows between 4-row products: `linear`, and the 4-row pack stays
+            assert pack(x3, w, b) is None
+            close(pack(x4, w, b), x4)
+        assert pack.rows == 4 and pack(x3, w, b) is None
+        close(pack(x3, w, b), x3)  # the second 3-row product in a row: packed for 3
+        assert pack.rows == 3
+
+
 @pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, cache_seen, dtype):

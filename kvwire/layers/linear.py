@@ -52,60 +52,75 @@ def linear(x, weight, bias=None):
 
 
 class WeightPack:
-    """A copy of a weight in the layout the CPU's fastest kernel reads, for the products it pays in:
+    """A copy of a weight in the layout the CPU's fastest kernel reads, for the products it pays in.
+    `role`: "head" (the language-model head) or "projection" (a layer's `Linear`).
 
-    - float32 (the head's pack), by `cpu.f32_gemv()`:
-      "transposed", one row (batch-1 decode): MKL-packed. The default model's 262144 x 640 head in
-      43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms with `linear` (two runs of
-      bench/gemv.py, AMD); batch-1 decode 10.2 against 8.8 tokens/s unpacked (best of 4,
-      interleaved). Packing that head takes about 1.5 s.
-      "linear" (an Intel CPU with AVX-512), 2 to 64 rows (batched decode): oneDNN-packed. On an AMX
-      Xeon the head at 4 rows took 39 against 80 ms with `linear`, at 8 rows 42 against 127 ms;
-      batch-4 decode 36.7 against 28.8 tokens/s (same process). One row stays on `linear`, which
-      reads as fast as either pack there. Packing takes about 0.3 s.
+    - float32, by `cpu.f32_gemv()`:
+      "transposed" (AMD, AVX2), the head at one row (batch-1 decode): MKL-packed. The default
+      model's 262144 x 640 head in 43-49 ms instead of 54-58 ms with the repeated row or 74-77 ms
+      with `linear` (two runs of bench/gemv.py, AMD); batch-1 decode 10.2 against 8.8 tokens/s
+      unpacked (best of 4, interleaved). Packing that head takes about 1.5 s. Projections gain
+      nothing from packing there (not copied).
+      "linear" (an Intel CPU with AVX-512), 2 to 64 rows (batched decode): MKL's `linear` runs 4 or
+      8 rows at a fraction of memory speed (the head: 80 / 127 ms against 29 ms for one row). The
+      head reads a oneDNN-packed copy (39 / 42 ms; packed in 0.3 s where MKL's pack takes 1.5 s
+      and reads no faster), projections MKL-packed copies made for that row count (per call
+      cheaper than oneDNN's: batch-4 decode 43-45 against 40-42 tokens/s with oneDNN's, 38-42
+      with none, same process; all 126 of the default model packed in ~0.15 s). One row stays on
+      `linear`, which reads as fast as any pack there.
     - bfloat16, any row count, where `cpu.bf16_gemm()` is "packed" (a CPU with bf16 units): oneDNN's
       blocked layout, the same values as `linear` on the dense input bit for bit. Unpacked, oneDNN re-lays the weight out
       on every call: at one row a 2048 x 640 projection took 0.079 against 0.039 ms packed, the head
       19.0 against 12.9 ms (memory speed); 0.249 against 0.206 ms at 32 rows, ~2 % less at 512.
 
     Any way the copy is a second one in memory (the weight's size: 671 MB for the float32 head,
-    335 MB bf16), made once `after` products have read the same weight so short runs (`kvwire
-    generate`, a first token) skip it, rebuilt when the weight changes (in-place edits bump its
-    version), and freed by `lm.reset_caches()` (`clear`).
+    401 MB for the default model's float32 projections, 335 MB for its bf16 head), made once
+    `after` products have read the same weight so short runs (`kvwire generate`, a first token) skip
+    it, rebuilt when the weight changes (in-place edits bump its version) or when `after` products
+    in a row come with another row count than an MKL pack's, and freed by `lm.reset_caches()`
+    (`clear`).
 
     Call `pack(x, weight, bias=None)`: the product (..., out), or None where it does not apply (other
     dtypes or row counts, autograd, compilers and exporters, no MKL / oneDNN, not yet `after` calls);
     the caller falls back to `linear`.
     """
 
-    def __init__(self, after=64, float32=True):
-        self.key = self.packed = None
-        self.after, self.float32 = after, float32
+    def __init__(self, after=64, role="head"):
+        if role not in ("head", "projection"):
+            raise ValueError(f"WeightPack role={role!r}; expected 'head' or 'projection'")
+        self.key = self.packed = self.rows = None
+        self.after, self.role = after, role
         self.calls = (None, 0)  # (weight key, products seen with it)
+        self.misses = 0  # products in a row of another row count than an MKL pack's
 
     def kind(self, x, weight, bias):
         """"mkl", "onednn" or None: the packed kernel this product can take."""
         if torch.compiler.is_compiling() or is_exporting():  # first: compilers cannot trace the rest
             return None
         if (x.device.type != "cpu" or type(x) is not torch.Tensor or x.dtype != weight.dtype
+                or (bias is not None and bias.dtype != x.dtype)
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                  or (bias is not None and bias.requires_grad)))):
             return None
-        if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype) and bf16_gemm() == "packed":
-            return "onednn"
-        if not (self.float32 and x.dtype == torch.float32 and bias is None):
+        if x.dtype == torch.bfloat16:
+            return "onednn" if bf16_gemm() == "packed" else None
+        if x.dtype != torch.float32:
             return None
         rows = x.numel() // x.shape[-1]
+        head = self.role == "head"
         if f32_gemv() == "transposed":
-            return "mkl" if rows == 1 and torch.backends.mkl.is_available() else None
-        # "linear": MKL's x @ W^T of 4 or 8 rows on the default model's head ran at a third of memory
-        # speed (80 / 127 ms against 29 ms for one row), oneDNN's packed kernel at ~39 ms
-        return "onednn" if 2 <= rows <= SMALL_ROWS and torch.backends.mkldnn.is_available() else None
+            return "mkl" if head and rows == 1 and bias is None and torch.backends.mkl.is_available() else None
+        if not 2 <= rows <= SMALL_ROWS:
+            return None
+        if head:
+            return "onednn" if bias is None and torch.backends.mkldnn.is_available() else None
+        return "mkl" if torch.backends.mkl.is_available() else None
 
     def __call__(self, x, weight, bias=None):
         kind = self.kind(x, weight, bias)
         if kind is None:
             return None
+        rows = x.numel() // x.shape[-1]
         key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape))
         if key != self.key:
             self.packed, self.key = None, None  # a stale copy (the weight changed) goes at once
@@ -114,27 +129,41 @@ class WeightPack:
             self.calls = (key, count)
             if count < self.after:
                 return None
-            w = weight.detach()
-            self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, 1) if kind == "mkl"
-                           else torch.ops.mkldnn._reorder_linear_weight(w, None))
+            self._pack(kind, weight, rows)
             self.key = key
+        elif kind == "mkl" and rows != self.rows:
+            # an MKL pack serves the row count it was made for (decode's, which most products have);
+            # others (a prompt's chunk) take `linear`, unless `after` of them come with none between
+            self.misses += 1
+            if self.misses < self.after:
+                return None
+            self._pack(kind, weight, rows)
+        else:
+            self.misses = 0
         if kind == "onednn":  # oneDNN reads x as dense: a strided view gives wrong values, not an error
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [None], "")
-        out = torch.ops.mkl._mkl_linear(x.reshape(1, -1), self.packed, weight, None, 1)
+        out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), self.packed, weight, bias, rows)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
+    def _pack(self, kind, weight, rows):
+        self.packed = None  # the old copy goes before the new one is made
+        w = weight.detach()
+        self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, rows) if kind == "mkl"
+                       else torch.ops.mkldnn._reorder_linear_weight(w, None))
+        self.rows, self.misses = rows, 0
+
     def clear(self):
-        self.key = self.packed = None
-        self.calls = (None, 0)
+        self.key = self.packed = self.rows = None
+        self.calls, self.misses = (None, 0), 0
 
     def __deepcopy__(self, memo):  # a copied model packs its own weight when it needs to
-        return WeightPack(self.after, self.float32)
+        return WeightPack(self.after, self.role)
 
     def __getstate__(self):  # pickled empty: a packed tensor has no storage to save
-        return {"after": self.after, "float32": self.float32}
+        return {"after": self.after, "role": self.role}
 
-    def __setstate__(self, state):
-        self.__init__(**state)
+    def __setstate__(self, state):  # pickles before `role` said float32=False for a projection's
+        self.__init__(state["after"], state.get("role", "head" if state.get("float32", True) else "projection"))
 
 
 def clear_packs(module):
@@ -147,13 +176,15 @@ def clear_packs(module):
 
 class Linear(nn.Linear):
     """`nn.Linear` computed with `linear` above, or on a packed copy of its weight (`WeightPack`:
-    bfloat16 where the CPU has bf16 units); same parameters, same results."""
+    bfloat16 where the CPU has bf16 units, float32 batched decode on an Intel CPU with AVX-512);
+    same parameters, same results (to float32 rounding)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pack = WeightPack(float32=False)
+        self.pack = WeightPack(role="projection")
 
     def forward(self, x):
-        # the pack is bf16's alone (float32=False): other dtypes skip its checks, ~2 us a call
-        out = self.pack(x, self.weight, self.bias) if x.dtype == torch.bfloat16 else None
+        # one float32 row (batch-1 decode) is never packed: it skips the pack's checks, ~2 us a call
+        packable = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.numel() != x.shape[-1])
+        out = self.pack(x, self.weight, self.bias) if packable else None
         return linear(x, self.weight, self.bias) if out is None else out
