@@ -118,19 +118,20 @@ class Attention(Layer):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and self.qk_norm_full:  # over all heads at once (OLMo 2)
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and not self.qk_norm_full:
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.qk_norm_full:  # per head, on the dense layout
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # Attention runs in float32 whatever the weights: reduced-precision batched matmuls are slow
         # on CPUs without native bf16, and the cache keeps full precision (no-ops for float32);
         # a bf16 prompt's flash kernel is the exception where the CPU has bf16 units (_attend_flash).
-        q, k, v = as_float32(q), as_float32(k), as_float32(v)
+        # The rotary's float32 tables promote a bf16 q or k in its first op: no float32 copy first.
         if self.rotary is not None:
             cos, sin = self.rotary.tables(positions)
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
-        return q, k, v
+        return as_float32(q), as_float32(k), as_float32(v)
 
     def _attend(self, q, blocks, dtype=torch.float32):
         """q (B, H, T, hd); blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd), mask (B|1, T, S_i)
@@ -171,14 +172,14 @@ class Attention(Layer):
         # every slot, as the kernel reads every slot anyway); the output, the log-sum-exp merge and
         # the caches stay float32.
         kernel = torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm() != "upcast" else torch.float32
-        qg = q.reshape(B, self.num_kv_heads, -1, hd).to(kernel).contiguous()
+        qg = _dense(q, kernel).view(B, self.num_kv_heads, -1, hd)
         outs, lses = [], []
         for k, v, mask in blocks:
             bias, seen = shared(_flash_bias, mask, H // self.num_kv_heads, kernel)
             if bias is None:  # e.g. the empty cache of a prompt's first chunk: nothing to attend
                 continue
             # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
-            k, v = k.to(kernel).contiguous(), v.to(kernel).contiguous()
+            k, v = _dense(k, kernel), _dense(v, kernel)
             out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
             out = as_float32(out)
             if seen is not None:  # rows that see no key of this block take no part in the merge
@@ -242,6 +243,14 @@ def _write(cache, index, tail):
     else:
         rows = torch.arange(tail.shape[0], device=index.device)[:, None]
         cache[rows, :, index] = tail.transpose(1, 2)  # advanced indices first: (B, n, H, hd)
+
+
+def _dense(t, dtype):
+    """t as a contiguous tensor of `dtype`, cast and laid out in one pass (`t.to(dtype).contiguous()`
+    of a strided view takes two)."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
 def _broadcast_matmul(a, b):

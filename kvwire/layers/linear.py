@@ -24,6 +24,10 @@ from .cpu import bf16_gemm, f32_gemv
 from .tracing import is_exporting
 
 SMALL_ROWS = 64
+# bf16 products read oneDNN-packed weights up to this many rows; from ~384 rows oneDNN's own per-call
+# path is faster (AMX Xeon, a default-model layer's five products: 3.86 against 4.13 ms packed at 320
+# rows, 4.86 against 3.80 ms at 384; a 640 x 2048 down projection at 512 rows 1.67 against 1.05 ms)
+PACKED_BF16_ROWS = 256
 _UPCAST = (torch.bfloat16, torch.float16)
 
 
@@ -68,10 +72,12 @@ class WeightPack:
       cheaper than oneDNN's: batch-4 decode 43-45 against 40-42 tokens/s with oneDNN's, 38-42
       with none, same process; all 126 of the default model packed in ~0.15 s). One row stays on
       `linear`, which reads as fast as any pack there.
-    - bfloat16, any row count, where `cpu.bf16_gemm()` is "packed" (a CPU with bf16 units): oneDNN's
-      blocked layout, the same values as `linear` on the dense input bit for bit. Unpacked, oneDNN re-lays the weight out
-      on every call: at one row a 2048 x 640 projection took 0.079 against 0.039 ms packed, the head
-      19.0 against 12.9 ms (memory speed); 0.249 against 0.206 ms at 32 rows, ~2 % less at 512.
+    - bfloat16, up to `PACKED_BF16_ROWS` (256) rows, where `cpu.bf16_gemm()` is "packed" (a CPU with
+      bf16 units): oneDNN's blocked layout, the same values as `linear` on the dense input bit for
+      bit at few rows (at 512 rows blocking changes the summation order: log-probs within 0.005).
+      Unpacked, oneDNN re-lays the weight out on every call: at one row a 2048 x 640 projection took
+      0.079 against 0.039 ms packed, the head 19.0 against 12.9 ms (memory speed); 0.249 against
+      0.206 ms at 32 rows; from ~384 rows the unpacked call is the faster one.
 
     Any way the copy is a second one in memory (the weight's size: 671 MB for the float32 head,
     401 MB for the default model's float32 projections, 335 MB for its bf16 head), made once
@@ -102,11 +108,11 @@ class WeightPack:
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                  or (bias is not None and bias.requires_grad)))):
             return None
+        rows = x.numel() // x.shape[-1]
         if x.dtype == torch.bfloat16:
-            return "onednn" if bf16_gemm() == "packed" else None
+            return "onednn" if bf16_gemm() == "packed" and rows <= PACKED_BF16_ROWS else None
         if x.dtype != torch.float32:
             return None
-        rows = x.numel() // x.shape[-1]
         head = self.role == "head"
         if f32_gemv() == "transposed":
             return "mkl" if head and rows == 1 and bias is None and torch.backends.mkl.is_available() else None
