@@ -135,7 +135,8 @@ class Attention(Layer):
 
     def _attend(self, q, blocks, dtype=torch.float32):
         """q (B, H, T, hd); blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd), mask (B|1, T, S_i)
-        -> (B, H, T, hd) float32; `dtype`: the layer input's. Query heads are grouped per key/value
+        -> (B, H, T, hd) float32 (bf16 from a bf16 flash kernel's single block); `dtype`: the layer
+        input's. Query heads are grouped per key/value
         head so no cache is repeated.
 
         Eager CPU calls with many query rows use the fused flash kernel once per block and merge the
@@ -181,21 +182,22 @@ class Attention(Layer):
             # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
             k, v = _dense(k, kernel), _dense(v, kernel)
             out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
-            out = as_float32(out)
             if seen is not None:  # rows that see no key of this block take no part in the merge
                 out, lse = out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
             outs.append(out)
             lses.append(lse)
-        if len(outs) == 1:
+        if len(outs) == 1:  # in the kernel's dtype: `_output` casts it with its transpose, in one pass
             return outs[0].view(B, H, T, hd)
         total = torch.logsumexp(torch.stack(lses), dim=0)
-        out = sum(o * torch.exp(lse - total)[..., None] for o, lse in zip(outs, lses))
+        out = sum(as_float32(o) * torch.exp(lse - total)[..., None] for o, lse in zip(outs, lses))
         return out.view(B, H, T, hd)
 
     def _output(self, out, dtype):
         B, H, T, hd = out.shape
-        out = out.transpose(1, 2).reshape(B, T, H * hd)
-        return self.o_proj(out if out.dtype == dtype else out.to(dtype))
+        if torch.compiler.is_compiling() or is_exporting():  # functional ops for compilers and exporters
+            out = out.transpose(1, 2).reshape(B, T, H * hd)
+            return self.o_proj(out if out.dtype == dtype else out.to(dtype))
+        return self.o_proj(_dense(out.transpose(1, 2), dtype).view(B, T, H * hd))
 
 
 @contextmanager
