@@ -93,7 +93,7 @@ def test_few_row_float32_pack_matches_linear(monkeypatch):
 def test_few_row_float32_projection_pack_adds_the_bias_and_follows_the_row_count(monkeypatch):
     """The 'linear' path's projection pack (MKL, made for one row count) equals `linear` with a
     bias; another row count takes `linear` (the pack kept: a prompt chunk between decode steps)
-    until `after` such products come in a row, then it is packed for that count."""
+    until `after` products of one new count come in a row, then it is packed for that count."""
     from kvwire.layers.linear import WeightPack
 
     if not torch.backends.mkl.is_available():
@@ -112,9 +112,14 @@ def test_few_row_float32_projection_pack_adds_the_bias_and_follows_the_row_count
         for _ in range(3):  # 3 rows between 4-row products: `linear`, and the 4-row pack stays
             assert pack(x3, w, b) is None
             close(pack(x4, w, b), x4)
+        x2 = torch.randn(2, 1, 48)
+        for x in (x3, x2, x3, x2):  # other counts, but never one twice in a row: the 4-row pack stays
+            assert pack(x, w, b) is None
         assert pack.rows == 4 and pack(x3, w, b) is None
         close(pack(x3, w, b), x3)  # the second 3-row product in a row: packed for 3
         assert pack.rows == 3
+    with torch.enable_grad():  # autograd: the packed kernel has no backward
+        assert pack(x3, w.requires_grad_(), b) is None
 
 
 @pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row"])

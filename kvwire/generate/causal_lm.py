@@ -96,9 +96,10 @@ class CausalLM(nn.Module):
 
     def reset_caches(self):
         """Forget the cached graph, the kept caches, the prefix store's entries, the compiled decode
-        step (made again when next needed) and the packed weight copies (`WeightPack`: the head's, and
-        every bf16 projection's where the CPU has bf16 units), after swapping layers in place or to
-        free memory."""
+        step (made again when next needed) and the packed weight copies (`WeightPack`: the head's and
+        the projections', bf16 where the CPU has bf16 units, float32 batched decode on an Intel CPU
+        with AVX-512), after swapping layers in place, editing weights through `.data` (which a pack
+        cannot see), or to free memory."""
         self._cached, self._caches, self._decode = None, {}, None
         if self._prefix_store is not None:
             self._prefix_store.clear()

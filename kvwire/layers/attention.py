@@ -40,8 +40,8 @@ class Attention(Layer):
     Shapes: x (B, T, D) -> (B, T, D). The cache is a (key, value) pair, each
     (B, num_kv_heads, slots, head_dim), where slots = max_length, or window - 1 for a sliding layer.
     Scores, softmax and the cache are float32 whatever the weights' dtype, but for a bf16 prompt's
-    flash kernel on a CPU with bf16 units (bf16 inputs, probabilities rounded to bf16 inside it; its
-    output and the cache stay float32).
+    flash kernel on a CPU with bf16 units (bf16 inputs, probabilities rounded to bf16 inside it; the
+    merge of blocks and the cache stay float32, a single block's output goes to o_proj in bf16).
 
     Example:
         >>> attn = Attention(16, 4, 2, 4)
@@ -127,7 +127,10 @@ class Attention(Layer):
         # Attention runs in float32 whatever the weights: reduced-precision batched matmuls are slow
         # on CPUs without native bf16, and the cache keeps full precision (no-ops for float32);
         # a bf16 prompt's flash kernel is the exception where the CPU has bf16 units (_attend_flash).
-        # The rotary's float32 tables promote a bf16 q or k in its first op: no float32 copy first.
+        # Eager: the rotary's float32 tables promote a bf16 q or k in its first op (no float32 copy
+        # first); compilers and exporters get the explicit cast (no mixed-dtype ops in their graphs).
+        if torch.compiler.is_compiling() or is_exporting():
+            q, k = as_float32(q), as_float32(k)
         if self.rotary is not None:
             cos, sin = self.rotary.tables(positions)
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
@@ -170,8 +173,8 @@ class Attention(Layer):
         # A bfloat16 model on a CPU with bf16 units (`cpu.bf16_gemm()`) runs the kernel in bf16, as
         # transformers does: the default model's 512-token prefill 0.36 -> 0.30 s on an AMX Xeon.
         # Queries, keys and values are rounded to bf16 for it (a cache block is copied to bf16 whole,
-        # every slot, as the kernel reads every slot anyway); the output, the log-sum-exp merge and
-        # the caches stay float32.
+        # every slot, as the kernel reads every slot anyway); the log-sum-exp merge and the caches
+        # stay float32, and a single block's bf16 output goes to `_output` as it is.
         kernel = torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm() != "upcast" else torch.float32
         qg = _dense(q, kernel).view(B, self.num_kv_heads, -1, hd)
         outs, lses = [], []

@@ -11,8 +11,9 @@ missing feature.
 
 Float32 products of a few rows (decode) are memory-bound GEMVs whose speed depends on how MKL
 dispatches on the CPU: on Intel CPUs with AVX-512 `nn.functional.linear` (x @ W^T) streams the
-weights fastest ("linear"; batched decode, 2-64 rows, reads packed copies: `linear.WeightPack`); elsewhere (AMD, where MKL takes generic code paths, and the machines not
-measured) W @ x^T is 1.5-4x faster, with one row repeated for wide or square weights and an
+weights fastest ("linear"; batched decode, 2-64 rows, reads packed copies: `linear.WeightPack`);
+elsewhere (AMD, where MKL takes generic code paths, and the machines not measured) W @ x^T is
+1.5-4x faster, with one row repeated for wide or square weights and an
 MKL-packed copy of the head at batch 1 ("transposed", `linear.linear`). `KVWIRE_F32_GEMV`
 (`linear` / `transposed`) overrides the choice; both give the same values (to float32 rounding)
 on any CPU.

@@ -82,9 +82,9 @@ class WeightPack:
     Any way the copy is a second one in memory (the weight's size: 671 MB for the float32 head,
     401 MB for the default model's float32 projections, 335 MB for its bf16 head), made once
     `after` products have read the same weight so short runs (`kvwire generate`, a first token) skip
-    it, rebuilt when the weight changes (in-place edits bump its version) or when `after` products
-    in a row come with another row count than an MKL pack's, and freed by `lm.reset_caches()`
-    (`clear`).
+    it, rebuilt when the weight changes (in-place edits of the parameter bump its version; edits
+    through `.data` do not: call `lm.reset_caches()` after them) or when `after` products of one
+    other row count come in a row to an MKL pack, and freed by `lm.reset_caches()` (`clear`).
 
     Call `pack(x, weight, bias=None)`: the product (..., out), or None where it does not apply (other
     dtypes or row counts, autograd, compilers and exporters, no MKL / oneDNN, not yet `after` calls);
@@ -97,7 +97,7 @@ class WeightPack:
         self.key = self.packed = self.rows = None
         self.after, self.role = after, role
         self.calls = (None, 0)  # (weight key, products seen with it)
-        self.misses = 0  # products in a row of another row count than an MKL pack's
+        self.misses = (None, 0)  # (row count, products in a row with it) other than an MKL pack's
 
     def kind(self, x, weight, bias):
         """"mkl", "onednn" or None: the packed kernel this product can take."""
@@ -114,13 +114,15 @@ class WeightPack:
         if x.dtype != torch.float32:
             return None
         head = self.role == "head"
+        # torch builds MKL's packed ops only alongside oneDNN: both are checked for them
+        mkl = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
         if f32_gemv() == "transposed":
-            return "mkl" if head and rows == 1 and bias is None and torch.backends.mkl.is_available() else None
+            return "mkl" if head and rows == 1 and bias is None and mkl else None
         if not 2 <= rows <= SMALL_ROWS:
             return None
         if head:
             return "onednn" if bias is None and torch.backends.mkldnn.is_available() else None
-        return "mkl" if torch.backends.mkl.is_available() else None
+        return "mkl" if mkl else None
 
     def __call__(self, x, weight, bias=None):
         kind = self.kind(x, weight, bias)
@@ -139,13 +141,15 @@ class WeightPack:
             self.key = key
         elif kind == "mkl" and rows != self.rows:
             # an MKL pack serves the row count it was made for (decode's, which most products have);
-            # others (a prompt's chunk) take `linear`, unless `after` of them come with none between
-            self.misses += 1
-            if self.misses < self.after:
+            # others (a prompt's chunk) take `linear`, unless `after` products of one new count come
+            # in a row (a new batch size)
+            seen, count = self.misses
+            self.misses = (rows, count + 1 if seen == rows else 1)
+            if self.misses[1] < self.after:
                 return None
             self._pack(kind, weight, rows)
         else:
-            self.misses = 0
+            self.misses = (None, 0)
         if kind == "onednn":  # oneDNN reads x as dense: a strided view gives wrong values, not an error
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [None], "")
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), self.packed, weight, bias, rows)
@@ -156,11 +160,11 @@ class WeightPack:
         w = weight.detach()
         self.packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, rows) if kind == "mkl"
                        else torch.ops.mkldnn._reorder_linear_weight(w, None))
-        self.rows, self.misses = rows, 0
+        self.rows, self.misses = rows, (None, 0)
 
     def clear(self):
         self.key = self.packed = self.rows = None
-        self.calls, self.misses = (None, 0), 0
+        self.calls, self.misses = (None, 0), (None, 0)
 
     def __deepcopy__(self, memo):  # a copied model packs its own weight when it needs to
         return WeightPack(self.after, self.role)
@@ -190,7 +194,9 @@ class Linear(nn.Linear):
         self.pack = WeightPack(role="projection")
 
     def forward(self, x):
-        # one float32 row (batch-1 decode) is never packed: it skips the pack's checks, ~2 us a call
-        packable = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.numel() != x.shape[-1])
+        # float32 packs only on the "linear" path, and never one row (batch-1 decode): the rest skip
+        # the pack's checks, ~2 us a call
+        packable = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.numel() != x.shape[-1]
+                                                 and f32_gemv() == "linear")
         out = self.pack(x, self.weight, self.bias) if packable else None
         return linear(x, self.weight, self.bias) if out is None else out
