@@ -96,8 +96,8 @@ def test_few_row_float32_projection_pack_adds_the_bias_and_follows_the_row_count
     until `after` products of one new count come in a row, then it is packed for that count."""
     from kvwire.layers.linear import WeightPack
 
-    if not torch.backends.mkl.is_available():
-        pytest.skip("no MKL in this torch build")
+    if not (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()):
+        pytest.skip("no MKL or no oneDNN in this torch build (MKL's packed ops need both)")
     monkeypatch.setenv("KVWIRE_F32_GEMV", "linear")
     cpu.f32_gemv.cache_clear()  # and after the test (`fresh_gemv`)
     pack = WeightPack(after=2, role="projection")
