@@ -9,8 +9,10 @@ an even number of rows than for one or three, and a square one about 1.5x (bench
 AVX2 CPU: 576 x 576 in 0.154 against 0.236 ms), so odd row counts get one repeated row there; a
 narrow one (out < in, a down projection) reads slower so (640 x 2048: 0.58 against 0.44 ms).
 Many rows (prefill) keep `linear`, which is slightly faster there. On Intel CPUs with AVX-512
-("linear") MKL's own kernels make `linear` the fastest at every row count (and the repeated row twice as slow), so
-all products go there. Compilers and exporters see plain `linear`.
+("linear") MKL's own kernels make `linear` faster than W @ x^T at every row count (and the repeated
+row twice as slow), so products go there, but batched decode (2-64 rows) reads packed copies
+(`WeightPack`: `linear` runs 4-8 rows at a fraction of memory speed). Compilers and exporters see
+plain `linear`.
 
 Reduced-precision weights stream half the bytes in decode (bf16 GEMV: 36 ms against 102 ms for the
 head), but bf16 GEMM with many rows is slow on CPUs without native bf16 (512 x 640 x 2048: 86 ms
