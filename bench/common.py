@@ -1,11 +1,13 @@
 """Helpers shared by the benchmarks: the machine header, timing, peak memory, workers in subprocesses
-that may crash (a peer's row then says how) and the test-only way to make a peer crash."""
+that may crash (a peer's row then says how), libraries timed in processes of their own, and the
+test-only way to make a peer crash."""
 import json
 import os
 import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -96,6 +98,77 @@ def run_worker(script, args, env=None, timeout=None):
         return Worker(value=json.loads(out.stdout.strip().splitlines()[-1]))
     except (IndexError, ValueError):
         return Worker(failure="printed no result")
+
+
+class LibraryDied(RuntimeError):
+    """A `LibraryProcess` whose child died; the message says how ("killed by SIGSEGV", the exception)."""
+
+
+ANSWER = "@@bench-answer "  # marks the protocol's lines among whatever a library prints to stdout
+
+
+class LibraryProcess:
+    """A library loaded in a child process of its own (`python script args...`) that runs what the
+    parent asks, one request at a time, and answers with what it measured: the parent holds no
+    library, so libraries never share thread pools or a heap, and their timed runs still interleave
+    (only one process works at any moment). The child's side is `answer_requests`.
+
+    A child that dies (a native crash, an exception) raises `LibraryDied` on the next request.
+
+    Example:
+        >>> with LibraryProcess("bench/generate.py", ["--serve", "llama.cpp", "float32"]) as child:
+        ...     child.ask(op="generate", ids=[[2, 9]], n=4)["seconds"]
+    """
+
+    def __init__(self, script, args, env=None):
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks
+        self._child = subprocess.Popen([sys.executable, script, *args], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                                       env={**os.environ, **(env or {})})
+        self.ready = self._answer()  # what the child said once loaded
+
+    def ask(self, **request):
+        """Send one request (JSON keywords); the child's answer (a dict)."""
+        try:
+            self._child.stdin.write(json.dumps(request) + "\n")
+            self._child.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died: _answer says how
+        return self._answer()
+
+    def _answer(self):
+        for line in self._child.stdout:
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+        returncode = self._child.wait()
+        self._stderr.seek(0)
+        raise LibraryDied(describe_exit(returncode, self._stderr.read()) or "exited before answering")
+
+    def close(self):
+        if self._child.poll() is None:
+            try:
+                self._child.stdin.close()  # the child's loop ends at end of input
+                self._child.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self._child.kill()
+                self._child.wait()
+        self._stderr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def answer_requests(handle, ready=None):
+    """The child's side of `LibraryProcess`: say `ready` (a dict), then answer each request line with
+    `handle(request)` until the parent closes stdin."""
+    def say(value):
+        print(ANSWER + json.dumps(value), flush=True)
+    say(ready or {})
+    for line in sys.stdin:
+        say(handle(json.loads(line)))
 
 
 def describe_exit(returncode, stderr):

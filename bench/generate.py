@@ -23,11 +23,17 @@ of their own, so their two loads differ little. Load time counts neither the lib
 compilation (a "+compile" variant compiles on its first call). Peak RSS is the warm process's over
 a 512-token prefill and 8 decode steps at batch 4.
 
+Speed: every library is loaded in a process of its own and this process drives them in turn,
+one run at a time, each timing its own runs (`common.LibraryProcess`): libraries never share a
+process, where their thread pools and heaps slowed each other (session 24: kvwire's prefill 32
+0.76x transformers with llama.cpp in the same process, 0.89x without), and their runs still
+interleave, so a noisy machine's drift hits them alike.
+
 A peer that is missing, raises or crashes does not take the table with it: each peer is first
 probed in its own process (load + 2 tokens) and one that fails gets a row saying what happened
-("killed by SIGSEGV", the exception) and is left out of the timed run; if the timed worker still
-dies with peers in it, it is re-run with kvwire alone and a note says so. (Test only:
-KVWIRE_BENCH_CRASH_PEER=llama.cpp makes that peer segfault; "llama.cpp@timed" only in the timed run.)
+("killed by SIGSEGV", the exception) and is left out of the timed run; one that dies while timed
+gets a row saying so and the others are timed on. (Test only: KVWIRE_BENCH_CRASH_PEER=llama.cpp
+makes that peer segfault; "llama.cpp@timed" only in the timed run.)
 """
 import argparse
 import json
@@ -37,8 +43,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (cpu_paths, crash_if_asked, header, load_variant, parse_variant, peak_rss_gb, probe_peers,  # noqa: E402
-                    run_worker, seconds, with_fallback)
+from common import (LibraryDied, LibraryProcess, answer_requests, cpu_paths, crash_if_asked, header,  # noqa: E402
+                    load_variant, parse_variant, peak_rss_gb, probe_peers, run_worker)
 
 TEXT = ("The history of the city of Paris begins with a small settlement on an island in the river Seine. "
         "Over two thousand years it grew into one of the great capitals of the world, ") * 40
@@ -57,10 +63,12 @@ def counting(text):
 
 
 def measure(runners, encode, new_tokens, repeat=3):
-    """runners: {library: generate(ids (B, T), n)} running n new tokens with no early stop.
+    """({library: {key: rate}}, {library: why it stopped}) for runners: {library: run(ids (B, T), n) ->
+    seconds} running n new tokens with no early stop, each timed where it runs.
 
     Libraries are timed in turn inside each repetition and the best time is kept, so the drift of a
-    noisy machine hits them alike."""
+    noisy machine hits them alike. A runner that raises `LibraryDied` is timed no further: it gets a
+    reason instead of rates, and the others go on."""
     plans = {}
     for batch in (1, 4):
         ids = prompt_ids(encode, 16, batch)
@@ -71,16 +79,27 @@ def measure(runners, encode, new_tokens, repeat=3):
         ids = prompt_ids(encode, length, 1)
         plans[f"prefill_{length}"] = (ids, lambda t1, tn, n=length: n / t1)
     best = {lib: {k: [float("inf"), float("inf")] for k in plans} for lib in runners}
-    for generate in runners.values():
-        generate(prompt_ids(encode, 16, 1), 2)  # warm up
+    died = {}
+
+    def timed(lib, ids, n):
+        if lib in died:
+            return float("inf")
+        try:
+            return runners[lib](ids, n)
+        except LibraryDied as e:
+            died[lib] = f"not timed: died while timed: {e}"
+            return float("inf")
+    for lib in runners:
+        timed(lib, prompt_ids(encode, 16, 1), 2)  # warm up
     for _ in range(repeat):
         for key, (ids, _) in plans.items():
-            for lib, generate in runners.items():
+            for lib in runners:
                 times = best[lib][key]
-                times[0] = min(times[0], seconds(lambda: generate(ids, 1)))
+                times[0] = min(times[0], timed(lib, ids, 1))
                 if key.startswith("decode"):
-                    times[1] = min(times[1], seconds(lambda: generate(ids, new_tokens)))
-    return {lib: {k: plans[k][1](*best[lib][k]) for k in plans} for lib in runners}
+                    times[1] = min(times[1], timed(lib, ids, new_tokens))
+    rates = {lib: {k: plans[k][1](*best[lib][k]) for k in plans} for lib in runners if lib not in died}
+    return rates, died
 
 
 def kvwire_runner(lm):
@@ -185,18 +204,56 @@ def footprint(lib, variant, args):
     return result
 
 
-def speed(variant, args):
-    """Tokens/s of kvwire and args.peers, timed in turn in this one process."""
-    import_library("kvwire", args.threads)
-    lm = load_variant(variant, args.model)
-    if parse_variant(variant)["compile"]:
-        for batch in (1, 4):  # compile both batch sizes before anything is timed
-            kvwire_runner(lm)(prompt_ids(lm.tokenizer.encode, 16, batch), 2)
-    runners = {"kvwire": kvwire_runner(lm)}
-    for peer in args.peers:
-        import_library(peer, args.threads)
-        runners[peer] = open_library(peer, variant, args)
-    return measure(runners, lm.tokenizer.encode, args.new_tokens)
+def serve(lib, variant, args):
+    """The child of `speed` for `lib`: load it (a "+compile" variant compiles both batch sizes), then
+    time each `generate` request (ids, n) and answer in seconds; kvwire also encodes the prompts' text
+    (its tokenizer is the preset's)."""
+    import_library(lib, args.threads)
+    if lib == "kvwire":
+        lm = load_variant(variant, args.model)
+        generate = kvwire_runner(lm)
+        if parse_variant(variant)["compile"]:
+            for batch in (1, 4):  # compile both batch sizes before anything is timed
+                generate(prompt_ids(lm.tokenizer.encode, 16, batch), 2)
+    else:
+        generate = open_library(lib, variant, args)
+
+    def handle(request):
+        if request["op"] == "encode":
+            return {"ids": lm.tokenizer.encode(request["text"])}
+        start = time.perf_counter()
+        generate(request["ids"], request["n"])
+        return {"seconds": time.perf_counter() - start}
+    answer_requests(handle)
+
+
+def speed(variant, peers, args, forwarded, env):
+    """({library: {key: tokens/s}}, {library: why not}) of kvwire and `peers`, each library loaded and
+    timed in a process of its own (`common.LibraryProcess`), their runs interleaved by this one: no
+    two libraries share a process, whose thread pools and heap would slow each other (llama.cpp's
+    OpenMP pool beside torch's cost both torch libraries speed in one process, session 24)."""
+    children, why_not = {}, {}
+    try:
+        for lib in ["kvwire", *peers]:
+            try:
+                children[lib] = LibraryProcess(__file__, ["--serve", lib, variant, *forwarded], env)
+            except LibraryDied as e:
+                why_not[lib] = f"not timed: {e}"
+        if "kvwire" not in children:  # the prompts are kvwire's tokenizer's
+            why_not.update({peer: "not timed: kvwire failed (the row above)" for peer in children})
+            return {}, why_not
+        try:
+            text_ids = children["kvwire"].ask(op="encode", text=TEXT)["ids"]
+        except LibraryDied as e:
+            return {}, {"kvwire": f"not timed: {e}", **{peer: "not timed: kvwire failed (the row above)"
+                                                         for peer in children if peer != "kvwire"}}
+        runners = {lib: (lambda ids, n, child=child: child.ask(op="generate", ids=ids, n=n)["seconds"])
+                   for lib, child in children.items()}
+        rates, died = measure(runners, lambda text: text_ids, args.new_tokens)
+        return rates, {**why_not, **died}
+    finally:
+        for child in children.values():
+            child.close()
 
 
 KEYS = ["decode_b1", "decode_b4", "prefill_32", "prefill_512"]
@@ -242,8 +299,8 @@ def parser():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=["float32", "bfloat16+int4", "float32+gguf", "float32+gguf+compile"])
-    p.add_argument("--worker", nargs=2, metavar=("MODE", "VARIANT"))  # MODE: speed or a library name
-    p.add_argument("--peers", nargs="*", default=[])
+    p.add_argument("--worker", nargs=2, metavar=("LIBRARY", "VARIANT"))  # internal: load time and peak RSS
+    p.add_argument("--serve", nargs=2, metavar=("LIBRARY", "VARIANT"))  # internal: a timed library's process
     p.add_argument("--probe", choices=list(PEERS))
     p.add_argument("--probe-variant", default="float32")
     p.add_argument("--gguf", help="internal: the preset's GGUF file, resolved once by the parent")
@@ -276,8 +333,10 @@ def main(argv=None):
         print(json.dumps(probe(args.probe, args.probe_variant, args)))
         return
     if args.worker:
-        mode, variant = args.worker
-        print(json.dumps(speed(variant, args) if mode == "speed" else footprint(mode, variant, args)))
+        print(json.dumps(footprint(*args.worker, args)))
+        return
+    if args.serve:
+        serve(*args.serve, args)
         return
     gguf, file_type = gguf_of(args.model, p)
     print(header(args.threads), flush=True)
@@ -308,19 +367,13 @@ def main(argv=None):
                 if key not in peer_sizes:
                     peer_sizes[key] = footprints(peer, variant, common, env)
                 sizes[peer] = peer_sizes[key]
-            result, note = with_fallback(lambda peers: run_worker(
-                __file__, ["--worker", "speed", variant, *common, "--peers", *peers], env), timed)
-        why_not = dict(failed)
-        if not result.ok:  # kvwire failed alone as well: its peers are not to blame
-            why_not["kvwire"] = f"not timed: {result.failure}"
-            why_not.update({peer: "not timed: kvwire failed (the row above)" for peer in timed})
-        elif note:
-            later.append(f"{variant}: {note}")
-            why_not.update({peer: "not timed: the timed worker died with it (see below)" for peer in timed})
+            timed_rates, timed_why = speed(variant, timed, args, common, env)
+        why_not = {**failed, **timed_why}
         for _, notes in sizes.values():
             later += [n for n in notes if n not in later]
-        report(variant, these, result.value or {}, why_not, {lib: s[0] for lib, s in sizes.items()}, file_type)
-    print("tokens/s (decode counts every row of the batch), best of 3 interleaved runs; load: seconds in a process "
+        report(variant, these, timed_rates, why_not, {lib: s[0] for lib, s in sizes.items()}, file_type)
+    print("tokens/s (decode counts every row of the batch), best of 3 interleaved runs, each library in a process "
+          "of its own; load: seconds in a process "
           "of its own, cold = empty kvwire cache; kvwire/peer ratios: above 1 is faster in tokens/s, below 1 "
           "smaller or quicker in RSS and load")
     for line in later:

@@ -75,6 +75,80 @@ def test_timed_worker_dying_with_peers_is_rerun_without_them(script):
     assert (result.value, note) == ({"peer": None, "timed": ["steady"]}, "")
 
 
+LIBRARY = """
+import os, signal, sys, time
+sys.path.insert(0, {bench!r})
+import common
+kind = sys.argv[1]
+if kind == "dies-loading":
+    raise RuntimeError("no such file: model.gguf")
+print("a library's own chatter on stdout")  # not an answer: skipped
+
+
+def handle(request):
+    if kind == "segfaults" and request["n"] > 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if kind == "raises":
+        raise ValueError(f"bad ids {{request['ids']}}")
+    print("more chatter", flush=True)
+    return {{"seconds": 0.25 * request["n"], "pid": os.getpid()}}
+common.answer_requests(handle, {{"loaded": kind}})
+"""
+
+
+@pytest.fixture
+def library(tmp_path):
+    path = tmp_path / "library.py"
+    path.write_text(LIBRARY.format(bench=BENCH))
+    return str(path)
+
+
+def test_library_process_answers_each_request_in_its_own_process(library):
+    with common.LibraryProcess(library, ["steady"]) as child:
+        assert child.ready == {"loaded": "steady"}
+        first, second = child.ask(op="generate", ids=[[1, 2]], n=4), child.ask(op="generate", ids=[[1]], n=2)
+        assert (first["seconds"], second["seconds"]) == (1.0, 0.5)
+        assert first["pid"] == second["pid"] != os.getpid()
+    assert child._child.returncode == 0  # closing stdin ended its loop
+
+
+def test_library_process_that_dies_says_how(library):
+    with pytest.raises(common.LibraryDied, match="RuntimeError: no such file: model.gguf"):
+        common.LibraryProcess(library, ["dies-loading"])
+    with common.LibraryProcess(library, ["segfaults"]) as child:
+        assert child.ask(op="generate", ids=[[1]], n=1)["seconds"] == 0.25
+        with pytest.raises(common.LibraryDied, match="^killed by SIGSEGV$"):
+            child.ask(op="generate", ids=[[1]], n=2)
+        with pytest.raises(common.LibraryDied, match="^killed by SIGSEGV$"):  # and stays dead
+            child.ask(op="generate", ids=[[1]], n=1)
+    with common.LibraryProcess(library, ["raises"]) as child:
+        with pytest.raises(common.LibraryDied, match=r"ValueError: bad ids \[\[7\]\]"):
+            child.ask(op="generate", ids=[[7]], n=1)
+
+
+def test_measure_times_on_without_a_library_that_died():
+    calls = []
+
+    def steady(ids, n):
+        calls.append(("steady", len(ids), len(ids[0]), n))
+        return 0.1 * n
+
+    def fragile(ids, n):
+        calls.append(("fragile", len(ids), len(ids[0]), n))
+        if len(ids[0]) == 512:
+            raise common.LibraryDied("killed by SIGSEGV")
+        return 0.2 * n
+    rates, died = generate.measure({"steady": steady, "fragile": fragile}, generate.counting, new_tokens=5, repeat=2)
+    assert died == {"fragile": "not timed: died while timed: killed by SIGSEGV"}
+    assert list(rates) == ["steady"]
+    # decode: batch x (n - 1) tokens over (t_n - t_1); prefill: prompt tokens over t_1
+    assert rates["steady"] == pytest.approx({"decode_b1": 1 * 4 / 0.4, "decode_b4": 4 * 4 / 0.4,
+                                             "prefill_32": 32 / 0.1, "prefill_512": 512 / 0.1})
+    assert calls.count(("fragile", 1, 512, 1)) == 1  # never asked again once it died
+    assert calls[:2] == [("steady", 1, 16, 2), ("fragile", 1, 16, 2)]  # warm-ups, then turns interleave
+    assert calls[2:6] == [("steady", 1, 16, 1), ("steady", 1, 16, 5), ("fragile", 1, 16, 1), ("fragile", 1, 16, 5)]
+
+
 def test_worker_without_json_or_past_its_timeout(tmp_path):
     quiet, slow = tmp_path / "quiet.py", tmp_path / "slow.py"
     quiet.write_text("print('no json here')\n")
