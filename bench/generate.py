@@ -25,9 +25,11 @@ a 512-token prefill and 8 decode steps at batch 4.
 
 Speed: every library is loaded in a process of its own and this process drives them in turn,
 one run at a time, each timing its own runs (`common.LibraryProcess`): libraries never share a
-process, where their thread pools and heaps slowed each other (session 24: kvwire's prefill 32
-0.76x transformers with llama.cpp in the same process, 0.89x without), and their runs still
-interleave, so a noisy machine's drift hits them alike.
+process (thread pools, heap, allocator state), and their runs still interleave, so a noisy
+machine's drift hits them alike. (Session 24 suspected llama.cpp's OpenMP pool of slowing torch in
+one process; session 25's runs of both designs, an hour apart, gave kvwire/transformers float32
+1.06x / 1.43x / 0.89x / 0.95x in one process and 1.04x / 1.50x / 0.86x / 0.93x apart: no clear
+effect, but no shared state to doubt.)
 
 A peer that is missing, raises or crashes does not take the table with it: each peer is first
 probed in its own process (load + 2 tokens) and one that fails gets a row saying what happened
@@ -230,8 +232,7 @@ def serve(lib, variant, args):
 def speed(variant, peers, args, forwarded, env):
     """({library: {key: tokens/s}}, {library: why not}) of kvwire and `peers`, each library loaded and
     timed in a process of its own (`common.LibraryProcess`), their runs interleaved by this one: no
-    two libraries share a process, whose thread pools and heap would slow each other (llama.cpp's
-    OpenMP pool beside torch's cost both torch libraries speed in one process, session 24)."""
+    two libraries share a process's thread pools or heap."""
     children, why_not = {}, {}
     try:
         for lib in ["kvwire", *peers]:
