@@ -2,6 +2,7 @@
 transformers, all three on the same GGUF file.
 
     python bench/generate.py [--model gemma3-270m | smollm2-135m-instruct] [--new-tokens 32] [--threads 2]
+                             [--peers transformers llama.cpp]
                              [--variants float32 bfloat16 bfloat16+int8 bfloat16+int4 float32+gguf
                                          float32+gguf+compile]
 
@@ -301,6 +302,7 @@ def parser():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=["float32", "bfloat16+int4", "float32+gguf", "float32+gguf+compile"])
     p.add_argument("--worker", nargs=2, metavar=("LIBRARY", "VARIANT"))  # internal: load time and peak RSS
+    p.add_argument("--peers", nargs="*", choices=list(PEERS), help="the peers to run (default: all of them)")
     p.add_argument("--serve", nargs=2, metavar=("LIBRARY", "VARIANT"))  # internal: a timed library's process
     p.add_argument("--probe", choices=list(PEERS))
     p.add_argument("--probe-variant", default="float32")
@@ -347,18 +349,20 @@ def main(argv=None):
     floats = [v for v in args.variants if parse_variant(v)["quantize"] is None]
     # llama.cpp runs the GGUF's own blocks whatever the variant; it is timed in every run
     # (interleaved with kvwire) and compared with the quantised variants
-    wanted = (["transformers"] if floats else []) + ["llama.cpp"]
+    chosen = PEERS if args.peers is None else args.peers
+    wanted = [peer for peer in (["transformers"] if floats else []) + ["llama.cpp"] if peer in chosen]
     probes = probe_peers(__file__, wanted, ["--probe-variant", (floats or ["float32"])[0], *common])
     failed = {peer: f"not timed: {r.failure} (probe: load + 2 tokens)" for peer, r in probes.items() if not r.ok}
-    if probes["llama.cpp"].ok:
-        print(f"llama.cpp build features: {probes['llama.cpp'].value.get('build', '?')}", flush=True)
-    elif probes["llama.cpp"].failure == "killed by SIGSEGV" and "amx_tile+" in header(args.threads):
+    llama = probes.get("llama.cpp")
+    if llama is not None and llama.ok:
+        print(f"llama.cpp build features: {llama.value.get('build', '?')}", flush=True)
+    elif llama is not None and llama.failure == "killed by SIGSEGV" and "amx_tile+" in header(args.threads):
         print(f"llama.cpp: {AMX_HINT}", flush=True)
     print(f"{'library':14}{'variant':32}" + "".join(f"{k:>13}" for k in COLUMNS))
     later, peer_sizes = [], {}  # a peer's footprint depends on its dtype only, not on kvwire's variant
     for variant in args.variants:
         quantised = parse_variant(variant)["quantize"] is not None
-        these = ([] if quantised else ["transformers"]) + ["llama.cpp"]
+        these = [peer for peer in ([] if quantised else ["transformers"]) + ["llama.cpp"] if peer in chosen]
         timed = [peer for peer in these if peer not in failed]
         with tempfile.TemporaryDirectory() as cache:  # kvwire's cold load converts the GGUF
             env = {"KVWIRE_CACHE": cache}

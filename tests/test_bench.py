@@ -188,6 +188,15 @@ def test_model_option_reaches_every_worker():
         ("smollm2-135m-instruct", "/m/x.gguf", 3, ["kvwire", "float32"])
 
 
+def test_peers_option_chooses_the_peers(capsys):
+    assert generate.parser().parse_args([]).peers is None  # all of them
+    assert generate.parser().parse_args(["--peers", "transformers"]).peers == ["transformers"]
+    assert generate.parser().parse_args(["--peers"]).peers == []  # kvwire alone
+    with pytest.raises(SystemExit):
+        generate.parser().parse_args(["--peers", "vllm"])
+    assert "invalid choice: 'vllm'" in capsys.readouterr().err
+
+
 def test_model_option_takes_presets_only(capsys):
     with pytest.raises(SystemExit):
         generate.main(["--model", "gemma-9000"])
