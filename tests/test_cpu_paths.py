@@ -272,6 +272,46 @@ def test_batched_float32_decode_on_packed_weights_gives_the_unpacked_tokens(monk
     assert all(p.packed is None for p in packs)
 
 
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available()),
+                    reason="no oneDNN or no MKL in this torch build")
+def test_compiled_decode_reads_the_packed_copies(monkeypatch):
+    """The 'linear' path (forced, so any CPU runs it): compiled graphs call `kvwire::packed_linear`
+    (opaque to Inductor) for products of 2-64 rows; with every copy made (after=1) they give the
+    eager unpacked run's tokens and log-probs; the head is packed (oneDNN) by batch 3's steps, not
+    by batch 1's (one row stays on `linear` there)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from kvwire.layers.linear import WeightPack
+
+    from .test_devices import tiny_lm
+
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "linear")
+    cpu.f32_gemv.cache_clear()
+    torch._dynamo.reset()
+    lm = tiny_lm("gemma3")
+    packs = [m.pack for m in lm.modules() if isinstance(getattr(m, "pack", None), WeightPack)]
+    prompts = {1: ["Hello there"], 3: ["Hello there", "A", "xyz"]}
+
+    def run(rows):
+        return lm.generate(rows, max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+    for p in packs:
+        p.after = 10**9
+    eager = {batch: run(rows) for batch, rows in prompts.items()}
+    for p in packs:
+        p.after = 1
+    lm.compile(bucket=32)
+    for batch, rows in prompts.items():
+        out, code = run_and_get_code(lambda: run(rows))
+        assert out.tokens == eager[batch].tokens, batch
+        torch.testing.assert_close(out.logprobs, eager[batch].logprobs, atol=1e-4, rtol=1e-4)
+        assert "torch.ops.kvwire.packed_linear.default(" in "".join(code), batch
+        head = lm.head.pack
+        assert (head.packed is None) if batch == 1 else (head.packed is not None and head.key[0] == "onednn")
+    assert all(p.packed is not None for p in packs)
+    lm.reset_caches()
+    assert all(p.packed is None for p in packs)
+
+
 def flash_dtypes(monkeypatch, lm, prompt):
     """The dtypes the flash kernel received over a generation of `prompt`, and its log-probs."""
     from kvwire.layers import attention

@@ -11,14 +11,19 @@ narrow one (out < in, a down projection) reads slower so (640 x 2048: 0.58 again
 Many rows (prefill) keep `linear`, which is slightly faster there. On Intel CPUs with AVX-512
 ("linear") MKL's own kernels make `linear` faster than W @ x^T at every row count (and the repeated
 row twice as slow), so products go there, but batched decode (2-64 rows) reads packed copies
-(`WeightPack`: `linear` runs 4-8 rows at a fraction of memory speed). Compilers and exporters see
-plain `linear`.
+(`WeightPack`: `linear` runs 4-8 rows at a fraction of memory speed). Exporters see plain `linear`;
+compiled graphs see `kvwire::packed_linear`, an op opaque to Inductor that reads the packed copy at
+run time, where a pack applies to the traced shapes (else plain `linear`).
 
 Reduced-precision weights stream half the bytes in decode (bf16 GEMV: 36 ms against 102 ms for the
 head), but bf16 GEMM with many rows is slow on CPUs without native bf16 (512 x 640 x 2048: 86 ms
 against 15 ms in float32), so there many rows are computed in float32 from upcast weights; CPUs
 with bf16 units (AVX512_BF16, AMX) keep them in bf16 (`cpu.bf16_gemm`).
 """
+import itertools
+import weakref
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -57,6 +62,50 @@ def linear(x, weight, bias=None):
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _kind_for(role, rows, dtype, no_bias):
+    """The packed kernel ("mkl", "onednn") a product of `rows` rows in `dtype` takes, or None: the
+    shape and dtype part of `WeightPack.kind`."""
+    if dtype == torch.bfloat16:
+        return "onednn" if bf16_gemm() == "packed" and rows <= PACKED_BF16_ROWS else None
+    if dtype != torch.float32:
+        return None
+    head = role == "head"
+    # torch builds MKL's packed ops only alongside oneDNN: both are checked for them
+    mkl = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
+    if f32_gemv() == "transposed":
+        return "mkl" if head and rows == 1 and no_bias and mkl else None
+    if not 2 <= rows <= SMALL_ROWS:
+        return None
+    if head:
+        return "onednn" if no_bias and torch.backends.mkldnn.is_available() else None
+    return "mkl" if mkl else None
+
+
+# dynamo calls this once per traced product and bakes the answer in (the CPU checks read files, which
+# it cannot trace: `disable` keeps it from tracing the frames of that real call too)
+_kind_for_untraced = torch.compiler.disable(_kind_for)
+_static_kind = torch.compiler.assume_constant_result(lambda role, rows, dtype, no_bias:
+                                                     _kind_for_untraced(role, rows, dtype, no_bias))
+_NO_EXPORT_CHECK = getattr(torch.compiler, "is_exporting", None) is None  # torch 2.6: exports look compiled
+_PACKS = weakref.WeakValueDictionary()  # WeightPack.ident -> WeightPack, for compiled graphs
+_IDENTS = itertools.count()
+
+
+@torch.library.custom_op("kvwire::packed_linear", mutates_args=())
+@torch.compiler.disable  # run from a compiled graph, where dynamo would otherwise trace its frames
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pack: int) -> torch.Tensor:
+    """x (..., in) @ weight (out, in)^T + bias -> (..., out), read from the packed copy of the
+    `WeightPack` whose `ident` is `pack` where it serves (else `linear`): compiled graphs call it."""
+    owner = _PACKS.get(pack)
+    out = None if owner is None else owner(x, weight, bias)
+    return nn.functional.linear(x, weight, bias) if out is None else out
+
+
+@packed_linear.register_fake
+def _(x, weight, bias, pack):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class WeightPack:
     """A copy of a weight in the layout the CPU's fastest kernel reads, for the products it pays in.
     `role`: "head" (the language-model head) or "projection" (a layer's `Linear`).
@@ -73,7 +122,10 @@ class WeightPack:
       and reads no faster), projections MKL-packed copies made for that row count (per call
       cheaper than oneDNN's: batch-4 decode 43-45 against 40-42 tokens/s with oneDNN's, 38-42
       with none, same process; all 126 of the default model packed in ~0.15 s). One row stays on
-      `linear`, which reads as fast as any pack there.
+      `linear`: session 23 (memory at ~15 GB/s) measured nothing from MKL's one-row pack of the
+      head; session 25 (~30 GB/s) 1.056x eager and 1.073x compiled batch-1 decode (paired rounds),
+      but one pack a weight means batch-1 and batch-4 calls in turn (bench/generate.py's rounds)
+      each reset the other's count and neither is ever packed (batch-4 decode 67 -> 47 tokens/s).
     - bfloat16, up to `PACKED_BF16_ROWS` (256) rows, where `cpu.bf16_gemm()` is "packed" (a CPU with
       bf16 units): oneDNN's blocked layout, the same values as `linear` on the dense input bit for
       bit at few rows (at 512 rows blocking changes the summation order: log-probs within 0.005).
@@ -89,8 +141,9 @@ class WeightPack:
     other row count come in a row to an MKL pack, and freed by `lm.reset_caches()` (`clear`).
 
     Call `pack(x, weight, bias=None)`: the product (..., out), or None where it does not apply (other
-    dtypes or row counts, autograd, compilers and exporters, no MKL / oneDNN, not yet `after` calls);
-    the caller falls back to `linear`.
+    dtypes or row counts, autograd, exporters, no MKL / oneDNN, not yet `after` calls); the caller
+    falls back to `linear`. Inside a graph being compiled the call is `in_graph`: the product as a
+    `kvwire::packed_linear` op that runs this same call when the compiled code runs.
     """
 
     def __init__(self, after=64, role="head"):
@@ -100,6 +153,8 @@ class WeightPack:
         self.after, self.role = after, role
         self.calls = (None, 0)  # (weight key, products seen with it)
         self.misses = (None, 0)  # (row count, products in a row with it) other than an MKL pack's
+        self.ident = next(_IDENTS)  # how compiled graphs name it (`packed_linear`)
+        _PACKS[self.ident] = self
 
     def kind(self, x, weight, bias):
         """"mkl", "onednn" or None: the packed kernel this product can take."""
@@ -110,23 +165,24 @@ class WeightPack:
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                  or (bias is not None and bias.requires_grad)))):
             return None
+        return _kind_for(self.role, x.numel() // x.shape[-1], x.dtype, bias is None)
+
+    def in_graph(self, x, weight, bias=None):
+        """The product inside a graph being compiled: `kvwire::packed_linear` (opaque to the compiler;
+        at run time it is this pack's `__call__`, with `linear` where no copy serves) where these
+        static shapes would take a pack, else None (the caller traces `linear`). Exports, autograd,
+        a dynamic row count (a compiled prompt's chunk) and torch without `is_exporting` get None."""
+        if (not torch.compiler.is_compiling() or _NO_EXPORT_CHECK or is_exporting() or torch.is_grad_enabled()
+                or x.device.type != "cpu" or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)):
+            return None
         rows = x.numel() // x.shape[-1]
-        if x.dtype == torch.bfloat16:
-            return "onednn" if bf16_gemm() == "packed" and rows <= PACKED_BF16_ROWS else None
-        if x.dtype != torch.float32:
+        if not isinstance(rows, int) or _static_kind(self.role, rows, x.dtype, bias is None) is None:
             return None
-        head = self.role == "head"
-        # torch builds MKL's packed ops only alongside oneDNN: both are checked for them
-        mkl = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
-        if f32_gemv() == "transposed":
-            return "mkl" if head and rows == 1 and bias is None and mkl else None
-        if not 2 <= rows <= SMALL_ROWS:
-            return None
-        if head:
-            return "onednn" if bias is None and torch.backends.mkldnn.is_available() else None
-        return "mkl" if mkl else None
+        return torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
 
     def __call__(self, x, weight, bias=None):
+        if torch.compiler.is_compiling():
+            return self.in_graph(x, weight, bias)
         kind = self.kind(x, weight, bias)
         if kind is None:
             return None
@@ -198,8 +254,7 @@ class Linear(nn.Linear):
     def forward(self, x):
         # float32 packs only on the "linear" path, and never one row (batch-1 decode): the rest skip
         # the pack's checks, ~2 us a call; compilers first (they would break the graph at `f32_gemv`)
-        packable = not torch.compiler.is_compiling() and (
-            x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.numel() != x.shape[-1]
-                                          and f32_gemv() == "linear"))
+        packable = torch.compiler.is_compiling() or x.dtype == torch.bfloat16 or (
+            x.dtype == torch.float32 and x.numel() != x.shape[-1] and f32_gemv() == "linear")
         out = self.pack(x, self.weight, self.bias) if packable else None
         return linear(x, self.weight, self.bias) if out is None else out
