@@ -34,6 +34,7 @@ import contextlib
 import torch
 
 from ..layers.attention import in_place_cache_writes
+from ..layers.linear import allow_packs_in_compiled_graphs
 from .direct import DirectCalls, flat_args
 
 # Longest prompt chunk run compiled by default: measured there (bench/generate.py's prefill 32);
@@ -66,6 +67,7 @@ class CompiledDecode:
             hidden, cache = graph(token_ids, positions, cache_index, attention_mask, cache, *extra)
             return head(hidden[:, -1]), cache
 
+        allow_packs_in_compiled_graphs()  # dynamo is imported here, with the first compiled step
         options = _with_passes(options)
         self.direct, self.use_direct = {}, "options" in options and len(options) == 1  # see direct.py
         if self.use_direct:  # Inductor with kvwire's options and no others: also called directly

@@ -81,29 +81,36 @@ def _kind_for(role, rows, dtype, no_bias):
     return "mkl" if mkl else None
 
 
-# dynamo calls this once per traced product and bakes the answer in (the CPU checks read files, which
-# it cannot trace: `disable` keeps it from tracing the frames of that real call too)
-_kind_for_untraced = torch.compiler.disable(_kind_for)
-_static_kind = torch.compiler.assume_constant_result(lambda role, rows, dtype, no_bias:
-                                                     _kind_for_untraced(role, rows, dtype, no_bias))
 _NO_EXPORT_CHECK = getattr(torch.compiler, "is_exporting", None) is None  # torch 2.6: exports look compiled
 _PACKS = weakref.WeakValueDictionary()  # WeightPack.ident -> WeightPack, for compiled graphs
 _IDENTS = itertools.count()
+_COMPILED = {}  # filled by `allow_packs_in_compiled_graphs`: "kind" (a constant to dynamo)
 
 
-@torch.library.custom_op("kvwire::packed_linear", mutates_args=())
-@torch.compiler.disable  # run from a compiled graph, where dynamo would otherwise trace its frames
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pack: int) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T + bias -> (..., out), read from the packed copy of the
-    `WeightPack` whose `ident` is `pack` where it serves (else `linear`): compiled graphs call it."""
-    owner = _PACKS.get(pack)
-    out = None if owner is None else owner(x, weight, bias)
-    return nn.functional.linear(x, weight, bias) if out is None else out
+def allow_packs_in_compiled_graphs():
+    """Register `kvwire::packed_linear` and what `WeightPack.in_graph` needs, once; `lm.compile()`'s
+    first step calls it (it imports dynamo, ~1.5 s, which importing kvwire does not). Graphs traced
+    before it (a plain `torch.compile` of a model) keep plain `linear`."""
+    if _COMPILED:
+        return
+    # dynamo calls it once per traced product and bakes the answer in (the CPU checks read files,
+    # which it cannot trace; `disable` keeps it from tracing that real call's frames too)
+    untraced = torch.compiler.disable(_kind_for)
+    _COMPILED["kind"] = torch.compiler.assume_constant_result(lambda role, rows, dtype, no_bias:
+                                                              untraced(role, rows, dtype, no_bias))
 
+    @torch.library.custom_op("kvwire::packed_linear", mutates_args=())
+    @torch.compiler.disable  # run from compiled code, where dynamo would otherwise trace its frames
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pack: int) -> torch.Tensor:
+        """x (..., in) @ weight (out, in)^T + bias -> (..., out), read from the packed copy of the
+        `WeightPack` whose `ident` is `pack` where it serves (else `linear`)."""
+        owner = _PACKS.get(pack)
+        out = None if owner is None else owner(x, weight, bias)
+        return nn.functional.linear(x, weight, bias) if out is None else out
 
-@packed_linear.register_fake
-def _(x, weight, bias, pack):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    @packed_linear.register_fake
+    def _(x, weight, bias, pack):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class WeightPack:
@@ -170,13 +177,20 @@ class WeightPack:
     def in_graph(self, x, weight, bias=None):
         """The product inside a graph being compiled: `kvwire::packed_linear` (opaque to the compiler;
         at run time it is this pack's `__call__`, with `linear` where no copy serves) where these
-        static shapes would take a pack, else None (the caller traces `linear`). Exports, autograd,
-        a dynamic row count (a compiled prompt's chunk) and torch without `is_exporting` get None."""
-        if (not torch.compiler.is_compiling() or _NO_EXPORT_CHECK or is_exporting() or torch.is_grad_enabled()
-                or x.device.type != "cpu" or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)):
+        static shapes would take a pack, else None (the caller traces `linear`). Only inputs of one
+        position a row, (B, D) or (B, 1, D), take it (decode steps, a step's head); exports,
+        autograd, a compiled prompt's chunk (its length is dynamic) and torch without `is_exporting`
+        get None."""
+        kind = _COMPILED.get("kind")
+        if (kind is None or not torch.compiler.is_compiling() or _NO_EXPORT_CHECK or is_exporting()
+                or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype
+                or (bias is not None and bias.dtype != x.dtype)):
             return None
-        rows = x.numel() // x.shape[-1]
-        if not isinstance(rows, int) or _static_kind(self.role, rows, x.dtype, bias is None) is None:
+        # one position a row (decode steps; a step's head): rows is the batch, static; a compiled
+        # prompt's length is dynamic, and dynamo bakes in no answer for a symbolic row count
+        if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] != 1):
+            return None
+        if kind(self.role, x.shape[0], x.dtype, bias is None) is None:
             return None
         return torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
 
