@@ -116,16 +116,21 @@ class LibraryProcess:
     A child that dies (a native crash, an exception) raises `LibraryDied` on the next request.
 
     Example:
-        >>> with LibraryProcess("bench/generate.py", ["--serve", "llama.cpp", "float32"]) as child:
+        >>> with LibraryProcess("bench/generate.py", ["--serve", "kvwire", "float32"]) as child:
         ...     child.ask(op="generate", ids=[[2, 9]], n=4)["seconds"]
     """
 
     def __init__(self, script, args, env=None):
         self._stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks
+        # a library's own output may be any bytes: decoded with replacements, never an error here
         self._child = subprocess.Popen([sys.executable, script, *args], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                                       stdout=subprocess.PIPE, stderr=self._stderr, text=True, errors="replace",
                                        env={**os.environ, **(env or {})})
-        self.ready = self._answer()  # what the child said once loaded
+        try:
+            self.ready = self._answer()  # what the child said once loaded
+        except LibraryDied:
+            self.close()
+            raise
 
     def ask(self, **request):
         """Send one request (JSON keywords); the child's answer (a dict)."""
@@ -138,20 +143,21 @@ class LibraryProcess:
 
     def _answer(self):
         for line in self._child.stdout:
-            if line.startswith(ANSWER):
-                return json.loads(line[len(ANSWER):])
+            _, marked, answer = line.partition(ANSWER)  # after a library's unfinished line, if any
+            if marked:
+                return json.loads(answer)
         returncode = self._child.wait()
         self._stderr.seek(0)
         raise LibraryDied(describe_exit(returncode, self._stderr.read()) or "exited before answering")
 
     def close(self):
-        if self._child.poll() is None:
-            try:
-                self._child.stdin.close()  # the child's loop ends at end of input
-                self._child.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self._child.kill()
-                self._child.wait()
+        try:
+            self._child.stdin.close()  # the child's loop ends at end of input
+            self._child.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self._child.kill()
+            self._child.wait()
+        self._child.stdout.close()
         self._stderr.close()
 
     def __enter__(self):
@@ -164,8 +170,8 @@ class LibraryProcess:
 def answer_requests(handle, ready=None):
     """The child's side of `LibraryProcess`: say `ready` (a dict), then answer each request line with
     `handle(request)` until the parent closes stdin."""
-    def say(value):
-        print(ANSWER + json.dumps(value), flush=True)
+    def say(value):  # on a line of its own, even after a library's unfinished one
+        print("\n" + ANSWER + json.dumps(value), flush=True)
     say(ready or {})
     for line in sys.stdin:
         say(handle(json.loads(line)))

@@ -241,9 +241,8 @@ def speed(variant, peers, args, forwarded, env):
                 children[lib] = LibraryProcess(__file__, ["--serve", lib, variant, *forwarded], env)
             except LibraryDied as e:
                 why_not[lib] = f"not timed: {e}"
-        if "kvwire" not in children:  # the prompts are kvwire's tokenizer's
-            why_not.update({peer: "not timed: kvwire failed (the row above)" for peer in children})
-            return {}, why_not
+            if "kvwire" not in children:  # the prompts are kvwire's tokenizer's: no peer is loaded
+                return {}, {**why_not, **{peer: "not timed: kvwire failed (the row above)" for peer in peers}}
         try:
             text_ids = children["kvwire"].ask(op="encode", text=TEXT)["ids"]
         except LibraryDied as e:

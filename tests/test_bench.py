@@ -91,6 +91,9 @@ def handle(request):
     if kind == "raises":
         raise ValueError(f"bad ids {{request['ids']}}")
     print("more chatter", flush=True)
+    sys.stdout.buffer.write(b"\\xff not UTF-8\\n")  # native code's bytes
+    sys.stdout.write("an unfinished line")  # the answer follows on the same line
+    sys.stdout.flush()
     return {{"seconds": 0.25 * request["n"], "pid": os.getpid()}}
 common.answer_requests(handle, {{"loaded": kind}})
 """

@@ -93,11 +93,6 @@ def allow_packs_in_compiled_graphs():
     before it (a plain `torch.compile` of a model) keep plain `linear`."""
     if _COMPILED:
         return
-    # dynamo calls it once per traced product and bakes the answer in (the CPU checks read files,
-    # which it cannot trace; `disable` keeps it from tracing that real call's frames too)
-    untraced = torch.compiler.disable(_kind_for)
-    _COMPILED["kind"] = torch.compiler.assume_constant_result(lambda role, rows, dtype, no_bias:
-                                                              untraced(role, rows, dtype, no_bias))
 
     @torch.library.custom_op("kvwire::packed_linear", mutates_args=())
     @torch.compiler.disable  # run from compiled code, where dynamo would otherwise trace its frames
@@ -111,6 +106,12 @@ def allow_packs_in_compiled_graphs():
     @packed_linear.register_fake
     def _(x, weight, bias, pack):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    # last, once the op exists: dynamo calls it once per traced product and bakes the answer in (the
+    # CPU checks read files, which it cannot trace; `disable` keeps it from tracing that call's frames)
+    untraced = torch.compiler.disable(_kind_for)
+    _COMPILED["kind"] = torch.compiler.assume_constant_result(lambda role, rows, dtype, no_bias:
+                                                              untraced(role, rows, dtype, no_bias))
 
 
 class WeightPack:
@@ -178,9 +179,9 @@ class WeightPack:
         """The product inside a graph being compiled: `kvwire::packed_linear` (opaque to the compiler;
         at run time it is this pack's `__call__`, with `linear` where no copy serves) where these
         static shapes would take a pack, else None (the caller traces `linear`). Only inputs of one
-        position a row, (B, D) or (B, 1, D), take it (decode steps, a step's head); exports,
-        autograd, a compiled prompt's chunk (its length is dynamic) and torch without `is_exporting`
-        get None."""
+        position a row, (B, D) or (B, 1, D), take it (decode steps, a step's head); exports, grad
+        mode, a compiled prompt's chunk (its length is dynamic) and torch without `is_exporting` get
+        None."""
         kind = _COMPILED.get("kind")
         if (kind is None or not torch.compiler.is_compiling() or _NO_EXPORT_CHECK or is_exporting()
                 or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype
