@@ -22,8 +22,8 @@ class TiedHead(Layer):
     soft-capped as tanh(logits / c) * c. Shares the owner's weight; a float32 batch-1 decode step
     reads an MKL-packed copy of it where `cpu.f32_gemv()` is "transposed", a float32 step of 2-64
     rows a oneDNN-packed one where it is "linear", bfloat16 products a oneDNN-packed one where the
-    CPU has bf16 units (`WeightPack`: the head is most of a decode step's bytes; compiled steps
-    too), made after 64 products and freed by `lm.reset_caches()`.
+    CPU has bf16 units (`WeightPack`: the head is most of a decode step's bytes; compiled float32
+    steps too), made after 64 products and freed by `lm.reset_caches()`.
 
     Example:
         >>> head = TiedHead(backbone.embed_tokens)
