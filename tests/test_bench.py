@@ -34,11 +34,16 @@ print(json.dumps({{"peer": peer, "timed": peers}}))
 """
 
 
+def _written(folder, name, source):
+    """A script in `folder` that imports bench/common.py."""
+    path = folder / name
+    path.write_text(source.format(bench=BENCH))
+    return str(path)
+
+
 @pytest.fixture
 def script(tmp_path):
-    path = tmp_path / "peer.py"
-    path.write_text(PEER.format(bench=BENCH))
-    return str(path)
+    return _written(tmp_path, "peer.py", PEER)
 
 
 def test_probe_rows_say_what_happened(script):
@@ -101,9 +106,7 @@ common.answer_requests(handle, {{"loaded": kind}})
 
 @pytest.fixture
 def library(tmp_path):
-    path = tmp_path / "library.py"
-    path.write_text(LIBRARY.format(bench=BENCH))
-    return str(path)
+    return _written(tmp_path, "library.py", LIBRARY)
 
 
 def test_library_process_answers_each_request_in_its_own_process(library):
