@@ -246,8 +246,8 @@ def speed(variant, peers, args, forwarded, env):
         try:
             text_ids = children["kvwire"].ask(op="encode", text=TEXT)["ids"]
         except LibraryDied as e:
-            return {}, {"kvwire": f"not timed: {e}", **{peer: "not timed: kvwire failed (the row above)"
-                                                         for peer in children if peer != "kvwire"}}
+            return {}, {**why_not, "kvwire": f"not timed: {e}",
+                        **{peer: "not timed: kvwire failed (the row above)" for peer in children if peer != "kvwire"}}
         runners = {lib: (lambda ids, n, child=child: child.ask(op="generate", ids=ids, n=n)["seconds"])
                    for lib, child in children.items()}
         rates, died = measure(runners, lambda text: text_ids, args.new_tokens)
