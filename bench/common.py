@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: the machine header, timing, peak memory, workers in subprocesses
+"""Helpers shared by the benchmarks: the machine header, peak memory, workers in subprocesses
 that may crash (a peer's row then says how), libraries timed in processes of their own, and the
 test-only way to make a peer crash."""
 import json
@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -56,16 +55,6 @@ def cpu_paths():
 
 def peak_rss_gb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
-
-
-def seconds(fn, repeat=1):
-    """Best wall time of `repeat` calls of fn()."""
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import crash_if_asked, header, probe_peers, run_worker, with_fallback  # noqa: E402
-from generate import PROBE_IDS, kvwire_runner, llama_cpp_runner, measure  # noqa: E402
+from generate import counting, kvwire_runner, llama_cpp_runner, measure, prompt_ids, timing  # noqa: E402
 
 
 JOBS = {  # --formats name: (runner label, file name, kw.export options)
@@ -56,7 +56,9 @@ def runner(name, files, threads):
     import kvwire as kw
 
     if name == "llama.cpp":
-        return llama_cpp_runner(threads)
+        from kvwire.models.presets import PRESETS
+
+        return llama_cpp_runner(str(PRESETS["gemma3-270m"]()), threads)
     generate = kvwire_runner(kw.load_exported(files[name], threads=threads))
 
     def crashable(ids, n):
@@ -74,11 +76,12 @@ def child(args, files):
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     if args.probe:
-        runner(args.probe, files, args.threads)(torch.tensor(PROBE_IDS), 2)
+        runner(args.probe, files, args.threads)(prompt_ids(counting, 16, 1), 2)
         return {"probed": args.probe}
     lm = kw.load("gemma3-270m", progress=False)
     runners = {"kvwire eager": kvwire_runner(lm), **{name: runner(name, files, args.threads) for name in args.peers}}
-    return measure(runners, lm.tokenizer.encode, args.new_tokens)
+    rates, _ = measure({lib: timing(g) for lib, g in runners.items()}, lm.tokenizer.encode, args.new_tokens)
+    return rates  # in one process: a runtime that dies takes the child with it (re-run without it)
 
 
 def main():

@@ -271,7 +271,8 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         # float32 packs only on the "linear" path, and never one row (batch-1 decode): the rest skip
-        # the pack's checks, ~2 us a call; compilers first (they would break the graph at `f32_gemv`)
+        # the pack's checks, ~2 us a call; compilers first: they take `WeightPack.in_graph` (and would
+        # break the graph at `f32_gemv`)
         packable = torch.compiler.is_compiling() or x.dtype == torch.bfloat16 or (
             x.dtype == torch.float32 and x.numel() != x.shape[-1] and f32_gemv() == "linear")
         out = self.pack(x, self.weight, self.bias) if packable else None
