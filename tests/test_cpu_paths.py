@@ -10,13 +10,14 @@ from kvwire.layers.linear import Linear, linear
 
 @pytest.fixture(autouse=True)
 def fresh_choice(monkeypatch):
-    monkeypatch.delenv("KVWIRE_BF16_GEMM", raising=False)
-    monkeypatch.delenv("KVWIRE_F32_GEMV", raising=False)
-    cpu.bf16_gemm.cache_clear()
-    cpu.f32_gemv.cache_clear()
+    for name in ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_F32_ROW"):
+        monkeypatch.delenv(name, raising=False)
+    clear = (cpu.bf16_gemm.cache_clear, cpu.f32_gemv.cache_clear, cpu.f32_row.cache_clear)
+    for c in clear:
+        c()
     yield
-    cpu.bf16_gemm.cache_clear()
-    cpu.f32_gemv.cache_clear()
+    for c in clear:
+        c()
 
 
 def dtype_reaching_gemm(monkeypatch, rows=128):
@@ -166,14 +167,18 @@ def test_bf16_products_read_the_pack_up_to_256_rows():
 
 def float32_path(monkeypatch, rows):
     """[(kind, rows)] of the products a float32 `linear` of `rows` rows ran: ("linear", rows) for
-    nn.functional.linear, ("matmul", rows) for W @ x^T; its values checked against x @ W^T."""
+    nn.functional.linear, ("matmul", rows) for W @ x^T, ("kvwire", rows) for kvwire's GEMV; its values
+    checked against x @ W^T."""
+    from kvwire.native import gemv
+
     seen = []
-    real_linear, real_matmul = torch.nn.functional.linear, torch.Tensor.__matmul__
+    real_linear, real_matmul, real_gemv = torch.nn.functional.linear, torch.Tensor.__matmul__, gemv.product
     x, w = torch.randn(rows, 64), torch.randn(96, 64)  # a wide weight: "transposed" repeats odd rows
     with monkeypatch.context() as m:
         m.setattr(torch.nn.functional, "linear",
                   lambda x, w, b=None: seen.append(("linear", x.shape[0])) or real_linear(x, w, b))
         m.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(("matmul", b.shape[1])) or real_matmul(a, b))
+        m.setattr(gemv, "product", lambda x, w, b=None: seen.append(("kvwire", x.shape[0])) or real_gemv(x, w, b))
         out = linear(x, w)
     torch.testing.assert_close(out, x @ w.t(), atol=1e-5, rtol=1e-5)
     return seen
@@ -194,10 +199,18 @@ def test_the_float32_gemv_follows_the_cpu_vendor_and_features(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_INTEL_AVX512, reason="not " + INTEL)
-def test_few_float32_rows_run_linear_on_an_intel_cpu(monkeypatch):
+def test_few_float32_rows_run_linear_on_an_intel_cpu_and_one_row_kvwires_gemv(monkeypatch):
+    """One row (batch-1 decode) on kvwire's GEMV where it builds (this machine has a C compiler
+    unless it says why not), else `linear`; `KVWIRE_F32_ROW=mkl` keeps it on `linear`."""
+    from kvwire.native import gemv
+
     assert cpu.f32_gemv() == "linear"
-    assert float32_path(monkeypatch, 1) == [("linear", 1)]
+    assert cpu.f32_row() == ("kvwire" if gemv.available() else "mkl"), gemv.unavailable_reason()
+    assert float32_path(monkeypatch, 1) == [(("kvwire" if gemv.available() else "linear"), 1)]
     assert float32_path(monkeypatch, 3) == [("linear", 3)]
+    monkeypatch.setenv("KVWIRE_F32_ROW", "mkl")
+    cpu.f32_row.cache_clear()
+    assert float32_path(monkeypatch, 1) == [("linear", 1)]
 
 
 @pytest.mark.skipif(ON_INTEL_AVX512, reason=INTEL)
@@ -225,6 +238,7 @@ def test_float32_packs_follow_the_gemv_choice(monkeypatch):
     MKL's for projections at 2-64 rows (batched decode), none at one row or a prompt's many."""
     from kvwire.layers.linear import WeightPack
 
+    monkeypatch.setenv("KVWIRE_F32_ROW", "mkl")  # one row on kvwire's GEMV: tests/test_native_gemv.py
     w = torch.randn(96, 64)
     expected = {("linear", "head"): {1: None, 2: "onednn", 4: "onednn", 64: "onednn", 65: None},
                 ("linear", "projection"): {1: None, 2: "mkl", 4: "mkl", 64: "mkl", 65: None},
@@ -276,9 +290,9 @@ def test_batched_float32_decode_on_packed_weights_gives_the_unpacked_tokens(monk
                     reason="no oneDNN or no MKL in this torch build")
 def test_compiled_decode_reads_the_packed_copies(monkeypatch):
     """The 'linear' path (forced, so any CPU runs it): compiled decode steps of batch 3 call
-    `kvwire::packed_linear` (opaque to Inductor) for the head and the projections, batch 1's for
-    none (one row stays on `linear`); with every copy made (after=1) they give the eager unpacked
-    run's tokens and log-probs."""
+    `kvwire::packed_linear` (opaque to Inductor) for the head and the projections, batch 1's call
+    `kvwire::row_linear` (kvwire's GEMV) for them where `cpu.f32_row()` is "kvwire", else neither;
+    with every copy made (after=1) they give the eager unpacked run's tokens and log-probs."""
     from torch._inductor.utils import run_and_get_code
 
     from kvwire.layers.linear import WeightPack
@@ -305,9 +319,11 @@ def test_compiled_decode_reads_the_packed_copies(monkeypatch):
         assert out.tokens == eager[batch].tokens, batch
         torch.testing.assert_close(out.logprobs, eager[batch].logprobs, atol=1e-4, rtol=1e-4)
         calls = "".join(code).count("torch.ops.kvwire.packed_linear.default(")
+        rows = "".join(code).count("torch.ops.kvwire.row_linear.default(")
         # batch 3: the step's every product, and the prompt graph's head (its projections' rows are
-        # dynamic: none there)
+        # dynamic: none there); batch 1 the same through row_linear
         assert calls == (0 if batch == 1 else len(packs) + 1), (batch, calls)
+        assert rows == (len(packs) + 1 if batch == 1 and cpu.f32_row() == "kvwire" else 0), (batch, rows)
         head = lm.head.pack
         assert (head.packed is None) if batch == 1 else (head.packed is not None and head.key[0] == "onednn")
     assert all(p.packed is not None for p in packs)

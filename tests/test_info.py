@@ -14,13 +14,14 @@ from kvwire.layers import cpu
 def fresh_choices(monkeypatch):
     """No overriding variables from the caller's shell; the cached choices cleared before and after
     (they read the environment once)."""
-    for name in ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_GGML_KERNEL"):
+    for name in ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_F32_ROW", "KVWIRE_GGML_KERNEL"):
         monkeypatch.delenv(name, raising=False)
-    cpu.bf16_gemm.cache_clear()
-    cpu.f32_gemv.cache_clear()
+    clear = (cpu.bf16_gemm.cache_clear, cpu.f32_gemv.cache_clear, cpu.f32_row.cache_clear)
+    for c in clear:
+        c()
     yield
-    cpu.bf16_gemm.cache_clear()
-    cpu.f32_gemv.cache_clear()
+    for c in clear:
+        c()
 
 
 def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
@@ -28,6 +29,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     assert report["cpu"]["features"] == cpu.features()
     assert report["paths"]["bf16_gemm"] == cpu.bf16_gemm()
     assert report["paths"]["f32_gemv"] == cpu.f32_gemv()
+    assert report["paths"]["f32_row"].split(" ")[0] == cpu.f32_row()
     if importlib.util.find_spec("llama_cpp") is None:
         assert report["paths"]["ggml_kernel"] == "not installed"
     else:
@@ -42,6 +44,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     text = capsys.readouterr().out
     assert f"bfloat16 GEMM: {cpu.bf16_gemm()} " in text
     assert f"float32 GEMV: {cpu.f32_gemv()} " in text
+    assert f"float32 one-row products: {cpu.f32_row()} " in text
     assert f"capability {report['cpu']['capability']}" in text
     assert cli.main(["info", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["paths"] == report["paths"]
@@ -50,6 +53,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
 @pytest.mark.parametrize("variable, value, expected", [
     ("KVWIRE_BF16_GEMM", "bogus", "expected one of packed, native, upcast"),
     ("KVWIRE_F32_GEMV", "bogus", "expected one of linear, transposed"),
+    ("KVWIRE_F32_ROW", "bogus", "expected one of kvwire, mkl"),
     ("KVWIRE_GGML_KERNEL", "fastest", "expected one of"),
 ])
 def test_an_invalid_setting_is_shown_with_its_reason_and_exits_1(variable, value, expected, fresh_choices,

@@ -16,7 +16,9 @@ elsewhere (AMD, where MKL takes generic code paths, and the machines not measure
 1.5-4x faster, with one row repeated for wide or square weights and an
 MKL-packed copy of the head at batch 1 ("transposed", `linear.linear`). `KVWIRE_F32_GEMV`
 (`linear` / `transposed`) overrides the choice; both give the same values (to float32 rounding)
-on any CPU.
+on any CPU. On the "linear" path one-row products (batch-1 decode) go to kvwire's own AVX-512 GEMV
+(`native/gemv.c`, built with the machine's C compiler on first use), which streams the weights faster
+than MKL's `linear` there (`f32_row`; `KVWIRE_F32_ROW` = `kvwire` / `mkl` overrides).
 """
 import os
 from functools import lru_cache
@@ -25,6 +27,7 @@ import torch
 
 BF16_CHOICES = ("packed", "native", "upcast")
 F32_CHOICES = ("linear", "transposed")
+F32_ROW_CHOICES = ("kvwire", "mkl")
 
 
 @lru_cache(maxsize=None)
@@ -78,6 +81,36 @@ def f32_gemv():
     return asked
 
 
+def f32_row():
+    """'kvwire' (one-row float32 products on kvwire's AVX-512 GEMV, `native.gemv`) or 'mkl' (through
+    the `f32_gemv` path). Default: 'kvwire' where `f32_gemv()` is 'linear' (an Intel CPU with AVX-512:
+    the one measured, session 26: batch-1 float32 decode 21.48 -> 23.23 tokens/s) and the kernel
+    builds here (a C compiler is needed; without one, 'mkl'). `KVWIRE_F32_ROW=kvwire` elsewhere is
+    refused without AVX-512F or a working build, naming what is missing. Cached for each `f32_gemv()`
+    answer (`f32_row.cache_clear()` after changing `KVWIRE_F32_ROW`)."""
+    return _f32_row(f32_gemv())
+
+
+@lru_cache(maxsize=None)
+def _f32_row(gemv_path):
+    from ..native import gemv  # imported here: it builds nothing until asked
+
+    asked = os.environ.get("KVWIRE_F32_ROW", "").strip().lower()
+    if not asked:
+        return "kvwire" if gemv_path == "linear" and features()["avx512"] and gemv.available() else "mkl"
+    if asked not in F32_ROW_CHOICES:
+        raise ValueError(f"KVWIRE_F32_ROW={asked!r}; expected one of {', '.join(F32_ROW_CHOICES)}")
+    if asked == "kvwire" and not features()["avx512"]:
+        raise ValueError("KVWIRE_F32_ROW=kvwire needs AVX-512F, which this CPU lacks; unset it (one-row float32 "
+                         "products then go through MKL)")
+    if asked == "kvwire" and not gemv.available():
+        raise ValueError(f"KVWIRE_F32_ROW=kvwire, but kvwire's GEMV could not be built here: {gemv.unavailable_reason()}")
+    return asked
+
+
+f32_row.cache_clear = _f32_row.cache_clear
+
+
 def cpuinfo_field(key, cpuinfo="/proc/cpuinfo"):
     """The first value of `key` in /proc/cpuinfo ("vendor_id", "model name"), or None (not Linux,
     unreadable, no such key)."""
@@ -100,4 +133,5 @@ def features_text(found=None):
 def report():
     """One line for benchmark headers: the features and the paths chosen."""
     return f"CPU features: {features_text()}; bf16 GEMM: {bf16_gemm()}; float32 GEMV: {f32_gemv()}; " \
+           f"float32 one-row kernel: {f32_row()}; " \
            f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}"

@@ -22,12 +22,12 @@ with bf16 units (AVX512_BF16, AMX) keep them in bf16 (`cpu.bf16_gemm`).
 """
 import itertools
 import weakref
-from typing import Optional
 
 import torch
 from torch import nn
 
-from .cpu import bf16_gemm, f32_gemv
+from ..native import gemv
+from .cpu import bf16_gemm, f32_gemv, f32_row
 from .tracing import is_exporting
 
 SMALL_ROWS = 64
@@ -43,6 +43,8 @@ def linear(x, weight, bias=None):
     rows = x.numel() // x.shape[-1]
     if torch.compiler.is_compiling():
         return nn.functional.linear(x, weight, bias)
+    if rows == 1 and x.dtype == torch.float32 and f32_row() == "kvwire" and gemv.applies(x, weight, bias):
+        return gemv.product(x, weight, bias)  # batch-1 decode: kvwire's GEMV streams weights faster
     # bf16 GEMM costs about rows x GEMV here: from 8 rows, upcasting a (small) weight is cheaper
     upcast = rows > SMALL_ROWS or (rows > 4 and weight.numel() < 1 << 24)
     if upcast and x.dtype in _UPCAST and x.device.type == "cpu" and not (x.dtype == torch.bfloat16
@@ -69,6 +71,8 @@ def _kind_for(role, rows, dtype, no_bias):
         return "onednn" if bf16_gemm() == "packed" and rows <= PACKED_BF16_ROWS else None
     if dtype != torch.float32:
         return None
+    if rows == 1 and f32_row() == "kvwire":
+        return "row"  # kvwire's GEMV, on the weight itself (no copy)
     head = role == "head"
     # torch builds MKL's packed ops only alongside oneDNN: both are checked for them
     mkl = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
@@ -88,30 +92,44 @@ _COMPILED = {}  # filled by `allow_packs_in_compiled_graphs`: "kind" (a constant
 
 
 def allow_packs_in_compiled_graphs():
-    """Register `kvwire::packed_linear` and what `WeightPack.in_graph` needs, once; `lm.compile()`'s
-    first step calls it (it imports dynamo, ~1.5 s, which importing kvwire does not). Graphs traced
-    before it (a plain `torch.compile` of a model) keep plain `linear`."""
+    """Register `kvwire::packed_linear`, `kvwire::row_linear` and what `WeightPack.in_graph` needs, once;
+    `lm.compile()`'s first step calls it (it imports dynamo, ~1.5 s, which importing kvwire does not).
+    Graphs traced before it (a plain `torch.compile` of a model) keep plain `linear`."""
     if _COMPILED:
         return
-
-    @torch.library.custom_op("kvwire::packed_linear", mutates_args=())
-    @torch.compiler.disable  # run from compiled code, where dynamo would otherwise trace its frames
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pack: int) -> torch.Tensor:
-        """x (..., in) @ weight (out, in)^T + bias -> (..., out), read from the packed copy of the
-        `WeightPack` whose `ident` is `pack` where it serves (else `linear`)."""
-        owner = _PACKS.get(pack)
-        out = None if owner is None else owner(x, weight, bias)
-        return nn.functional.linear(x, weight, bias) if out is None else out
-
-    @packed_linear.register_fake
-    def _(x, weight, bias, pack):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    # last, once the op exists: dynamo calls it once per traced product and bakes the answer in (the
+    # Both ops are registered on the dispatcher directly, not through `torch.library.custom_op`, whose
+    # per-call checks a compiled step pays ~127 times: paired, compiled batch-4 decode 80.88 -> 82.50
+    # tokens/s; batch-1 decode 25.08 (Inductor's own products), 26.54 (only the head through a
+    # `custom_op`), 26.78 (every product through `row_linear`) (session 26). Their kernels run under
+    # `torch.compiler.disable`: called from compiled code, dynamo would otherwise trace their frames.
+    _define("packed_linear", "(Tensor x, Tensor weight, Tensor? bias, int pack) -> Tensor", _packed_linear)
+    _define("row_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _row_linear)
+    # last, once the ops exist: dynamo calls it once per traced product and bakes the answer in (the
     # CPU checks read files, which it cannot trace; `disable` keeps it from tracing that call's frames)
     untraced = torch.compiler.disable(_kind_for)
     _COMPILED["kind"] = torch.compiler.assume_constant_result(lambda role, rows, dtype, no_bias:
                                                               untraced(role, rows, dtype, no_bias))
+
+
+def _define(name, schema, kernel):
+    """kvwire::`name`, a product shaped like `linear`'s, run by `kernel` on CPU tensors."""
+    torch.library.define(f"kvwire::{name}", schema)
+    torch.library.impl(f"kvwire::{name}", "CPU", torch.compiler.disable(kernel))
+    torch.library.register_fake(f"kvwire::{name}", lambda x, weight, *rest: x.new_empty(*x.shape[:-1], weight.shape[0]))
+
+
+def _packed_linear(x, weight, bias, pack):
+    """x (..., in) @ weight (out, in)^T + bias -> (..., out), read from the packed copy of the
+    `WeightPack` whose `ident` is `pack` where it serves (else `linear`)."""
+    owner = _PACKS.get(pack)
+    out = None if owner is None else owner(x, weight, bias)
+    return nn.functional.linear(x, weight, bias) if out is None else out
+
+
+def _row_linear(x, weight, bias):
+    """x (..., in) holding one row @ weight (out, in)^T + bias -> (..., out) on kvwire's GEMV where it
+    applies (`native.gemv`), else `linear`."""
+    return gemv.product(x, weight, bias) if gemv.applies(x, weight, bias) else nn.functional.linear(x, weight, bias)
 
 
 class WeightPack:
@@ -194,9 +212,10 @@ class WeightPack:
         # prompt's length is dynamic, and dynamo bakes in no answer for a symbolic row count
         if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] != 1):
             return None
-        if kind(self.role, x.shape[0], x.dtype, bias is None) is None:
-            return None
-        return torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
+        found = kind(self.role, x.shape[0], x.dtype, bias is None)
+        if found == "row":
+            return torch.ops.kvwire.row_linear(x, weight, bias)
+        return None if found is None else torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
 
     def __call__(self, x, weight, bias=None):
         if torch.compiler.is_compiling():
@@ -204,6 +223,8 @@ class WeightPack:
         kind = self.kind(x, weight, bias)
         if kind is None:
             return None
+        if kind == "row":
+            return gemv.product(x, weight, bias) if gemv.applies(x, weight, bias) else None
         rows = x.numel() // x.shape[-1]
         key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape))
         if key != self.key:

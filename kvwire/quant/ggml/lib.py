@@ -11,14 +11,13 @@ import ctypes
 import hashlib
 import importlib.util
 import os
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch  # imported before the bridge loads: its libgomp becomes the bridge's
 
 from ...io.weights_cache import cache_root
+from ...native.build import compiler, run
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul.c", "x16.c", "op.cpp"))
 INSTALL_HINT = 'ggml kernels need llama-cpp-python, which ships ggml: pip install "kvwire[ggml]"'
@@ -87,16 +86,11 @@ def _build(target, lib_dir, include):
 
 
 def _compiler(variable, *names):
-    found = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
-    if found is None:
-        raise GGMLUnavailable(f"ggml kernels need {names[0]} to build kvwire's bridge; none on PATH")
-    return found
+    return compiler(variable, *names, error=GGMLUnavailable, what="kvwire's ggml bridge")
 
 
 def _run(cmd):
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise GGMLUnavailable(f"building kvwire's ggml bridge failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    run(cmd, error=GGMLUnavailable, what="kvwire's ggml bridge")
 
 
 def _declare(lib):

@@ -1,0 +1,87 @@
+"""One-row float32 products on kvwire's AVX-512 GEMV (`gemv.c`), reading the weight in place.
+
+A batch-1 decode step is one GEMV per weight, bound by how fast the weights stream from memory.
+On the AMX Xeon kvwire is measured on (session 26, one process, interleaved), the default model's
+262144 x 640 float32 head took 20.5-21.2 ms here against 22.8-23.6 ms through MKL's `linear`
+(MKL's packed copy 19.5-20.2 ms, at 0.64 GB more memory), and float32 batch-1 decode ran at 23.23
+against 21.48 tokens/s (eager, six paired rounds). `cpu.f32_row()` decides where it is used.
+
+Example:
+    >>> w, x = torch.randn(40, 24), torch.randn(1, 24)
+    >>> torch.allclose(product(x, w), x @ w.T, atol=1e-5) if available() else True
+    True
+"""
+import ctypes
+from pathlib import Path
+
+import torch
+
+from ..layers.tracing import is_exporting
+from .build import BuildError, library
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # built and called only where the CPU has AVX-512F
+_LIB = {}  # "lib": the loaded library, or "error": why it could not be built
+
+
+def load():
+    """The loaded kernel library, built on first use; raises `BuildError` (remembered: one try a
+    process)."""
+    if "lib" not in _LIB and "error" not in _LIB:
+        try:
+            # PyDLL: the GIL stays held during a call (a ctypes.CDLL call drops it, and getting it back
+            # behind another thread cost compiled decode steps ~11 ms each, 127 calls a step)
+            lib = ctypes.PyDLL(str(library("kvw_gemv", [SOURCE], FLAGS)))  # after torch: its libgomp serves
+        except (BuildError, OSError) as e:
+            _LIB["error"] = BuildError(str(e))
+        else:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            lib.kvw_gemv_f32.argtypes, lib.kvw_gemv_f32.restype = [p, i64, p, p, p, i64, i64, ctypes.c_int], None
+            _LIB["lib"] = lib
+    if "error" in _LIB:
+        raise _LIB["error"]
+    return _LIB["lib"]
+
+
+def available():
+    """Whether the kernel is built and loaded here (building it if needed); the CPU is not checked."""
+    try:
+        load()
+    except BuildError:
+        return False
+    return True
+
+
+def unavailable_reason():
+    """Why the kernel could not be built, or None."""
+    return str(_LIB["error"]) if "error" in _LIB else None
+
+
+def applies(x, weight, bias=None):
+    """Whether `product` computes linear(x, weight, bias): one row of float32 CPU tensors, a weight
+    whose rows are dense, no gradient wanted, not inside a compiler or exporter (they trace plain
+    ops; compiled steps reach the kernel through `linear.WeightPack.in_graph`'s op)."""
+    if type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0:
+        return False
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1
+            or x.shape[-1] != weight.shape[1] or x.numel() != x.shape[-1] or 0 in weight.shape):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1
+                             or bias.stride(0) != 1 or bias.shape[0] != weight.shape[0]):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return False
+    return not (torch.compiler.is_compiling() or is_exporting())
+
+
+def product(x, weight, bias=None):
+    """x (..., in) holding one row, weight (out, in), bias (out,) or None -> (..., out), the same as
+    `nn.functional.linear` to float32 rounding (the sum runs in another order). Call where
+    `applies(x, weight, bias)`; the library must be loaded (`load`)."""
+    lib = _LIB["lib"]
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], weight.shape[0])
+    lib.kvw_gemv_f32(weight.data_ptr(), weight.stride(0), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                     out.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return out
