@@ -435,9 +435,9 @@ def _model_options(p):
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    torch.set_grad_enabled(False)
     try:
-        code = args.run(args)
+        with torch.no_grad():  # restored on return: main(argv) called in a process leaves its grad mode as it was
+            code = args.run(args)
     except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError) as e:
         print(f"kvwire: error: {e}", file=sys.stderr)
         return 2

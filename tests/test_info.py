@@ -4,6 +4,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from kvwire import cli
 from kvwire.info import cpu_name, info
@@ -48,6 +49,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     assert f"capability {report['cpu']['capability']}" in text
     assert cli.main(["info", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["paths"] == report["paths"]
+    assert torch.is_grad_enabled()  # main(argv) runs without grad and gives the caller's mode back
 
 
 @pytest.mark.parametrize("variable, value, expected", [

@@ -67,6 +67,18 @@ def test_rows_apart_strided_inputs_and_thread_counts():
     assert torch.equal(one, two)
 
 
+@runs_here
+def test_the_output_is_made_on_the_inputs_device_whatever_the_default():
+    """Under `torch.device("meta")` a factory call without device= makes a meta tensor (no memory):
+    the kernel writing there crashed the process. Its output follows x."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(33, 80, generator=g), torch.randn(1, 80, generator=g)
+    with torch.device("meta"):
+        out = gemv.product(x, w)
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
 def test_what_the_gemv_does_not_take():
     """Products it does not compute go elsewhere (`applies` is False): several rows, other dtypes,
     a weight whose columns are strided, sizes that do not match (linear then raises its own error),
@@ -80,7 +92,8 @@ def test_what_the_gemv_does_not_take():
     assert not gemv.applies(torch.randn(1, 15), w)
     assert not gemv.applies(x, w, torch.zeros(7))
     assert not gemv.applies(x, w, torch.zeros(8, dtype=torch.float64))
-    assert not gemv.applies(x.requires_grad_(), w)
+    with torch.enable_grad():  # whatever mode the test before left
+        assert not gemv.applies(x.requires_grad_(), w)
     with torch.no_grad():
         assert gemv.applies(x, w)
 

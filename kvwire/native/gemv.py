@@ -81,7 +81,7 @@ def product(x, weight, bias=None):
     `applies(x, weight, bias)`; the library must be loaded (`load`)."""
     lib = _LIB["lib"]
     x = x.contiguous()
-    out = torch.empty(*x.shape[:-1], weight.shape[0])
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])  # on x's device whatever the default device is
     lib.kvw_gemv_f32(weight.data_ptr(), weight.stride(0), x.data_ptr(), None if bias is None else bias.data_ptr(),
                      out.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
     return out
