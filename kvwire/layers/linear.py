@@ -92,30 +92,24 @@ _COMPILED = {}  # filled by `allow_packs_in_compiled_graphs`: "kind" (a constant
 
 
 def allow_packs_in_compiled_graphs():
-    """Register `kvwire::packed_linear`, `kvwire::row_linear` and what `WeightPack.in_graph` needs, once;
+    """Register `kvwire::packed_linear` and what `WeightPack.in_graph` needs, once;
     `lm.compile()`'s first step calls it (it imports dynamo, ~1.5 s, which importing kvwire does not).
     Graphs traced before it (a plain `torch.compile` of a model) keep plain `linear`."""
     if _COMPILED:
         return
-    # Both ops are registered on the dispatcher directly, not through `torch.library.custom_op`, whose
-    # per-call checks a compiled step pays ~127 times: paired, compiled batch-4 decode 80.88 -> 82.50
-    # tokens/s; batch-1 decode 25.08 (Inductor's own products), 26.54 (only the head through a
-    # `custom_op`), 26.78 (every product through `row_linear`) (session 26). Their kernels run under
-    # `torch.compiler.disable`: called from compiled code, dynamo would otherwise trace their frames.
-    _define("packed_linear", "(Tensor x, Tensor weight, Tensor? bias, int pack) -> Tensor", _packed_linear)
-    _define("row_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _row_linear)
+    # Registered on the dispatcher directly, not through `torch.library.custom_op`, whose per-call
+    # checks a compiled step pays ~127 times: paired, compiled batch-4 decode 80.88 -> 82.50 tokens/s
+    # (session 26). The kernel runs under `torch.compiler.disable`: called from compiled code, dynamo
+    # would otherwise trace its frames.
+    torch.library.define("kvwire::packed_linear", "(Tensor x, Tensor weight, Tensor? bias, int pack) -> Tensor")
+    torch.library.impl("kvwire::packed_linear", "CPU", torch.compiler.disable(_packed_linear))
+    torch.library.register_fake("kvwire::packed_linear",
+                                lambda x, weight, bias, pack: x.new_empty(*x.shape[:-1], weight.shape[0]))
     # last, once the ops exist: dynamo calls it once per traced product and bakes the answer in (the
     # CPU checks read files, which it cannot trace; `disable` keeps it from tracing that call's frames)
     untraced = torch.compiler.disable(_kind_for)
     _COMPILED["kind"] = torch.compiler.assume_constant_result(lambda role, rows, dtype, no_bias:
                                                               untraced(role, rows, dtype, no_bias))
-
-
-def _define(name, schema, kernel):
-    """kvwire::`name`, a product shaped like `linear`'s, run by `kernel` on CPU tensors."""
-    torch.library.define(f"kvwire::{name}", schema)
-    torch.library.impl(f"kvwire::{name}", "CPU", torch.compiler.disable(kernel))
-    torch.library.register_fake(f"kvwire::{name}", lambda x, weight, *rest: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def _packed_linear(x, weight, bias, pack):
@@ -124,12 +118,6 @@ def _packed_linear(x, weight, bias, pack):
     owner = _PACKS.get(pack)
     out = None if owner is None else owner(x, weight, bias)
     return nn.functional.linear(x, weight, bias) if out is None else out
-
-
-def _row_linear(x, weight, bias):
-    """x (..., in) holding one row @ weight (out, in)^T + bias -> (..., out) on kvwire's GEMV where it
-    applies (`native.gemv`), else `linear`."""
-    return gemv.product(x, weight, bias) if gemv.applies(x, weight, bias) else nn.functional.linear(x, weight, bias)
 
 
 class WeightPack:
@@ -213,9 +201,11 @@ class WeightPack:
         if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] != 1):
             return None
         found = kind(self.role, x.shape[0], x.dtype, bias is None)
-        if found == "row":
-            return torch.ops.kvwire.row_linear(x, weight, bias)
-        return None if found is None else torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
+        # one row (kvwire's GEMV in eager) stays Inductor's own product: the same GEMV called through an
+        # op from compiled steps gave 24.9-26.3 against 23.9-24.3 tokens/s in scripts, but 18.7-20.6
+        # against 23.2 in the bench's served process (batch-1 decode, session 27; py-spy put the
+        # difference on the Python lines around the kernel, not in it: not understood)
+        return None if found in (None, "row") else torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
 
     def __call__(self, x, weight, bias=None):
         if torch.compiler.is_compiling():

@@ -60,7 +60,7 @@ def unavailable_reason():
 def applies(x, weight, bias=None):
     """Whether `product` computes linear(x, weight, bias): one row of float32 CPU tensors, a weight
     whose rows are dense, no gradient wanted, not inside a compiler or exporter (they trace plain
-    ops; compiled steps reach the kernel through `linear.WeightPack.in_graph`'s op)."""
+    ops: compiled steps keep the compiler's own products, `linear.WeightPack.in_graph`)."""
     if type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0:
         return False
     if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1
