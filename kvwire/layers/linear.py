@@ -201,11 +201,15 @@ class WeightPack:
         if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] != 1):
             return None
         found = kind(self.role, x.shape[0], x.dtype, bias is None)
-        # one row (kvwire's GEMV in eager) stays Inductor's own product: the same GEMV called through an
-        # op from compiled steps gave 24.9-26.3 against 23.9-24.3 tokens/s in scripts, but 18.7-20.6
+        # One row (kvwire's GEMV, `native.gemv`): only the head's product goes through the op (at run time
+        # this pack's `__call__`, which calls the GEMV); projections stay Inductor's own. Every one-row
+        # product through an op gave 24.9-26.3 against 23.9-24.3 tokens/s in scripts, but 18.7-20.6
         # against 23.2 in the bench's served process (batch-1 decode, session 27; py-spy put the
-        # difference on the Python lines around the kernel, not in it: not understood)
-        return None if found in (None, "row") else torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
+        # difference on the Python lines around the kernel, ~127 calls a step: not understood); the head
+        # is one call a step and a third of its bytes.
+        if found is None or (found == "row" and self.role != "head"):
+            return None
+        return torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
 
     def __call__(self, x, weight, bias=None):
         if torch.compiler.is_compiling():
