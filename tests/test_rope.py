@@ -167,6 +167,21 @@ def test_meta_build_then_reset_buffers_matches_a_cpu_build():
     torch.testing.assert_close(meta.tables(positions), cpu.tables(positions), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_keeps_the_tables_float32(dtype):
+    """`.to(bf16)` would round the frequencies (every angle with them): a cast model's tables are
+    a fresh build's, float32, while its tables for a bf16 call are those rounded once at the end."""
+    rope = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}
+    fresh = Rotary(16, 1e4, rope, rotary_dim=8, max_position_embeddings=64)
+    cast = Rotary(16, 1e4, rope, rotary_dim=8, max_position_embeddings=64).to(dtype)
+    assert all(getattr(cast, n).dtype == torch.float32 for n in cast._names)
+    positions = torch.arange(40)[None]
+    torch.testing.assert_close(cast.tables(positions, dtype), fresh.tables(positions, dtype), atol=0, rtol=0)
+    torch.testing.assert_close(cast.tables(positions), fresh.tables(positions), atol=0, rtol=0)
+    # what the cast did before: the test would see it
+    assert any(not torch.equal(getattr(fresh, n).to(dtype).float(), getattr(fresh, n)) for n in fresh._names)
+
+
 @pytest.mark.parametrize("scaling, rotary_dim, match", [
     ({"rope_type": "ntk"}, None, r"rope_type 'ntk' is not supported; expected one of \['default', 'linear', "
                                  r"'dynamic', 'llama3', 'yarn', 'longrope', 'frequency_factors'\]"),

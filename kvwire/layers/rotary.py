@@ -68,6 +68,18 @@ class Rotary(nn.Module):
             self.register_buffer(name, table, persistent=False)
             self._names.append(name)
 
+    def _apply(self, fn, recurse=True):
+        # `.to(torch.bfloat16)` would round the frequencies, and with them every angle: a cast model
+        # would rotate unlike one loaded in that dtype, whose tables are float32. Tables cast to another
+        # float dtype are made again in float32 on their device.
+        super()._apply(fn, recurse)
+        cast = [name for name in self._names if getattr(self, name).dtype in (torch.float16, torch.bfloat16)]
+        if cast:
+            tables = rope_tables(self.params, self.base, self.rotary_dim)
+            for name in cast:
+                setattr(self, name, tables[name].to(getattr(self, name).device))
+        return self
+
     def reset_buffers(self):
         """Recompute the frequencies (after the module was built on the meta device)."""
         for name, table in rope_tables(self.params, self.base, self.rotary_dim).items():
