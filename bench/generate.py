@@ -65,13 +65,22 @@ def counting(text):
     return list(range(100, 700))
 
 
-def measure(runners, encode, new_tokens, repeat=3):
+# libgomp's workers (torch's OpenMP) spin after a parallel region before they sleep (GOMP_SPINCOUNT;
+# 4-7 ms of CPU after a 1024 x 1024 product on the 2-core AMX Xeon of session 28): a run that starts
+# right after another library's shares the cores with that library's spinning thread. Same machine,
+# `--variants bfloat16`, one run each: kvwire prefill 32 / 512 at 699 / 3015 tokens/s timed alone,
+# 579 / 2894 interleaved with transformers and no pause, 619 / 2984 with this one.
+SETTLE_S = 0.1
+
+
+def measure(runners, encode, new_tokens, repeat=3, settle=SETTLE_S):
     """({library: {key: rate}}, {library: why it stopped}) for runners: {library: run(ids (B, T), n) ->
     seconds} running n new tokens with no early stop, each timed where it runs.
 
     Libraries are timed in turn inside each repetition and the best time is kept, so the drift of a
-    noisy machine hits them alike. A runner that raises `LibraryDied` is timed no further: it gets a
-    reason instead of rates, and the others go on."""
+    noisy machine hits them alike. Each run starts `settle` seconds after the last one ended, so the
+    last library's thread pool has gone to sleep (see SETTLE_S). A runner that raises `LibraryDied`
+    is timed no further: it gets a reason instead of rates, and the others go on."""
     plans = {}
     for batch in (1, 4):
         ids = prompt_ids(encode, 16, batch)
@@ -87,6 +96,7 @@ def measure(runners, encode, new_tokens, repeat=3):
     def timed(lib, ids, n):
         if lib in died:
             return float("inf")
+        time.sleep(settle)
         try:
             return runners[lib](ids, n)
         except LibraryDied as e:
