@@ -303,7 +303,8 @@ def report(variant, peers, speed, why_not, sizes, label):
     sizes: {lib: [peak RSS, cold load, warm load]}."""
     quantised = parse_variant(variant)["quantize"] is not None
     for lib in ["kvwire", *peers]:
-        name = label if lib == "llama.cpp" else variant
+        # transformers runs the variant's dtype, eager, whatever else kvwire's variant names
+        name = {"kvwire": variant, "llama.cpp": label}.get(lib, f"{parse_variant(variant)['dtype']} (eager)")
         print(row(lib, name, [speed[lib][k] for k in KEYS] + sizes[lib]) if lib in speed else
               row(lib, name, why_not.get(lib, "not timed")))
     for lib in peers:

@@ -219,6 +219,17 @@ def test_llama_cpp_row_names_the_files_own_blocks():
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and blocks == "Q4_1"
 
 
+def test_rows_name_what_each_library_ran(capsys):
+    """transformers runs the variant's dtype eagerly: its row says so, not kvwire's '+compile'."""
+    cells = {k: 1.0 for k in generate.KEYS}
+    generate.report("float32+compile", ["transformers"], {"kvwire": cells, "transformers": cells}, {},
+                    {"kvwire": [1.0, 1.0, 1.0], "transformers": [2.0, 1.0, 1.0]}, "Q4_K_M")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["kvwire", "float32+compile"]
+    assert lines[1].split()[:3] == ["transformers", "float32", "(eager)"]
+    assert lines[2].split()[0] == "kvwire/transformers" and lines[2].split()[5] == "0.50"  # peak RSS 1 / 2
+
+
 def test_prompt_rows_are_distinct_lists_of_one_length():
     rows = generate.prompt_ids(generate.counting, 16, 4)
     assert [len(r) for r in rows] == [16] * 4 and len({tuple(r) for r in rows}) == 4
