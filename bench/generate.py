@@ -27,7 +27,8 @@ a 512-token prefill and 8 decode steps at batch 4.
 Speed: every library is loaded in a process of its own and this process drives them in turn,
 one run at a time, each timing its own runs (`common.LibraryProcess`): libraries never share a
 process (thread pools, heap, allocator state), and their runs still interleave, so a noisy
-machine's drift hits them alike; each run starts `SETTLE_S` after the last ended (see there). (Session 24 suspected llama.cpp's OpenMP pool of slowing torch in
+machine's drift hits them alike; each run starts `SETTLE_S` after the last ended (see there).
+(Session 24 suspected llama.cpp's OpenMP pool of slowing torch in
 one process; session 25's runs of both designs, an hour apart, gave kvwire/transformers float32
 1.06x / 1.43x / 0.89x / 0.95x in one process and 1.04x / 1.50x / 0.86x / 0.93x apart: no clear
 effect, but no shared state to doubt.)

@@ -291,7 +291,8 @@ def test_batched_float32_decode_on_packed_weights_gives_the_unpacked_tokens(monk
 def test_compiled_decode_reads_the_packed_copies(monkeypatch):
     """The 'linear' path (forced, so any CPU runs it): compiled decode steps of batch 3 call
     `kvwire::packed_linear` (opaque to Inductor) for the head and the projections, batch 1's for the
-    head alone where `cpu.f32_row()` is "kvwire" (its GEMV), else none; with every copy made (after=1) they give the eager unpacked run's tokens and log-probs."""
+    head alone where `cpu.f32_row()` is "kvwire" (its GEMV), else none; with every copy made
+    (after=1) they give the eager unpacked run's tokens and log-probs."""
     from torch._inductor.utils import run_and_get_code
 
     from kvwire.layers.linear import WeightPack
