@@ -140,8 +140,8 @@ class Attention(Layer):
 
     def _attend(self, q, blocks, dtype=torch.float32):
         """q (B, H, T, hd) of any float dtype; blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd),
-        mask (B|1, T, S_i) -> (B, H, T, hd) float32 (bf16 from a bf16 flash kernel's single block); `dtype`: the layer
-        input's. Query heads are grouped per key/value head so no cache is repeated.
+        mask (B|1, T, S_i) -> (B, H, T, hd) float32 (bf16 from a bf16 flash kernel's single block);
+        `dtype`: the layer input's. Query heads are grouped per key/value head so no cache is repeated.
 
         Eager CPU calls with many query rows use the fused flash kernel once per block and merge the
         blocks by their log-sum-exp (a 512-token prefill chunk: 22 ms against 58 ms per layer);

@@ -70,20 +70,18 @@ class Rotary(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # `.to(torch.bfloat16)` would round the frequencies, and with them every angle: a cast model
-        # would rotate unlike one loaded in that dtype, whose tables are float32. Tables cast to another
-        # float dtype are made again in float32 on their device.
+        # would rotate unlike one loaded in that dtype, whose tables are float32
         super()._apply(fn, recurse)
-        cast = [name for name in self._names if getattr(self, name).dtype in (torch.float16, torch.bfloat16)]
-        if cast:
-            tables = rope_tables(self.params, self.base, self.rotary_dim)
-            for name in cast:
-                setattr(self, name, tables[name].to(getattr(self, name).device))
+        buffers = [getattr(self, name) for name in self._names]
+        if any(b.dtype in (torch.float16, torch.bfloat16) for b in buffers):
+            self.reset_buffers(buffers[0].device)
         return self
 
-    def reset_buffers(self):
-        """Recompute the frequencies (after the module was built on the meta device)."""
+    def reset_buffers(self, device=None):
+        """Recompute the frequencies in float32 on `device` (None: the CPU), after the module was built
+        on the meta device or cast to a lower precision."""
         for name, table in rope_tables(self.params, self.base, self.rotary_dim).items():
-            setattr(self, name, table)
+            setattr(self, name, table if device is None else table.to(device))
 
     def tables(self, positions, dtype=torch.float32):
         """cos and signed sin for positions (B, T): each (B, 1, T, rotary_dim); the sin's first half
