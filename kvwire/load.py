@@ -1,5 +1,6 @@
 """`kw.load` and `kw.from_hf`: presets, GGUF files, Hugging Face folders and model objects."""
 import dataclasses
+import itertools
 import json
 import time
 import warnings
@@ -15,7 +16,7 @@ from .generate import CausalLM
 from .io import weights_cache
 from .io.chat_template import template_from_transformers
 from .io.gguf import GGUFFile
-from .io.heap import give_back_freed_memory
+from .io.heap import give_back_freed_memory, give_back_file_pages
 from .io.safetensors_dir import read_config, read_state_dict
 from .io.tokenizer import CHAT_FILE, Tokenizer, eos_list, tokenizer_from_gguf, tokenizer_from_hf_folder
 from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
@@ -77,6 +78,8 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
     lm = _load(source, dtype, progress, entry).to(device)
     if quantize == "gguf":
         lm = use_gguf_blocks(lm, source, head, entry if entry is not None and weights_cache.is_complete(entry) else None)
+        # of the float weights file only norms and embedding rows are read from now on
+        give_back_file_pages(t for t in itertools.chain(lm.parameters(), lm.buffers()) if t.is_floating_point())
     elif quantize is not None:
         lm = quantize_lm(lm, quantize)
     give_back_freed_memory()  # what reading the tokenizer and converting weights freed (io/heap.py)

@@ -148,6 +148,18 @@ def test_a_gguf_head_is_requantized_from_its_blocks_not_the_float_table(tmp_path
     _rollout_equals_cached(lm, torch.tensor([[5, 17, 42, 9]]))
 
 
+def test_models_on_ggml_blocks_prefill_in_smaller_calls(tmp_path):
+    """Quantised for memory: a prompt's activations are bounded by 256-token calls (float: 512)."""
+    from kvwire.quant.ggml.apply import PREFILL_CALL_TOKENS
+
+    write_gemma3(tmp_path / "m.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
+    assert kw.load(tmp_path / "m.gguf", progress=False).prefill_call_tokens is None
+    assert kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf").prefill_call_tokens == PREFILL_CALL_TOKENS
+    lm = kw.from_hf(tiny_hf_gemma3(vocab_size=300))
+    assert kw.quantize(lm, "q8_0", layers=False).prefill_call_tokens is None  # the head alone: layers stay float
+    assert kw.quantize(lm, "q8_0").prefill_call_tokens == PREFILL_CALL_TOKENS == 256
+
+
 def test_load_requantizes_the_head_straight_from_the_file_chunk_by_chunk(tmp_path, monkeypatch):
     """`kw.load(..., quantize="gguf", head="q5_0")` gives the blocks `kw.quantize(lm, "q5_0",
     layers=False)` gives after loading, read from the file's blocks a chunk of rows at a time with

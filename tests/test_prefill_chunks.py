@@ -119,3 +119,23 @@ def test_an_empty_batch_of_prompts_is_refused_clearly():
     lm = tiny("llama")
     with pytest.raises(ValueError, match="every prompt of the batch is empty"):
         session_module.Session(lm.cached, lm.head, [[]], 8).prefill()
+
+
+def test_a_models_own_budget_bounds_its_calls_and_edits_keep_it(monkeypatch):
+    """`lm.prefill_call_tokens` (ggml quantisation sets 256) instead of the module's budget, in the
+    engine (sampling) and in sessions (beam search), and on an edited copy of the model."""
+    lm = tiny("gemma3")
+    rows = rows_of([23])
+    monkeypatch.setattr(session_module, "PREFILL_CALL_TOKENS", ONE_CALL)
+    tokens, logprobs = generated(lm, rows)
+    lm.prefill_call_tokens = 8
+    calls = recorded_calls(monkeypatch, engine_module)
+    chunked_tokens, chunked_logprobs = generated(lm, rows)
+    assert calls == [(1, 8), (1, 8), (1, 7)]
+    assert chunked_tokens == tokens
+    torch.testing.assert_close(chunked_logprobs, logprobs, atol=1e-5, rtol=1e-5)
+    edited = lm.edit(kw.skip("layers.1"))
+    assert edited.prefill_call_tokens == 8
+    beam_calls = recorded_calls(monkeypatch, session_module)
+    edited.generate(torch.tensor(rows[0]), max_new_tokens=3, sampler=kw.BeamSearch(num_beams=2), ignore_eos=True)
+    assert beam_calls == [(1, 8), (1, 8), (1, 7)]

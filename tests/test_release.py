@@ -57,3 +57,45 @@ def test_freed_heap_pages_go_back_to_the_os():
     assert heap.give_back_freed_memory()
     assert before - _rss_bytes() > 32 << 20
     libc.free(pin)
+
+
+def _mapped_rss(path):
+    """Resident bytes of this process's mappings of `path`."""
+    total, current = 0, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head, _, rest = line.partition(" ")
+            if "-" in head and not head.endswith(":"):
+                current = rest.split()[-1] if len(rest.split()) >= 5 else ""
+            elif head == "Rss:" and current == str(path):
+                total += int(rest.split()[0]) * 1024
+    return total
+
+
+@pytest.mark.skipif(heap._MADVISE is None, reason="no madvise (not Linux): file pages are not given back")
+def test_file_pages_go_back_and_read_again_the_same(tmp_path):
+    """What a GGUF load does with the float weights file once the GGUF's blocks run the linear maps."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(1 << 19)}, str(path))
+    state = load_file(str(path))
+    expected = float(state["a"].sum())  # every page of "a" read
+    assert _mapped_rss(path) >= 4 << 20
+    given = heap.give_back_file_pages([state["b"]])  # any tensor of the mapping gives back all of it
+    assert given >= 4 << 20 and _mapped_rss(path) < 64 << 10
+    assert float(state["a"].sum()) == expected and torch.equal(state["b"], torch.ones(1 << 19))
+
+
+@pytest.mark.skipif(heap._MADVISE is None, reason="no madvise (not Linux): file pages are not given back")
+def test_written_file_pages_are_never_dropped(tmp_path):
+    """A private mapping's written pages exist only in this process: dropping them would undo the
+    writes (a weight edited in place would silently come back as the file has it)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(1 << 20)}, str(path))
+    state = load_file(str(path))
+    state["a"][::1024] = 7.0  # one float a page
+    assert heap.give_back_file_pages([state["a"]]) == 0
+    assert float(state["a"].sum()) == 7.0 * 1024

@@ -26,6 +26,10 @@ class CausalLM(nn.Module):
     `lm.to(device)` moves the weights, the cached graph and its kept caches; generation then makes
     its tensors there (`lm.device`). Quantised CPU kernels (int8/int4, ggml) refuse other devices.
 
+    `lm.prefill_call_tokens` (None: 512): prompt tokens, all rows together, that one prefill call
+    runs at most; a long prompt runs in several. Fewer bound a prompt's activations (peak memory)
+    for a little speed; ggml quantisation sets 256 (`kw.load(..., quantize="gguf")`, `kw.quantize`).
+
     Example:
         >>> lm = kw.load("gemma3-270m")
         >>> lm(torch.tensor([[2, 651, 6037]])).shape      # uncached logits
@@ -43,6 +47,9 @@ class CausalLM(nn.Module):
         self._caches = {}  # batch size -> (max_length, cache), reused across calls
         self._compile_options, self._decode = None, None  # set by `compile`
         self._prefix_store = None  # made by `prefix_store` (chat)
+        # prompt tokens one prefill call runs at most, all rows together (None: generate.session's
+        # PREFILL_CALL_TOKENS, 512); fewer bound a long prompt's activations, for some speed
+        self.prefill_call_tokens = None
 
     @property
     def vocab_size(self):
@@ -177,7 +184,9 @@ class CausalLM(nn.Module):
             >>> v = torch.randn(640)
             >>> steered = lm.edit(lambda layer, x: layer(x) + v if layer is lm.backbone.layers[6] else layer(x))
         """
-        return CausalLM(clone(self.backbone, fn, depth=depth), self.head, self.tokenizer, self.config, self.family)
+        edited = CausalLM(clone(self.backbone, fn, depth=depth), self.head, self.tokenizer, self.config, self.family)
+        edited.prefill_call_tokens = self.prefill_call_tokens  # the same weights: the same memory trade
+        return edited
 
     def steer(self, vector, strength=1.0, *, generated_only=False, name=None):
         """The same model with `vector` (a `kw.ControlVector`) added after its blocks.
@@ -467,8 +476,10 @@ class CausalLM(nn.Module):
             max_length = decode.length(max_length, self.max_context)
         kept = self._caches.pop(len(rows), None) if reuse else None  # taken: an interleaved run gets its own
         if kept is not None and max_length <= kept[0] <= 2 * max_length:
-            return Session(self.cached, self.head, rows, kept[0], kept[1], inputs, decode=decode, device=self.device)
-        return Session(self.cached, self.head, rows, max_length, inputs=inputs, decode=decode, device=self.device)
+            return Session(self.cached, self.head, rows, kept[0], kept[1], inputs, decode=decode, device=self.device,
+                           call_tokens=self.prefill_call_tokens)
+        return Session(self.cached, self.head, rows, max_length, inputs=inputs, decode=decode, device=self.device,
+                       call_tokens=self.prefill_call_tokens)
 
     def _returning(self, engine, run):
         """Yield from run, then give the engine's caches back for the next call."""

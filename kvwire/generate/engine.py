@@ -576,9 +576,10 @@ class _Prefill:
         return (self._stop() - self.at) * self.ids.shape[0]
 
     def _stop(self):
-        step = prefill_step(len(self.seqs), self.engine.multiple)
+        engine = self.engine
+        step = prefill_step(len(self.seqs), engine.multiple, getattr(engine.lm, "prefill_call_tokens", None))
         if not self.direct:  # a scratch prefill shares steps with decoding rows: prefill_chunk a row at most
-            step = min(step, self.engine.prefill_chunk)
+            step = min(step, engine.prefill_chunk)
         return min(self.ids.shape[1], self.at + step)
 
     def advance(self):

@@ -6,15 +6,17 @@ import torch
 # size) grow with the chunk: one call for a 4,096-token prompt raised the default model's peak RSS
 # from 0.55 to 1.70 GB (2,048 tokens: 0.89 GB). 512 is llama.cpp's default micro-batch, and one
 # 512-token call is the fastest measured for such a prompt: 256-token chunks cost 5-18%
-# (bfloat16, gguf, float32; /tmp A/B in one process, session 22 notes).
+# (bfloat16, gguf, float32; /tmp A/B in one process, session 22 notes). A model can ask for less
+# (`CausalLM.prefill_call_tokens`): ggml-quantised ones do, where memory is what quantising was for.
 PREFILL_CALL_TOKENS = 512
 
 
-def prefill_step(batch, multiple=1):
-    """Prompt tokens per row in one prefill call of `batch` rows: PREFILL_CALL_TOKENS shared out,
-    rounded down to a multiple of `multiple` (a program's chunk length), at least one of those (so
-    past 512 rows, or `multiple` x rows, a call runs more)."""
-    return max(multiple, PREFILL_CALL_TOKENS // batch // multiple * multiple)
+def prefill_step(batch, multiple=1, budget=None):
+    """Prompt tokens per row in one prefill call of `batch` rows: `budget` (None: PREFILL_CALL_TOKENS)
+    shared out, rounded down to a multiple of `multiple` (a program's chunk length), at least one of
+    those (so past `budget` rows, or `multiple` x rows, a call runs more)."""
+    budget = PREFILL_CALL_TOKENS if budget is None else budget
+    return max(multiple, budget // batch // multiple * multiple)
 
 
 def left_pad(rows, pad_id=0, multiple=1, device="cpu"):
@@ -70,10 +72,11 @@ class Session:
         decode: a `CompiledDecode` that runs the one-token steps instead of the eager graph, or None.
         device: where the model's weights are; ids, positions, masks and given runtime inputs are
             put there (the caches are made there by `init_cache`).
+        call_tokens: prompt tokens (all rows) a prefill call runs at most (None: PREFILL_CALL_TOKENS).
     """
 
     def __init__(self, cached, head, rows, max_length, cache=None, inputs=None, multiple=1, decode=None,
-                 device="cpu"):
+                 device="cpu", call_tokens=None):
         self.cached, self.head, self.decode = cached, head, decode
         self.device = device = torch.device(device)
         self.ids, self.positions, self.pads = left_pad(rows, multiple=multiple, device=device)
@@ -84,7 +87,7 @@ class Session:
         self.max_length = max_length
         self.mask = torch.arange(max_length, device=device)[None] >= self.pads[:, None]  # left pads invalid
         self.index = 0
-        self.chunk = prefill_step(len(rows), multiple)
+        self.chunk = prefill_step(len(rows), multiple, call_tokens)
 
     @property
     def prompt_length(self):
