@@ -11,9 +11,10 @@ in its own timeline. Prompts that arrive while others decode are prefilled (in c
 scratch cache of their own length and copied into their row when done, so a decode step never
 touches a half-prefilled row; prompts that find the engine idle are prefilled straight into
 their rows, left-padded together (what `generate` of a batch does). Either way a prefill call
-runs at most 512 prompt tokens, all rows together (`session.prefill_step`). Graphs that take
-one write index for the batch (exported runtimes) run in lockstep: a batch is admitted only when
-the engine is empty, and its rows step together until the last finishes.
+runs at most 512 prompt tokens, all rows together, or the model's `prefill_call_tokens`
+(`session.prefill_step`). Graphs that take one write index for the batch (exported runtimes) run
+in lockstep: a batch is admitted only when the engine is empty, and its rows step together until
+the last finishes.
 
 A free row inside the decode batch is fed a dummy token that writes into its own (free) row
 only. Rows keep one shared index while they can (a batch admitted together), which keeps the
@@ -525,7 +526,7 @@ class _Prefill:
     Direct: left-padded together into their contiguous rows of the engine's cache. Otherwise into a
     scratch cache of the group's length, copied into the rows when done; a prefix hit first restores
     the stored keys/values there. Either way in chunks of `prefill_step` tokens a row (512 prompt
-    tokens a call in all), scratch ones also at most `prefill_chunk`.
+    tokens a call in all, or the model's `prefill_call_tokens`), scratch ones also at most `prefill_chunk`.
     """
 
     def __init__(self, engine, seqs, rows, direct, prefix):
