@@ -78,8 +78,9 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
     lm = _load(source, dtype, progress, entry).to(device)
     if quantize == "gguf":
         lm = use_gguf_blocks(lm, source, head, entry if entry is not None and weights_cache.is_complete(entry) else None)
-        # of the float weights file only norms and embedding rows are read from now on
-        give_back_file_pages(t for t in itertools.chain(lm.parameters(), lm.buffers()) if t.is_floating_point())
+        if getattr(lm.head, "quantized", None) is not None:  # else a float head reads the whole table each step
+            # of the float weights file only norms and embedding rows are read from now on
+            give_back_file_pages(t for t in itertools.chain(lm.parameters(), lm.buffers()) if t.is_floating_point())
     elif quantize is not None:
         lm = quantize_lm(lm, quantize)
     give_back_freed_memory()  # what reading the tokenizer and converting weights freed (io/heap.py)

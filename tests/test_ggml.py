@@ -158,6 +158,38 @@ def test_models_on_ggml_blocks_prefill_in_smaller_calls(tmp_path):
     lm = kw.from_hf(tiny_hf_gemma3(vocab_size=300))
     assert kw.quantize(lm, "q8_0", layers=False).prefill_call_tokens is None  # the head alone: layers stay float
     assert kw.quantize(lm, "q8_0").prefill_call_tokens == PREFILL_CALL_TOKENS == 256
+    for bad in (0, -3, 2.5, True):
+        lm.prefill_call_tokens = bad
+        with pytest.raises(ValueError, match=rf"prefill_call_tokens must be an int >= 1 .*got {bad!r}"):
+            lm.generate(torch.tensor([[5, 17, 42]]), max_new_tokens=2)
+
+
+def test_a_gguf_load_gives_back_the_float_files_pages_once_its_head_runs_on_blocks(tmp_path, monkeypatch):
+    """The float weights file a GGUF load maps is mostly unread once the linear maps and head run on the
+    GGUF's blocks: its pages go back (the float tensors left: norms, the embedding table); a head left
+    float reads the whole table every step, so nothing goes back then."""
+    import sys
+
+    load_module = sys.modules["kvwire.load"]
+    asked = []
+    monkeypatch.setattr(load_module, "give_back_file_pages", lambda tensors: asked.append(list(tensors)) or 0)
+    write_gemma3(tmp_path / "m.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
+    kw.load(tmp_path / "m.gguf", progress=False)
+    assert not asked  # float: every page is read
+    lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
+    assert len(asked) == 1 and asked[0] and all(t.is_floating_point() for t in asked[0])
+    assert any(t is lm.backbone.embed_tokens.weight for t in asked[0])
+    asked.clear()
+    apply_module = sys.modules["kvwire.quant.ggml.apply"]
+    real = apply_module.use_gguf_blocks
+
+    def float_head(lm, *args, **kwargs):
+        lm = real(lm, *args, **kwargs)
+        lm.head.quantized = None
+        return lm
+    monkeypatch.setattr(load_module, "use_gguf_blocks", float_head)
+    kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
+    assert not asked
 
 
 def test_load_requantizes_the_head_straight_from_the_file_chunk_by_chunk(tmp_path, monkeypatch):

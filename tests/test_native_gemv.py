@@ -1,4 +1,4 @@
-"""kvwire's AVX-512 GEMV for one-row float32 products (`kvwire/native/gemv.c`): the values of
+"""kvwire's AVX-512 GEMV for one-row float32 and bfloat16 products (`kvwire/native/gemv.c`): the values of
 `nn.functional.linear`, the choice `cpu.f32_row()` makes and what it refuses, and a build that fails
 (no compiler, a broken source) leaving the MKL path. Kernel tests run where the CPU has AVX-512F and
 the kernel builds; elsewhere they are skipped with the reason."""
@@ -46,6 +46,36 @@ def test_the_gemv_gives_linears_values(out_features, in_features, bias):
 
 
 @runs_here
+@pytest.mark.parametrize("out_features, in_features", [(1, 16), (4, 64), (17, 640), (262, 34), (5, 6), (9, 80),
+                                                       (7, 200), (13, 130), (2048, 640), (640, 2048), (3, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_bf16_gemv_gives_linears_values(out_features, in_features, bias):
+    """bfloat16 weights (every block and tail case: 128- and 32-weight steps, pairs after them, rows
+    not a multiple of 4): the float32 sum of exact products, rounded once to bfloat16, so within one
+    bfloat16 step of the float64 product (oneDNN's bf16 `linear` is held to the same)."""
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    for x in (torch.randn(1, in_features, generator=g), torch.randn(1, 1, in_features, generator=g)):
+        x = x.bfloat16()
+        assert gemv.applies(x, w, b)
+        out = gemv.product(x, w, b)
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape[:-1] + (out_features,)
+        exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        # one bfloat16 step (8 significant bits) at each value, or float32 summation's error where the
+        # sum cancels to near zero
+        scale = torch.nn.functional.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+        step = torch.maximum(exact.abs() * 2.0 ** -7, scale * 2.0 ** -20)
+        for got in (out, torch.nn.functional.linear(x, w, b)):
+            assert bool(((got.double() - exact).abs() <= step).all()), (out_features, in_features)
+    wide = torch.randn(out_features, in_features + 6, generator=g).bfloat16()
+    w = wide[:, :in_features]  # rows apart: read in place
+    x = torch.randn(1, in_features, generator=g).bfloat16()
+    assert gemv.applies(x, w)
+    torch.testing.assert_close(gemv.product(x, w), gemv.product(x, w.contiguous()), atol=0, rtol=0)
+
+
+@runs_here
 def test_rows_apart_strided_inputs_and_thread_counts():
     """A weight whose rows are a view of a wider one is read in place; a strided x is made dense; one
     and two threads give the same bits (blocks go to threads in order: a row's sum never depends on
@@ -62,6 +92,15 @@ def test_rows_apart_strided_inputs_and_thread_counts():
         one = gemv.product(x, w)
         torch.set_num_threads(2)
         two = gemv.product(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    wb, xb = w.bfloat16(), x.bfloat16()
+    try:
+        torch.set_num_threads(1)
+        one = gemv.product(xb, wb)
+        torch.set_num_threads(2)
+        two = gemv.product(xb, wb)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -87,7 +126,10 @@ def test_what_the_gemv_does_not_take():
     assert gemv.applies(x, w) and gemv.applies(x, w, torch.zeros(8))
     assert not gemv.applies(torch.randn(2, 16), w)
     assert not gemv.applies(x.double(), w.double())
-    assert not gemv.applies(x.bfloat16(), w.bfloat16())
+    assert gemv.applies(x.bfloat16(), w.bfloat16())
+    assert not gemv.applies(torch.randn(1, 15).bfloat16(), torch.randn(8, 15).bfloat16())  # bf16 read in pairs
+    assert not gemv.applies(x.bfloat16(), w)  # mixed dtypes
+    assert not gemv.applies(x.half(), w.half())
     assert not gemv.applies(x, torch.randn(16, 8).t())  # columns 8 floats apart
     assert not gemv.applies(torch.randn(1, 15), w)
     assert not gemv.applies(x, w, torch.zeros(7))
@@ -119,6 +161,47 @@ def test_a_model_decodes_the_same_tokens_on_the_gemv_and_on_mkl(monkeypatch):
     assert (lm.head.weight.shape in calls) and len(calls) > 8  # the head and the projections, every step
     assert runs["kvwire"].tokens == runs["mkl"].tokens
     torch.testing.assert_close(runs["kvwire"].logprobs, runs["mkl"].logprobs, atol=1e-4, rtol=1e-4)
+
+
+@runs_here
+def test_a_bf16_models_head_reads_the_gemv_at_one_row(monkeypatch):
+    """A tiny Gemma 3 in bfloat16, batch 1: the head's one-row products (the prompt's last row, every
+    decode step) go to kvwire's GEMV, no packed copy is made, and the log-probs match the same model
+    through oneDNN / `linear`; projections keep their own path."""
+    from kvwire.layers import linear as linear_module
+
+    from .test_devices import tiny_lm
+
+    calls, real = [], gemv.product
+    monkeypatch.setattr(gemv, "product", lambda x, w, b=None: calls.append((w.shape, w.dtype)) or real(x, w, b))
+    lm = tiny_lm("gemma3").to(torch.bfloat16)
+    lm.head.pack.after = 1  # would pack at once where the GEMV is not taken
+    runs = {}
+    for row in ("mkl", "kvwire"):
+        monkeypatch.setattr(linear_module, "f32_row", lambda r=row: r)
+        calls.clear()
+        lm.reset_caches()
+        runs[row] = lm.generate(["Hello there"], max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+        assert bool(calls) == (row == "kvwire")
+    assert set(calls) == {(lm.head.weight.shape, torch.bfloat16)} and len(calls) == 6
+    assert lm.head.pack.packed is None
+    torch.testing.assert_close(torch.tensor(runs["kvwire"].logprobs[0]), torch.tensor(runs["mkl"].logprobs[0]),
+                               atol=0.05, rtol=0.02)
+
+
+def test_the_bf16_heads_one_row_kind_follows_the_gemv_choice(monkeypatch):
+    """Where the GEMV is chosen (`f32_row()` "kvwire"), a bfloat16 head's one-row product takes it;
+    projections, other row counts, and other CPUs keep oneDNN's pack (or `linear`)."""
+    from kvwire.layers import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "bf16_gemm", lambda: "packed")
+    monkeypatch.setattr(linear_module, "f32_row", lambda: "kvwire")
+    kind = linear_module._kind_for
+    assert kind("head", 1, torch.bfloat16, True) == "row"
+    assert kind("projection", 1, torch.bfloat16, True) == "onednn"
+    assert kind("head", 4, torch.bfloat16, True) == "onednn"
+    monkeypatch.setattr(linear_module, "f32_row", lambda: "mkl")
+    assert kind("head", 1, torch.bfloat16, True) == "onednn"
 
 
 def test_the_choice_follows_the_gemv_path_and_the_cpu(monkeypatch):

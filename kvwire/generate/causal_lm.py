@@ -47,9 +47,7 @@ class CausalLM(nn.Module):
         self._caches = {}  # batch size -> (max_length, cache), reused across calls
         self._compile_options, self._decode = None, None  # set by `compile`
         self._prefix_store = None  # made by `prefix_store` (chat)
-        # prompt tokens one prefill call runs at most, all rows together (None: generate.session's
-        # PREFILL_CALL_TOKENS, 512); fewer bound a long prompt's activations, for some speed
-        self.prefill_call_tokens = None
+        self.prefill_call_tokens = None  # the class docstring says what it is
 
     @property
     def vocab_size(self):

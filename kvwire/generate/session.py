@@ -16,6 +16,8 @@ def prefill_step(batch, multiple=1, budget=None):
     shared out, rounded down to a multiple of `multiple` (a program's chunk length), at least one of
     those (so past `budget` rows, or `multiple` x rows, a call runs more)."""
     budget = PREFILL_CALL_TOKENS if budget is None else budget
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"prefill_call_tokens must be an int >= 1 (or None: {PREFILL_CALL_TOKENS}), got {budget!r}")
     return max(multiple, budget // batch // multiple * multiple)
 
 

@@ -35,25 +35,28 @@ def give_back_freed_memory():
 
 
 def give_back_file_pages(tensors):
-    """Give back the pages this process holds of the files memory-mapped under `tensors` (they are
-    read again from the file if needed): for a file of which little is read from now on, such as
-    the float weights file a GGUF load maps for its norms and embedding rows once its linear maps
-    run on the GGUF's own blocks. Merely making Gemma 3's 236 float tensors from that file
-    (safetensors' `load_file`) left 8 MB of it in the process. A mapping with pages this process has
-    written is left alone (those pages exist nowhere else). Elsewhere (not Linux) nothing is done.
-    Returns the bytes given back."""
-    maps = _file_mappings() if _MADVISE is not None else []
-    ptrs = [t.data_ptr() for t in tensors if t.numel()]
-    given = 0
-    for start, end, written, resident in maps:
-        if not written and any(start <= p < end for p in ptrs) and \
-                _MADVISE(start, end - start, mmap.MADV_DONTNEED) == 0:
-            given += resident
-    return given
+    """Give back the pages this process holds of the files memory-mapped under `tensors` (CPU tensors;
+    read again from the file if needed). For a file little of which is read from now on: the float
+    weights a GGUF load maps for its norms and embedding rows once its linear maps and head run on the
+    GGUF's blocks (safetensors' `load_file` alone left 8 MiB of Gemma 3's in the process). A mapping
+    is dropped only when smaps shows it holds no page of this process's own (written, or swapped
+    out): those exist nowhere else. Call it before anything may write the tensors (a load does): a
+    write between the check and the drop would be lost. Elsewhere (not Linux) nothing is done.
+    Returns the resident bytes of the mappings dropped."""
+    ptrs = [t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()]
+    maps = _file_mappings() if _MADVISE is not None and ptrs else []
+    return sum(resident for start, end, own, resident in maps
+               if not own and any(start <= p < end for p in ptrs) and _drop(start, end))
+
+
+def _drop(start, end):
+    return _MADVISE(start, end - start, mmap.MADV_DONTNEED) == 0
 
 
 def _file_mappings():
-    """[(start, end, has written pages, resident bytes)] of this process's file-backed mappings."""
+    """[(start, end, holds pages of its own, resident bytes)] of this process's file-backed mappings.
+    A mapping counts as holding its own pages unless smaps says it has none (Anonymous, Swap and
+    Private_Hugetlb all 0 kB): a kernel that leaves those lines out gets nothing dropped."""
     try:
         with open("/proc/self/smaps") as f:
             lines = f.read().splitlines()
@@ -63,24 +66,26 @@ def _file_mappings():
     for line in lines:
         head, _, rest = line.partition(" ")
         if "-" in head and not head.endswith(":"):  # "start-end perms offset dev inode [path]"
-            fields = rest.split()
-            named = len(fields) >= 5 and fields[4].startswith("/")
-            a, b = (int(x, 16) for x in head.split("-"))
-            current = [a, b, False, 0] if named else None
-            if current is not None:
+            fields, current = rest.split(), None
+            if len(fields) >= 5 and fields[4].startswith("/"):
+                current = {"span": tuple(int(x, 16) for x in head.split("-")), "resident": 0, "clean": set()}
                 maps.append(current)
         elif current is not None and head == "Rss:":
-            current[3] = int(rest.split()[0]) * 1024
-        elif current is not None and head == "Anonymous:" and int(rest.split()[0]):
-            current[2] = True
-    return [tuple(m) for m in maps]
+            current["resident"] = int(rest.split()[0]) * 1024
+        elif current is not None and head in _OWN_PAGES and int(rest.split()[0]) == 0:
+            current["clean"].add(head)
+    return [(*m["span"], m["clean"] != _OWN_PAGES, m["resident"]) for m in maps]
+
+
+_OWN_PAGES = {"Anonymous:", "Swap:", "Private_Hugetlb:"}  # smaps lines counting a mapping's private pages
 
 
 def _madvise_function():
+    """libc's madvise (ctypes), or None off Linux."""
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     madvise = getattr(libc, "madvise", None)

@@ -23,7 +23,8 @@ class TiedHead(Layer):
     reads an MKL-packed copy of it where `cpu.f32_gemv()` is "transposed", a float32 step of 2-64
     rows a oneDNN-packed one where it is "linear", bfloat16 products a oneDNN-packed one where the
     CPU has bf16 units (`WeightPack`: the head is most of a decode step's bytes; compiled float32
-    steps too), made after 64 products and freed by `lm.reset_caches()`.
+    steps too), made after 64 products and freed by `lm.reset_caches()`. One row where `cpu.f32_row()`
+    is "kvwire" (float32, or bfloat16 eager) reads the weight itself on kvwire's GEMV instead.
 
     Example:
         >>> head = TiedHead(backbone.embed_tokens)

@@ -68,6 +68,8 @@ def _kind_for(role, rows, dtype, no_bias):
     """The packed kernel ("mkl", "onednn") a product of `rows` rows in `dtype` takes, or None: the
     shape and dtype part of `WeightPack.kind`."""
     if dtype == torch.bfloat16:
+        if rows == 1 and role == "head" and f32_row() == "kvwire":
+            return "row"  # kvwire's GEMV reads the head in place: no packed copy, faster (native/gemv.c)
         return "onednn" if bf16_gemm() == "packed" and rows <= PACKED_BF16_ROWS else None
     if dtype != torch.float32:
         return None
@@ -140,6 +142,8 @@ class WeightPack:
       head; session 25 (~30 GB/s) 1.056x eager and 1.073x compiled batch-1 decode (paired rounds),
       but one pack a weight means batch-1 and batch-4 calls in turn (bench/generate.py's rounds)
       each reset the other's count and neither is ever packed (batch-4 decode 67 -> 47 tokens/s).
+    - bfloat16, the head at one row where `cpu.f32_row()` is "kvwire": no copy, kvwire's GEMV
+      (`native.gemv`, faster than the packed copy: 13.3-14.4 against 16.5 ms for the default model's).
     - bfloat16, up to `PACKED_BF16_ROWS` (256) rows, where `cpu.bf16_gemm()` is "packed" (a CPU with
       bf16 units): oneDNN's blocked layout, the same values as `linear` on the dense input bit for
       bit at few rows (at 512 rows blocking changes the summation order: log-probs within 0.005).

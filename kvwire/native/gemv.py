@@ -1,10 +1,11 @@
-"""One-row float32 products on kvwire's AVX-512 GEMV (`gemv.c`), reading the weight in place.
+"""One-row float32 and bfloat16 products on kvwire's AVX-512 GEMV (`gemv.c`), reading the weight in place.
 
 A batch-1 decode step is one GEMV per weight, bound by how fast the weights stream from memory.
 On the AMX Xeon kvwire is measured on (session 26, one process, interleaved), the default model's
 262144 x 640 float32 head took 20.5-21.2 ms here against 22.8-23.6 ms through MKL's `linear`
 (MKL's packed copy 19.5-20.2 ms, at 0.64 GB more memory), and float32 batch-1 decode ran at 23.23
-against 21.48 tokens/s (eager, six paired rounds). `cpu.f32_row()` decides where it is used.
+against 21.48 tokens/s (eager, six paired rounds). A bfloat16 head: 13.3-14.4 ms against 16.5 for
+oneDNN's packed copy (session 29). `cpu.f32_row()` decides where it is used.
 
 Example:
     >>> w, x = torch.randn(40, 24), torch.randn(1, 24)
@@ -37,6 +38,8 @@ def load():
         else:
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             lib.kvw_gemv_f32.argtypes, lib.kvw_gemv_f32.restype = [p, i64, p, p, p, i64, i64, ctypes.c_int], None
+            lib.kvw_gemv_bf16.argtypes = [p, i64, p, p, p, p, i64, i64, ctypes.c_int]
+            lib.kvw_gemv_bf16.restype = None
             _LIB["lib"] = lib
     if "error" in _LIB:
         raise _LIB["error"]
@@ -58,15 +61,18 @@ def unavailable_reason():
 
 
 def applies(x, weight, bias=None):
-    """Whether `product` computes linear(x, weight, bias): one row of float32 CPU tensors, a weight
-    whose rows are dense, no gradient wanted, not inside a compiler or exporter (they trace plain
-    ops: compiled steps keep the compiler's own products, `linear.WeightPack.in_graph`)."""
-    if type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0:
+    """Whether `product` computes linear(x, weight, bias): one row of float32 or bfloat16 CPU tensors
+    (all one dtype), a weight whose rows are dense, no gradient wanted, not inside a compiler or
+    exporter (they trace plain ops: compiled steps keep the compiler's own products,
+    `linear.WeightPack.in_graph`)."""
+    dtype = x.dtype if type(x) is torch.Tensor else None
+    if dtype not in _DTYPES or x.device.type != "cpu" or x.dim() == 0:
         return False
-    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1
-            or x.shape[-1] != weight.shape[1] or x.numel() != x.shape[-1] or 0 in weight.shape):
+    if (weight.dtype != dtype or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1
+            or x.shape[-1] != weight.shape[1] or x.numel() != x.shape[-1] or 0 in weight.shape
+            or (dtype == torch.bfloat16 and weight.shape[1] % 2)):  # bf16 weights are read in pairs
         return False
-    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1
+    if bias is not None and (bias.dtype != dtype or bias.device.type != "cpu" or bias.dim() != 1
                              or bias.stride(0) != 1 or bias.shape[0] != weight.shape[0]):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -76,12 +82,25 @@ def applies(x, weight, bias=None):
 
 
 def product(x, weight, bias=None):
-    """x (..., in) holding one row, weight (out, in), bias (out,) or None -> (..., out), the same as
-    `nn.functional.linear` to float32 rounding (the sum runs in another order). Call where
+    """x (..., in) holding one row, weight (out, in), bias (out,) or None -> (..., out) in x's dtype,
+    the same as `nn.functional.linear` to float32 rounding (the sum runs in another order; bfloat16
+    products are exact in float32 and summed there, as oneDNN's are, then rounded once). Call where
     `applies(x, weight, bias)`; the library must be loaded (`load`)."""
     lib = _LIB["lib"]
-    x = x.contiguous()
-    out = x.new_empty(*x.shape[:-1], weight.shape[0])  # on x's device whatever the default device is
-    lib.kvw_gemv_f32(weight.data_ptr(), weight.stride(0), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                     out.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
-    return out
+    n, k = weight.shape
+    xf = x.reshape(k).float()  # a copy for bfloat16; float32 is read in place when dense
+    xf = xf.contiguous()
+    bf = None if bias is None else bias.float()
+    out = xf.new_empty(*x.shape[:-1], n)  # on x's device whatever the default device is
+    bias_ptr = None if bf is None else bf.data_ptr()
+    threads = torch.get_num_threads()
+    if x.dtype == torch.float32:
+        lib.kvw_gemv_f32(weight.data_ptr(), weight.stride(0), xf.data_ptr(), bias_ptr, out.data_ptr(), n, k, threads)
+        return out
+    xe, xo = xf[0::2].contiguous(), xf[1::2].contiguous()
+    lib.kvw_gemv_bf16(weight.data_ptr(), weight.stride(0), xe.data_ptr(), xo.data_ptr(), bias_ptr, out.data_ptr(),
+                      n, k, threads)
+    return out.to(x.dtype)
+
+
+_DTYPES = (torch.float32, torch.bfloat16)

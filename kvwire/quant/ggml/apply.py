@@ -18,8 +18,9 @@ _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6
 
 # Prompt tokens a prefill call of a model on ggml blocks runs at most (`CausalLM.prefill_call_tokens`;
 # float models: 512). Quantising is for memory, and a call's activations are then a large part of
-# it: Gemma 3 270M (GGUF + Q5_0 head, eager), 512-token prompt, peak RSS 0.627 -> 0.610 GB, its
-# prefill 402 -> 414 and 423 -> 431 ms (2 runs each, one process a setting; session 29).
+# it: Gemma 3 270M (GGUF + Q5_0 head, eager), bench/generate.py's memory worker, peak RSS 0.621-0.626
+# -> 0.605-0.608 GB (3 runs each); its 512-token prefill 421.0 -> 433.3 ms (medians of 7, interleaved
+# in one process; 128-token calls: 0.59 GB, 501.5 ms). README, Benchmarks, session 29.
 PREFILL_CALL_TOKENS = 256
 
 
