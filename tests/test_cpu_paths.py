@@ -166,6 +166,37 @@ def test_bf16_products_read_the_pack_up_to_256_rows():
         assert got == {1: one, 4: "onednn", 256: "onednn", 257: None, 512: None}, role
 
 
+@pytest.mark.skipif(cpu.f32_row() != "kvwire", reason="kvwire's GEMV is not chosen here (no AVX-512F, another "
+                    "GEMV path, or no build): a bf16 head stays on oneDNN in compiled steps")
+def test_a_compiled_bf16_batch1_step_sends_only_its_head_to_the_gemv():
+    """Compiled bfloat16 batch-1 steps: the head's one row through `kvwire::packed_linear` (kvwire's
+    GEMV at run time), every projection Inductor's own; the eager run's tokens and close log-probs."""
+    from torch._inductor.utils import run_and_get_code
+
+    from kvwire.native import gemv
+
+    from .test_devices import tiny_lm
+
+    torch._dynamo.reset()
+    lm = tiny_lm("gemma3").to(torch.bfloat16)
+    eager = lm.generate(["Hello there"], max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+    lm.compile(bucket=32)
+    calls, real = [], gemv.product
+    try:
+        gemv.product = lambda x, w, b=None: calls.append(w.shape) or real(x, w, b)
+        out, code = run_and_get_code(lambda: lm.generate(["Hello there"], max_new_tokens=6, ignore_eos=True,
+                                                         return_logprobs=True))
+    finally:
+        gemv.product = real
+    assert "".join(code).count("torch.ops.kvwire.packed_linear.default(") == 2  # the step's and the prompt's heads
+    assert set(calls) == {lm.head.weight.shape} and len(calls) >= 5
+    # bf16 rounding differs between Inductor's fused ops and eager ones: a near tie later in a random
+    # tiny model could pick another token, so the first steps are compared
+    assert out.tokens[0][:3] == eager.tokens[0][:3]
+    torch.testing.assert_close(torch.tensor(out.logprobs[0][:3]), torch.tensor(eager.logprobs[0][:3]), atol=0.05,
+                               rtol=0.02)
+
+
 def float32_path(monkeypatch, rows):
     """[(kind, rows)] of the products a float32 `linear` of `rows` rows ran: ("linear", rows) for
     nn.functional.linear, ("matmul", rows) for W @ x^T, ("kvwire", rows) for kvwire's GEMV; its values

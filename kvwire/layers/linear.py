@@ -190,14 +190,13 @@ class WeightPack:
         """The product inside a graph being compiled: `kvwire::packed_linear` (opaque to the compiler;
         at run time it is this pack's `__call__`, with `linear` where no copy serves) where these
         static shapes would take a pack, else None (the caller traces `linear`). Only float32 inputs
-        of one position a row, (B, D) or (B, 1, D), take it (decode steps, a step's head); exports, grad
+        of one position a row, (B, D) or (B, 1, D), take it (decode steps, a step's head), and a bfloat16
+        head's one row where kvwire's GEMV reads it; exports, grad
         mode, a compiled prompt's chunk (its length is dynamic) and torch without `is_exporting` get
         None."""
         kind = _COMPILED.get("kind")
-        # float32 only: compiled bf16 batch-1 decode ran 0.90x with its 127 products through the op
-        # (paired, session 25), where Inductor's own bf16 products pay no call through Python
         if (kind is None or not torch.compiler.is_compiling() or _NO_EXPORT_CHECK or is_exporting()
-                or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
+                or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
                 or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)):
             return None
         # one position a row (decode steps; a step's head): rows is the batch, static; a compiled
@@ -211,7 +210,11 @@ class WeightPack:
         # against 23.2 in the bench's served process (batch-1 decode, session 27; py-spy put the
         # difference on the Python lines around the kernel, ~127 calls a step: not understood); the head
         # is one call a step and a third of its bytes.
-        if found is None or (found == "row" and self.role != "head"):
+        # bfloat16: only the head's one row (kvwire's GEMV). Compiled bf16 batch-1 decode ran 0.90x with
+        # its 127 products through the op (oneDNN's packs; paired, session 25), where Inductor's own bf16
+        # products pay no call through Python; the head's alone, 23.32 / 24.49 -> 30.81 / 31.35 tokens/s
+        # (`--variants bfloat16+compile`'s model in a script, alternated, session 29).
+        if found is None or (found == "row" and self.role != "head") or (x.dtype == torch.bfloat16 and found != "row"):
             return None
         return torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
 
