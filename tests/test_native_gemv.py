@@ -78,8 +78,8 @@ def test_the_bf16_gemv_gives_linears_values(out_features, in_features, bias):
 @runs_here
 def test_rows_apart_strided_inputs_and_thread_counts():
     """A weight whose rows are a view of a wider one is read in place; a strided x is made dense; one
-    and two threads give the same bits, float32 and bfloat16 (blocks go to threads in order: a row's sum never depends on
-    how many there are)."""
+    and two threads give the same bits, float32 and bfloat16 (blocks go to threads in order: a row's
+    sum never depends on how many there are)."""
     g = torch.Generator().manual_seed(0)
     wide, x = torch.randn(300, 200, generator=g), torch.randn(1, 400, generator=g)[:, ::2]
     w = wide[:, :200 - 8]

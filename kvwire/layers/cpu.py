@@ -83,8 +83,8 @@ def f32_gemv():
 
 def f32_row():
     """'kvwire' (one-row float32 products, and a bfloat16 head's, on kvwire's AVX-512 GEMV,
-    `native.gemv`) or 'mkl' (through the `f32_gemv` path; a bf16 head through oneDNN's pack). Default: 'kvwire' where `f32_gemv()` is 'linear' (an Intel CPU with AVX-512:
-    the one measured, session 26: batch-1 float32 decode 21.48 -> 23.23 tokens/s) and the kernel
+    `native.gemv`) or 'mkl' (through the `f32_gemv` path; a bf16 head through oneDNN's pack).
+    Default: 'kvwire' where `f32_gemv()` is 'linear' (an Intel CPU with AVX-512: the one measured, session 26: batch-1 float32 decode 21.48 -> 23.23 tokens/s) and the kernel
     builds here (a C compiler is needed; without one, 'mkl'). `KVWIRE_F32_ROW=kvwire` elsewhere is
     refused without AVX-512F or a working build, naming what is missing. Cached for each `f32_gemv()`
     answer (`f32_row.cache_clear()` after changing `KVWIRE_F32_ROW`)."""

@@ -191,9 +191,8 @@ class WeightPack:
         at run time it is this pack's `__call__`, with `linear` where no copy serves) where these
         static shapes would take a pack, else None (the caller traces `linear`). Only float32 inputs
         of one position a row, (B, D) or (B, 1, D), take it (decode steps, a step's head), and a bfloat16
-        head's one row where kvwire's GEMV reads it; exports, grad
-        mode, a compiled prompt's chunk (its length is dynamic) and torch without `is_exporting` get
-        None."""
+        head's one row where kvwire's GEMV reads it; exports, grad mode, a compiled prompt's chunk (its
+        length is dynamic) and torch without `is_exporting` get None."""
         kind = _COMPILED.get("kind")
         if (kind is None or not torch.compiler.is_compiling() or _NO_EXPORT_CHECK or is_exporting()
                 or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
@@ -214,7 +213,8 @@ class WeightPack:
         # its 127 products through the op (oneDNN's packs; paired, session 25), where Inductor's own bf16
         # products pay no call through Python; the head's alone, 23.32 / 24.49 -> 30.81 / 31.35 tokens/s
         # (`--variants bfloat16+compile`'s model in a script, alternated, session 29).
-        if found is None or (found == "row" and self.role != "head") or (x.dtype == torch.bfloat16 and found != "row"):
+        if found is None or (found == "row" and self.role != "head") or (
+                x.dtype == torch.bfloat16 and found != "row"):
             return None
         return torch.ops.kvwire.packed_linear(x, weight, bias, self.ident)
 

@@ -75,8 +75,9 @@ void kvw_gemv_f32(const float *w, int64_t ldw, const float *x, const float *bias
 }
 
 /* y[0..rows) = W[0..rows) . x for bfloat16 rows (`w`, rows ldw elements apart) and x given as its even-
- * and odd-indexed values (xe, xo: k / 2 floats each, k even): steps of 32 weights a row in UNROLL / 2
- * pairs of accumulators, then the rest (fewer than 32) one pair at a time */
+ * and odd-indexed values (xe, xo: k / 2 floats each, k even): a full block in steps of 128 weights a
+ * row (4 accumulators a row; the rows PF_ROWS ahead prefetched: a prefetch past the weight's end reads
+ * nothing and never faults), then steps of 32, then the rest (fewer than 32) a pair at a time */
 static inline void block_bf16(const uint16_t *w, int64_t ldw, const float *xe, const float *xo, int64_t k,
                               int64_t rows, float *y) {
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
