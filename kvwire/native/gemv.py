@@ -88,18 +88,19 @@ def product(x, weight, bias=None):
     `applies(x, weight, bias)`; the library must be loaded (`load`)."""
     lib = _LIB["lib"]
     n, k = weight.shape
-    xf = x.reshape(k).float()  # a copy for bfloat16; float32 is read in place when dense
-    xf = xf.contiguous()
-    bf = None if bias is None else bias.float()
-    out = xf.new_empty(*x.shape[:-1], n)  # on x's device whatever the default device is
-    bias_ptr = None if bf is None else bf.data_ptr()
     threads = torch.get_num_threads()
-    if x.dtype == torch.float32:
-        lib.kvw_gemv_f32(weight.data_ptr(), weight.stride(0), xf.data_ptr(), bias_ptr, out.data_ptr(), n, k, threads)
+    if x.dtype == torch.float32:  # decode's hot path (~127 calls a step): read in place, nothing converted
+        x = x.contiguous()
+        out = x.new_empty(*x.shape[:-1], n)  # on x's device whatever the default device is
+        lib.kvw_gemv_f32(weight.data_ptr(), weight.stride(0), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), n, k, threads)
         return out
+    xf = x.reshape(k).float()
     xe, xo = xf[0::2].contiguous(), xf[1::2].contiguous()
-    lib.kvw_gemv_bf16(weight.data_ptr(), weight.stride(0), xe.data_ptr(), xo.data_ptr(), bias_ptr, out.data_ptr(),
-                      n, k, threads)
+    bf = None if bias is None else bias.float()
+    out = xf.new_empty(*x.shape[:-1], n)
+    lib.kvw_gemv_bf16(weight.data_ptr(), weight.stride(0), xe.data_ptr(), xo.data_ptr(),
+                      None if bf is None else bf.data_ptr(), out.data_ptr(), n, k, threads)
     return out.to(x.dtype)
 
 
