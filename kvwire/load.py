@@ -79,7 +79,7 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
     if quantize == "gguf":
         lm = use_gguf_blocks(lm, source, head, entry if entry is not None and weights_cache.is_complete(entry) else None)
         if getattr(lm.head, "quantized", None) is not None:  # else a float head reads the whole table each step
-            # of the float weights file only norms and embedding rows are read from now on
+            # of the float weights file only norms are read from now on (the embedding reads the GGUF's table)
             give_back_file_pages(t for t in itertools.chain(lm.parameters(), lm.buffers()) if t.is_floating_point())
     elif quantize is not None:
         lm = quantize_lm(lm, quantize)

@@ -15,19 +15,26 @@ def _greedy(lm, prompts, n, **options):
     return lm.generate(prompts, max_new_tokens=n, ignore_eos=True, return_logprobs=True, **options).tokens
 
 
-# compiling takes ~15-25 s a family from a cold Inductor cache (as in CI): GPT-2, Gemma 3 on ggml's
-# q8_0 kernels, and Phi-3 (a window on every layer, partial rotary) for the shared decoder's families.
-# One compile each: of the steered model, whose second row runs at strength 0 (the plain model).
-@pytest.mark.parametrize("family, quantize", [("gpt2", None), ("gemma3", "q8_0"), ("phi3", None)])
-def test_compiled_decode_gives_eager_tokens(family, quantize):
+# compiling takes ~15-25 s a family from a cold Inductor cache (as in CI): GPT-2, Gemma 3 on a GGUF's
+# q8_0 blocks (ggml's kernels, the embedding looked up in the file's table), and Phi-3 (a window on every
+# layer, partial rotary) for the shared decoder's families. One compile each: of the steered model, whose
+# second row runs at strength 0 (the plain model).
+@pytest.mark.parametrize("family, quantize", [("gpt2", None), ("gemma3", "gguf"), ("phi3", None)])
+def test_compiled_decode_gives_eager_tokens(family, quantize, tmp_path, monkeypatch):
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     if quantize:
         pytest.importorskip("llama_cpp")
-    lm = kw.from_hf(FAMILIES[family]())
-    if quantize:
-        kw.quantize(lm, quantize)
+        from gguf import GGMLQuantizationType
+
+        from .gguf_files import write_gemma3
+
+        monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path / "cache"))
+        write_gemma3(tmp_path / "m.gguf", FAMILIES[family](vocab_size=300), GGMLQuantizationType.Q8_0)
+        lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
+    else:
+        lm = kw.from_hf(FAMILIES[family]())
     # rows of different lengths (left padding); 14 new tokens pass the 4- and 6-token windows
     prompts = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     vec = kw.ControlVector({1: torch.randn(lm.head.weight.shape[1], generator=torch.Generator().manual_seed(0))})
@@ -42,9 +49,9 @@ def test_compiled_decode_gives_eager_tokens(family, quantize):
     assert _graphs() == graphs
     if quantize:  # per layer q/k/v and gate/up run as two fused ggml calls; o, down and the head single,
         layers = lm.config.num_hidden_layers  # in the prompts' graph and in the decode step's
-        calls = [(c.count("torch.ops.kvwire.ggml_matmuls.default("), c.count("torch.ops.kvwire.ggml_matmul.default("))
-                 for c in code if "ggml_matmul" in c]
-        assert calls == [(2 * layers, 2 * layers + 1)] * 2
+        calls = [(c.count("torch.ops.kvwire.ggml_matmuls.default("), c.count("torch.ops.kvwire.ggml_matmul.default("),
+                  c.count("torch.ops.kvwire.ggml_rows.default(")) for c in code if "ggml_matmul" in c]
+        assert calls == [(2 * layers, 2 * layers + 1, 1)] * 2
 
 
 def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing():

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 import kvwire as kw
+from kvwire.layers import TokenEmbedding
 
 from .conftest import FAMILIES, tiny_hf_gemma3, tiny_hf_gpt2
 from .gguf_families import write_gguf
@@ -132,6 +133,49 @@ def test_requantize_equals_quantizing_the_dequantized_weight():
         q.requantize("iq4_nl")
 
 
+@pytest.mark.parametrize("name", ["q8_0", "q5_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kernel", ["ggml", "x16"])
+def test_rows_are_the_dequantized_weights_rows(name, kernel):
+    """An embedding's lookup on blocks: exactly the rows `dequantize` gives, in either layout (x16's
+    300 rows end in a group of 12), for ids of any shape; a bad id is an IndexError naming it."""
+    from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.linear import X16, x16_runs
+
+    if kernel == "x16" and not x16_runs():
+        pytest.skip("the x16 kernel needs AVX-512 F, BW, VL and VNNI, which this CPU lacks")
+    q = GGMLLinear.quantize(torch.randn(300, 256), name, kernel=kernel)
+    assert q.repacked == (kernel == "x16" and q.qtype in X16)
+    ids = torch.tensor([[299, 0, 17], [288, 17, 150]])
+    assert torch.equal(q.rows(ids), q.dequantize()[ids])
+    assert q.rows(torch.tensor([], dtype=torch.long)).shape == (0, 256)
+    assert torch.equal(q.rows(torch.tensor([5], dtype=torch.int32)), q.dequantize()[5:6])
+    for bad in (300, -1):
+        with pytest.raises(IndexError, match=rf"token id {bad} is out of range for an embedding table of 300 rows"):
+            q.rows(torch.tensor([[3, bad]]))
+    with pytest.raises(RuntimeError, match="expected integer token ids, got Float"):
+        q.rows(torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("writer, make", [(write_gemma3, tiny_hf_gemma3), (write_gpt2, tiny_hf_gpt2)],
+                         ids=["gemma3", "gpt2"])
+def test_a_gguf_models_embedding_reads_the_files_table_not_the_float_copy(tmp_path, writer, make):
+    """With quantize="gguf" the token embedding looks its rows up in the file's own blocks (memory-mapped,
+    ggml's layout): the float table is never read, so poisoning it changes nothing."""
+    writer(tmp_path / "m.gguf", make(vocab_size=300), Q.Q8_0)
+    lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf", head="q5_0")
+    embedding = next(m for m in lm.backbone.modules() if isinstance(m, TokenEmbedding))
+    assert embedding.quantized.qtype == Q.Q8_0 and not embedding.quantized.repacked
+    ids = torch.tensor([[5, 17, 42, 9, 299]])
+    float_lm = kw.load(tmp_path / "m.gguf", progress=False)
+    float_embedding = next(m for m in float_lm.backbone.modules() if isinstance(m, TokenEmbedding))
+    assert torch.equal(embedding(ids), float_embedding(ids))  # the float table was dequantised from these blocks
+    before = lm.generate(ids, max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+    embedding.weight = torch.nn.Parameter(torch.full_like(embedding.weight, float("nan")), requires_grad=False)
+    lm.reset_caches()
+    after = lm.generate(ids, max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+    assert after.tokens == before.tokens and after.logprobs == before.logprobs
+
+
 def test_a_gguf_head_is_requantized_from_its_blocks_not_the_float_table(tmp_path, monkeypatch):
     from kvwire.quant.ggml import GGMLLinear
 
@@ -166,7 +210,7 @@ def test_models_on_ggml_blocks_prefill_in_smaller_calls(tmp_path):
 
 def test_a_gguf_load_gives_back_the_float_files_pages_once_its_head_runs_on_blocks(tmp_path, monkeypatch):
     """The float weights file a GGUF load maps is mostly unread once the linear maps and head run on the
-    GGUF's blocks: its pages go back (the float tensors left: norms, the embedding table); a head left
+    GGUF's blocks: its pages go back (the float tensors still read: norms); a head left
     float reads the whole table every step, so nothing goes back then."""
     import sys
 
@@ -269,9 +313,10 @@ def test_gguf_blocks_land_in_the_right_layers(tmp_path, writer, make):
     writer(tmp_path / "m.gguf", make(vocab_size=300), Q.Q8_0)
     float_lm = kw.load(tmp_path / "m.gguf", progress=False)  # the file's values, dequantised
     lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
-    swapped = {n: m for n, m in lm.backbone.named_modules() if isinstance(m, GGMLLinear)}
+    swapped = _linears_on_blocks(lm)
     assert not [n for n, m in lm.backbone.named_modules() if isinstance(m, torch.nn.Linear)]
     assert isinstance(lm.head.quantized, GGMLLinear)
+    assert torch.equal(_table_of(lm).dequantize(), float_lm.head.weight)  # the embedding's lookups
     # every weight, GPT-2's split q/k/v rows included, is exactly the file's value for that weight
     for name, module in swapped.items():
         assert torch.equal(module.dequantize(), float_lm.backbone.get_submodule(name).weight), name
@@ -283,6 +328,18 @@ def test_gguf_blocks_land_in_the_right_layers(tmp_path, writer, make):
         a, b = lm(ids), float_lm(ids)
     assert ((a - b).norm() / b.norm()).item() < 0.02  # only the 8-bit activations differ
     _rollout_equals_cached(lm, ids)
+
+
+def _linears_on_blocks(lm):
+    """{name: GGMLLinear} of the backbone's linear maps (not the embedding's table)."""
+    from kvwire.quant.ggml import GGMLLinear
+
+    return {n: m for n, m in lm.backbone.named_modules() if isinstance(m, GGMLLinear) and not n.endswith(".quantized")}
+
+
+def _table_of(lm):
+    """The GGMLLinear a GGUF model's token embedding looks its rows up in."""
+    return next(m for m in lm.backbone.modules() if isinstance(m, TokenEmbedding)).quantized
 
 
 def _tiny_llama_gguf(path, quant):
@@ -297,12 +354,12 @@ def test_llama_gguf_blocks_with_a_tied_head(tmp_path, quant):
     from kvwire.quant.ggml import GGMLLinear
 
     float_lm, lm = _tiny_llama_gguf(tmp_path / "m.gguf", quant)
-    swapped = {n: m for n, m in lm.backbone.named_modules() if isinstance(m, GGMLLinear)}
+    swapped = _linears_on_blocks(lm)
     assert len(swapped) == 7 * lm.config.num_hidden_layers and {m.qtype for m in swapped.values()} == {quant}
     assert not [n for n, m in lm.backbone.named_modules() if isinstance(m, torch.nn.Linear)]
     for name, module in swapped.items():  # q/k rows come back through llama.cpp's permutation
         assert torch.equal(module.dequantize(), float_lm.backbone.get_submodule(name).weight), name
-    assert lm.head.quantized.qtype == quant  # the embedding table's blocks, read as the head
+    assert lm.head.quantized.qtype == quant == _table_of(lm).qtype  # the embedding table's blocks, read as the head
     assert torch.equal(lm.head.quantized.dequantize(), float_lm.head.weight)
     ids = torch.tensor([[5, 17, 42, 9, 55, 23, 8]])
     with torch.no_grad():

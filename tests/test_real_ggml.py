@@ -18,6 +18,8 @@ def test_default_model_runs_its_own_gguf_blocks(default_lm):
 
     lm = kw.load("gemma3-270m", quantize="gguf", progress=False)
     swapped = {n: m for n, m in lm.backbone.named_modules() if isinstance(m, GGMLLinear)}
+    table = swapped.pop("embed_tokens.quantized")  # the embedding looks its rows up in the file's head
+    assert table.qtype.name == "Q8_0" and not table.repacked
     kinds = collections.Counter(m.qtype.name for m in swapped.values())
     # what llama.cpp's Q4_K_M recipe wrote into this file (its loader log: 81 q5_0, 27 q4_K, 9 q6_K,
     # 10 q8_0 tensors, the head being one of the q8_0)

@@ -182,6 +182,7 @@ def test_the_files_own_q4_1_and_q8_0_blocks_on_ggml_kernels(lm, gguf_lm):
     from kvwire.quant.ggml import GGMLLinear
 
     swapped = {n: m for n, m in gguf_lm.backbone.named_modules() if isinstance(m, GGMLLinear)}
+    assert swapped.pop("embed_tokens.quantized").qtype.name == "Q8_0"  # lookups in the file's table
     # every linear of the 30 blocks (q, k, v, o, gate, up, down) is Q4_1; the tied head is the Q8_0 embedding
     assert collections.Counter(m.qtype.name for m in swapped.values()) == {"Q4_1": 210}
     assert gguf_lm.head.quantized.qtype.name == "Q8_0"

@@ -13,6 +13,11 @@ class TokenEmbedding(Layer):
     The scale is rounded to the weight dtype first, as Gemma's reference does. With
     `float32_for_float16`, float16 weights give float32 vectors: a model whose residual stream
     outgrows float16 (Gemma) keeps it float32, decided per call, so traced graphs follow `.half()`.
+
+    `quantized`, when set (a GGUF load with `quantize="gguf"`: the file's own table, a `GGMLLinear`
+    with `rows(ids)`), is what the rows are read from, dequantised one row at a time, instead of
+    `weight`: the float table is then never read (671 MB in float32 for Gemma 3's 262k rows). Its
+    values are the table's own (the float weight was dequantised from the same blocks).
     """
 
     def __init__(self, vocab_size, dim, scale=None, float32_for_float16=False):
@@ -20,10 +25,14 @@ class TokenEmbedding(Layer):
         self.weight = nn.Parameter(torch.empty(vocab_size, dim))
         self.scale = scale
         self.float32_for_float16 = float32_for_float16
+        self.quantized = None
         _init_normal(self.weight, 0.02)
 
     def forward(self, token_ids):
-        x = nn.functional.embedding(token_ids, self.weight)
+        if self.quantized is not None:
+            x = self.quantized.rows(token_ids).to(self.weight.dtype)
+        else:
+            x = nn.functional.embedding(token_ids, self.weight)
         if self.scale is not None:
             x = x * torch.tensor(self.scale, dtype=self.weight.dtype, device=x.device)
         if self.float32_for_float16 and x.dtype == torch.float16:

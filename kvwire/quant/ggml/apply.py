@@ -9,6 +9,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ...io.gguf import GGUFFile
+from ...layers.embedding import TokenEmbedding
 from ..apply import linears, quantizable_head
 from .linear import FLOAT_TYPES, GGMLLinear, qtype_of, x16_layout
 
@@ -67,7 +68,9 @@ def fitting(qtype, width):
 
 def use_gguf_blocks(lm, path, head=None, cache=None):
     """Swap every linear map whose weight is quantised in the GGUF file at `path` for a
-    `GGMLLinear` on the file's own blocks (memory-mapped), head included. In place; returns `lm`.
+    `GGMLLinear` on the file's own blocks (memory-mapped), head included; token embeddings whose
+    table is quantised there look their rows up in it (`TokenEmbedding.quantized`). In place;
+    returns `lm`.
     `head`: a ggml type the head is re-quantised to instead, read from the file's blocks a chunk of
     rows at a time, each chunk's pages given back once read: the file's head is never held whole
     (Gemma 3's 178 MB Q8_0 head to a 115 MB Q5_0 one: a 0.62 GB peak over the load and a 512-token
@@ -98,6 +101,10 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
     elif head is not None:
         raise ValueError(f"{path} has no quantised head to re-quantise to {head!r} (its head is float): load "
                          f"without head=, then kw.quantize(lm, {head!r}, layers=False)")
+    for embedding in lm.backbone.modules():  # lookups read the file's table, not a float copy
+        key = _key_of(lm, embedding.weight) if isinstance(embedding, TokenEmbedding) else None
+        if key in sources:  # on the file's own pages, in ggml's layout: only the rows looked up are read
+            embedding.quantized = _blocks_for(gguf, sources[key], embedding.weight, None, kernel="ggml")
     if not swapped:
         raise ValueError(f"{path} holds no quantised linear weights for ggml kernels (all float?)")
     lm.prefill_call_tokens = PREFILL_CALL_TOKENS
@@ -128,10 +135,11 @@ def _row_sources(family, gguf, config):
     return sources
 
 
-def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None):
+def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None, kernel=None):
     """A GGMLLinear on the rows `source` names, after checking that they are `weight`'s rows: the
     C kernels read `in_features` weights a row of the type unchecked. `requantize`: a ggml type the
-    rows are re-quantised to instead (from the file's blocks, their pages given back chunk by chunk)."""
+    rows are re-quantised to instead (from the file's blocks, their pages given back chunk by chunk).
+    `kernel`: "ggml" keeps the file's layout (no copy), None the CPU's choice (`ggml_kernel`)."""
     name, rows = source
     qtype, blocks = gguf.blocks(name)
     dims = next(d for n, d, _, _ in gguf.infos if n == name)
@@ -153,7 +161,7 @@ def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None):
                 module = _requantized(GGMLLinear(picked, qtype, weight.shape[1], bias, kernel="ggml"), target, release)
                 _keep(kept, module)
         else:
-            module = GGMLLinear(picked, qtype, weight.shape[1], bias, release=release)
+            module = GGMLLinear(picked, qtype, weight.shape[1], bias, kernel=kernel, release=release)
     except ValueError as e:
         raise ValueError(f"{gguf.path}: GGUF tensor {name!r}: {e}") from e
     if whole and module.blocks.data_ptr() != picked.data_ptr():  # copied: the file's pages are not read again

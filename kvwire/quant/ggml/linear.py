@@ -174,6 +174,18 @@ class GGMLLinear(nn.Module):
         """Whether the blocks are in x16.c's layout (run by kvwire's kernel), not ggml's."""
         return self.kernel_type != int(self.qtype)
 
+    def rows(self, ids):
+        """Rows `ids` of the weight, dequantised (only those): ids (...) integers -> (..., in) float32.
+        What a token embedding on this table looks up (`TokenEmbedding.quantized`); an id outside
+        0..out-1 raises IndexError.
+
+        Example:
+            >>> q = GGMLLinear.quantize(torch.randn(300, 64), "q8_0")
+            >>> torch.equal(q.rows(torch.tensor([[7, 2]]))[0], q.dequantize()[[7, 2]])
+            True
+        """
+        return torch.ops.kvwire.ggml_rows(ids, self.blocks, self.kernel_type, self.in_features)
+
     def dequantize(self):
         """The weight as the kernels see it: (out, in) float32."""
         return self._dequantized(0, self.out_features)
@@ -248,6 +260,7 @@ def _check_width(qtype, in_features):
 torch.library.define("kvwire::ggml_matmul", "(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor")
 torch.library.define("kvwire::ggml_matmuls",
                      "(Tensor x, Tensor[] blocks, int[] qtypes, int in_features) -> Tensor[]")
+torch.library.define("kvwire::ggml_rows", "(Tensor ids, Tensor blocks, int qtype, int in_features) -> Tensor")
 
 
 @torch.library.register_fake("kvwire::ggml_matmul")
@@ -260,6 +273,12 @@ def _(x, blocks, qtype, in_features):
 def _(x, blocks, qtypes, in_features):
     """ggml_matmul for several weights reading the same x (fuse.py) -> [(rows, out_i)]."""
     return [x.new_empty(x.shape[0], b.shape[0]) for b in blocks]
+
+
+@torch.library.register_fake("kvwire::ggml_rows")
+def _(ids, blocks, qtype, in_features):
+    """Rows `ids` (...) of W (out, in) as ggml blocks (out, row_bytes) uint8 -> (..., in) float32."""
+    return blocks.new_empty(*ids.shape, in_features, dtype=torch.float32)
 
 
 def qtype_of(name):

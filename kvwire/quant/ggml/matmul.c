@@ -210,6 +210,29 @@ int kvw_dequantize(int type, const void *w, int64_t rows, int64_t n, float *dst,
     return failed ? -1 : 0;
 }
 
+/* dst (count, n) float32 = rows ids[0..count) of w (rows, row bytes) of `type`: a token embedding's
+ * lookup on a quantised table, dequantising only the rows asked for. Ids were checked against `rows`
+ * by the caller. A repacked row is read by unpacking its 16-row group first. Returns -1 when out of memory. */
+int kvw_rows(int type, const void *w, int64_t rows, int64_t n, const int64_t *ids, int64_t count, float *dst) {
+    const enum ggml_type t = ggml_type_of(type);
+    const ggml_to_float_t to_float = ggml_get_type_traits(t)->to_float;
+    const size_t w_row = ggml_row_size(t, n);
+    char *plain = is_x16(type) ? malloc(16 * w_row) : NULL;
+    if (is_x16(type) && plain == NULL) return -1;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t id = ids[i];
+        if (plain == NULL) {
+            to_float((const char *)w + id * w_row, dst + i * n, n);
+            continue;
+        }
+        const int64_t g = id - id % 16;
+        kvw_x16_repack(t, (const char *)w + g * w_row, plain, rows - g < 16 ? rows - g : 16, n, 0);
+        to_float(plain + (id - g) * w_row, dst + i * n, n);
+    }
+    free(plain);
+    return 0;
+}
+
 /* dst = src's rows of ggml type `type` (Q4_1, Q5_0, Q8_0, Q4_K) in x16.c's layout (`to_x16`) or back, groups
  * of 16 rows split across threads. */
 void kvw_x16_repack_rows(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16, int threads) {

@@ -1,4 +1,4 @@
-/* `kvwire::ggml_matmul` and `kvwire::ggml_matmuls` as PyTorch operators with C++ CPU kernels
+/* `kvwire::ggml_matmul`, `kvwire::ggml_matmuls` and `kvwire::ggml_rows` as PyTorch operators with C++ CPU kernels
  * (schemas and shape functions are declared in linear.py).
  *
  * A decode step makes ~130 of these calls; through a Python kernel each cost ~20 us of dispatch
@@ -19,6 +19,7 @@ int64_t kvw_block_size(int type);
 int64_t kvw_row_bytes(int type, int64_t n);
 int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                 const float *x, int64_t rows, float *const *ys, int threads);
+int kvw_rows(int type, const void *w, int64_t rows, int64_t n, const int64_t *ids, int64_t count, float *dst);
 }
 
 /* x (rows, in_features) float32 @ W_i^T for each W_i (out_i, in_features) as ggml blocks
@@ -66,7 +67,38 @@ static at::Tensor ggml_matmul(const at::Tensor &x, const at::Tensor &blocks, int
     return ggml_matmuls(x, {blocks}, {qtype}, in_features)[0];
 }
 
+/* Rows `ids` (any shape, integers) of W (out, in_features) as ggml blocks (out, row_bytes) uint8 ->
+ * (*ids.shape, in_features) float32: a token embedding's lookup on a quantised table. */
+static at::Tensor ggml_rows(const at::Tensor &ids, const at::Tensor &blocks, int64_t qtype, int64_t in_features) {
+    const int type = (int)qtype;
+    TORCH_CHECK(kvw_supported(type), "ggml_rows: ggml has no CPU kernels for type ", type);
+    TORCH_CHECK(in_features > 0 && in_features % kvw_block_size(type) == 0, "ggml_rows: type ", type, " packs ",
+                kvw_block_size(type), " weights a block; in_features = ", in_features,
+                " is not a positive multiple of it");
+    const int64_t row_bytes = kvw_row_bytes(type, in_features);
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == row_bytes &&
+                    blocks.is_contiguous(),
+                "ggml_rows: expected contiguous (out, ", row_bytes, ") uint8 blocks for ", in_features,
+                " weights a row of type ", type, ", got ", blocks.sizes(), " ", blocks.scalar_type());
+    TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && !at::isComplexType(ids.scalar_type()) &&
+                    ids.scalar_type() != at::kBool,
+                "ggml_rows: expected integer token ids, got ", ids.scalar_type());
+    const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+    const int64_t *id = flat.data_ptr<int64_t>();
+    for (int64_t i = 0; i < flat.numel(); i++)  // the rows are read unchecked
+        TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < blocks.size(0), "token id ", id[i], " is out of range for an ",
+                          "embedding table of ", blocks.size(0), " rows (expected 0 <= id < ", blocks.size(0), ")");
+    std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+    shape.push_back(in_features);
+    at::Tensor out = at::empty(shape, blocks.options().dtype(at::kFloat));
+    const int rc = kvw_rows(type, blocks.data_ptr(), blocks.size(0), in_features, id, flat.numel(),
+                            out.data_ptr<float>());
+    TORCH_CHECK(rc == 0, "ggml_rows could not allocate memory to unpack a group of 16 rows");
+    return out;
+}
+
 TORCH_LIBRARY_IMPL(kvwire, CPU, m) {
+    m.impl("ggml_rows", &ggml_rows);
     m.impl("ggml_matmul", &ggml_matmul);
     m.impl("ggml_matmuls", &ggml_matmuls);
 }
