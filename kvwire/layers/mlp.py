@@ -1,6 +1,9 @@
 """Feed-forward layers: GPT-2's MLP and the gated MLP (SwiGLU of Llama, GeGLU of Gemma)."""
+import torch
 from torch import nn
 
+from ..native import gated
+from . import cpu
 from .base import Layer
 from .linear import Linear
 
@@ -12,6 +15,12 @@ _ACTIVATIONS = {
     "swish": nn.functional.silu,
     "relu": nn.functional.relu,
 }
+
+
+# the activations `native.gated` computes together with the gate's product, by function: a replaced
+# `act` (an edit) runs as it is
+_ONE_PASS = {_ACTIVATIONS["gelu_new"]: "gelu_tanh", _ACTIVATIONS["gelu_pytorch_tanh"]: "gelu_tanh",
+             nn.functional.silu: "silu"}
 
 
 def activation(name):
@@ -36,7 +45,8 @@ class MLP(Layer):
 
 class GatedMLP(Layer):
     """Gated feed-forward: down_proj(act(gate_proj(x)) * up_proj(x)). x (B, T, D) -> (B, T, D).
-    `bias`: biases on all three projections (Llama's `mlp_bias`)."""
+    `bias`: biases on all three projections (Llama's `mlp_bias`). Eager calls with tanh-GELU or SiLU
+    compute act(gate) * up in one pass where `cpu.gated_act()` is "kvwire" (`native.gated`)."""
 
     def __init__(self, dim, hidden, act="gelu_pytorch_tanh", bias=False):
         super().__init__()
@@ -46,4 +56,9 @@ class GatedMLP(Layer):
         self.act = activation(act)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):  # compilers fuse the plain ops
+            kind = _ONE_PASS.get(self.act)
+            if kind is not None and gated.applies(gate, up) and cpu.gated_act() == "kvwire":
+                return self.down_proj(gated.product(kind, gate, up))
+        return self.down_proj(self.act(gate) * up)
