@@ -20,9 +20,9 @@ on any CPU. On the "linear" path one-row products (batch-1 decode) go to kvwire'
 (`native/gemv.c`, built with the machine's C compiler on first use), which streams the weights faster
 than MKL's `linear` there (`f32_row`; `KVWIRE_F32_ROW` = `kvwire` / `mkl` overrides).
 
-A gated MLP's act(gate) * up runs in one pass on kvwire's AVX-512 kernel (`native/gated.c`) where
-the CPU has AVX-512F, else as PyTorch's two ops (`gated_act`; `KVWIRE_GATED_ACT` = `kvwire` / `aten`
-overrides).
+A gated MLP's act(gate) * up and RMSNorm run in one pass on kvwire's AVX-512 kernels
+(`native/fused.c`) where the CPU has AVX-512F, else as PyTorch's ops (`fused`; `KVWIRE_FUSED` =
+`kvwire` / `aten` overrides).
 """
 import os
 from functools import lru_cache
@@ -32,7 +32,7 @@ import torch
 BF16_CHOICES = ("packed", "native", "upcast")
 F32_CHOICES = ("linear", "transposed")
 F32_ROW_CHOICES = ("kvwire", "mkl")
-GATED_CHOICES = ("kvwire", "aten")
+FUSED_CHOICES = ("kvwire", "aten")
 
 
 @lru_cache(maxsize=None)
@@ -117,24 +117,24 @@ f32_row.cache_clear = _f32_row.cache_clear
 
 
 @lru_cache(maxsize=None)
-def gated_act():
-    """'kvwire' (a gated MLP's act(gate) * up in one pass on `native.gated`, for tanh-GELU and SiLU) or
-    'aten' (PyTorch's activation, then the product). Default: 'kvwire' where the CPU has AVX-512F and
-    the kernel builds (bfloat16, a (512, 2048) GELU gate: 0.38 against 1.12 ms; session 30). Set by
-    `KVWIRE_GATED_ACT`; 'kvwire' without AVX-512F or a build is refused, naming what is missing."""
-    from ..native import gated  # imported here: it builds nothing until asked
+def fused():
+    """'kvwire' (a gated MLP's act(gate) * up, for tanh-GELU and SiLU, and RMSNorm, each in one pass on
+    `native.fused`) or 'aten' (PyTorch's ops). Default: 'kvwire' where the CPU has AVX-512F and the
+    kernels build (bfloat16, a (512, 2048) GELU gate: 0.38 against 1.12 ms; session 30). Set by
+    `KVWIRE_FUSED`; 'kvwire' without AVX-512F or a build is refused, naming what is missing."""
+    from ..native import fused as kernels  # imported here: it builds nothing until asked
 
-    asked = os.environ.get("KVWIRE_GATED_ACT", "").strip().lower()
+    asked = os.environ.get("KVWIRE_FUSED", "").strip().lower()
     if not asked:
-        return "kvwire" if features()["avx512"] and gated.available() else "aten"
-    if asked not in GATED_CHOICES:
-        raise ValueError(f"KVWIRE_GATED_ACT={asked!r}; expected one of {', '.join(GATED_CHOICES)}")
+        return "kvwire" if features()["avx512"] and kernels.available() else "aten"
+    if asked not in FUSED_CHOICES:
+        raise ValueError(f"KVWIRE_FUSED={asked!r}; expected one of {', '.join(FUSED_CHOICES)}")
     if asked == "kvwire" and not features()["avx512"]:
-        raise ValueError("KVWIRE_GATED_ACT=kvwire needs AVX-512F, which this CPU lacks; unset it (gated MLPs then "
-                         "run PyTorch's ops)")
-    if asked == "kvwire" and not gated.available():
-        raise ValueError(f"KVWIRE_GATED_ACT=kvwire, but kvwire's gated kernel could not be built here: "
-                         f"{gated.unavailable_reason()}")
+        raise ValueError("KVWIRE_FUSED=kvwire needs AVX-512F, which this CPU lacks; unset it (gated MLPs and "
+                         "RMSNorm then run PyTorch's ops)")
+    if asked == "kvwire" and not kernels.available():
+        raise ValueError(f"KVWIRE_FUSED=kvwire, but kvwire's fused kernels could not be built here: "
+                         f"{kernels.unavailable_reason()}")
     return asked
 
 
@@ -160,5 +160,5 @@ def features_text(found=None):
 def report():
     """One line for benchmark headers: the features and the paths chosen."""
     return f"CPU features: {features_text()}; bf16 GEMM: {bf16_gemm()}; float32 GEMV: {f32_gemv()}; " \
-           f"one-row kernel (float32, bf16 head): {f32_row()}; gated MLP activation: {gated_act()}; " \
+           f"one-row kernel (float32, bf16 head): {f32_row()}; gated MLP and RMSNorm kernels: {fused()}; " \
            f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}"

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from ..native import gated
+from ..native import fused
 from . import cpu
 from .base import Layer
 from .linear import Linear
@@ -17,7 +17,7 @@ _ACTIVATIONS = {
 }
 
 
-# the activations `native.gated` computes together with the gate's product, by function: a replaced
+# the activations `native.fused` computes together with the gate's product, by function: a replaced
 # `act` (an edit) runs as it is
 _ONE_PASS = {_ACTIVATIONS["gelu_new"]: "gelu_tanh", _ACTIVATIONS["gelu_pytorch_tanh"]: "gelu_tanh",
              nn.functional.silu: "silu"}
@@ -46,7 +46,7 @@ class MLP(Layer):
 class GatedMLP(Layer):
     """Gated feed-forward: down_proj(act(gate_proj(x)) * up_proj(x)). x (B, T, D) -> (B, T, D).
     `bias`: biases on all three projections (Llama's `mlp_bias`). Eager calls with tanh-GELU or SiLU
-    compute act(gate) * up in one pass where `cpu.gated_act()` is "kvwire" (`native.gated`)."""
+    compute act(gate) * up in one pass where `cpu.fused()` is "kvwire" (`native.fused`)."""
 
     def __init__(self, dim, hidden, act="gelu_pytorch_tanh", bias=False):
         super().__init__()
@@ -59,6 +59,6 @@ class GatedMLP(Layer):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):  # compilers fuse the plain ops
             kind = _ONE_PASS.get(self.act)
-            if kind is not None and gated.applies(gate, up) and cpu.gated_act() == "kvwire":
-                return self.down_proj(gated.product(kind, gate, up))
+            if kind is not None and fused.applies_gated(gate, up) and cpu.fused() == "kvwire":
+                return self.down_proj(fused.gated(kind, gate, up))
         return self.down_proj(self.act(gate) * up)

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from ..native import fused
+from . import cpu
 from .base import Layer
 
 
@@ -24,7 +26,8 @@ class RMSNorm(Layer):
     or, with `offset` (Gemma), by (1 + weight).
 
     With `offset` the checkpoint stores `weight` with the 1 removed (zeros means identity), as
-    transformers does; without it, ones mean identity.
+    transformers does; without it, ones mean identity. Eager calls run in one pass where
+    `cpu.fused()` is "kvwire" (`native.fused`: x and weight of one dtype, D a multiple of 16).
 
     Example:
         >>> RMSNorm(8, 1e-6, offset=False)(torch.randn(2, 3, 8)).shape
@@ -38,6 +41,9 @@ class RMSNorm(Layer):
         self.eps = eps
 
     def forward(self, x):
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and fused.applies_rms_norm(x, self.weight) \
+                and cpu.fused() == "kvwire":  # one pass (`native.fused`); compilers fuse the ops below
+            return fused.rms_norm(x, self.weight, self.eps, self.offset)
         h = nn.functional.rms_norm(as_float32(x), x.shape[-1:], None, self.eps)
         w = as_float32(self.weight)
         h = torch.addcmul(h, h, w) if self.offset else h * w  # h * (1 + w) in one op

@@ -1,20 +1,26 @@
-/* A gated MLP's activation, act(gate) * up, in one pass over float32 or bfloat16 values, on CPUs with
- * AVX-512F. act is tanh-approximated GELU (Gemma's GeGLU) or SiLU (Llama's SwiGLU).
+/* kvwire's one-pass elementwise kernels on CPUs with AVX-512F, float32 and bfloat16: a gated MLP's
+ * act(gate) * up, and RMSNorm. PyTorch's eager ops make a pass (and a temporary) per step, with
+ * bfloat16 converted to float32 and back around each.
  *
- * PyTorch's eager ops make two passes (act, then the product) and its bfloat16 tanh-GELU is slow: on
- * the AMX Xeon kvwire is measured on, a (512, 2048) bfloat16 gate took 1.00 ms through
- * `gelu(approximate="tanh")` and 0.20 ms more for the product (one of 18 layers of a 512-token
- * prompt). Here both activations are x * sigmoid(z), z = x for SiLU and 2 sqrt(2/pi) (x + 0.044715 x^3)
- * for GELU (0.5 (1 + tanh(y)) = sigmoid(2 y)), with e^-z from a degree-6 polynomial of the reduced
- * argument scaled by 2^n (`vscalefps`): a few ulp of float32 from the exact value.
+ * Gated: act is tanh-approximated GELU (Gemma's GeGLU) or SiLU (Llama's SwiGLU). On the AMX Xeon
+ * kvwire is measured on, a (512, 2048) bfloat16 gate took 1.00 ms through `gelu(approximate="tanh")`
+ * and 0.20 ms more for the product (one of 18 layers of a 512-token prompt). Here both activations are
+ * x * sigmoid(z), z = x for SiLU and 2 sqrt(2/pi) (x + 0.044715 x^3) for GELU (0.5 (1 + tanh(y)) =
+ * sigmoid(2 y)), with e^-z from a degree-6 polynomial of the reduced argument scaled by 2^n
+ * (`vscalefps`): a few ulp of float32 from the exact value. The result is rounded as PyTorch's two ops
+ * round it: act(gate) to the tensor's dtype first, then the product (bfloat16: round to nearest even,
+ * NaN kept NaN), so values match PyTorch's except where the few-ulp difference in act crosses a
+ * bfloat16 rounding boundary (one bfloat16 step, rarely). An act below about 1e-36 may come out as 0
+ * (GELU below x = -10, where e^-z overflows float32 first).
  *
- * The result is rounded as PyTorch's two ops round it: act(gate) to the tensor's dtype first, then the
- * product (bfloat16: round to nearest even, NaN kept NaN), so values match PyTorch's except where the
- * few-ulp difference in act crosses a bfloat16 rounding boundary (one bfloat16 step, rarely). An act
- * below about 1e-36 may come out as 0 (GELU below x = -10, where e^-z overflows float32 first).
- * Elements go to OpenMP threads in fixed chunks; a value never depends on the thread count.
+ * RMSNorm: y = x / sqrt(mean(x^2) + eps) * w (or * (1 + w), Gemma's), all in float32, rounded once to
+ * the output's dtype, as kvwire's RMSNorm computes it; a row's sum of squares in 16 float32 lanes.
+ *
+ * Work goes to OpenMP threads in fixed chunks of elements or rows: a value never depends on the
+ * thread count.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define KVW_GELU_TANH 0
@@ -102,5 +108,44 @@ void kvw_gated_bf16(int kind, const uint16_t *g, const uint16_t *u, uint16_t *ou
         for (int64_t i = whole; i < n; i++) tg[i - whole] = g[i], tu[i - whole] = u[i];
         gated16_bf16(kind, tg, tu, to);
         for (int64_t i = whole; i < n; i++) out[i] = to[i - whole];
+    }
+}
+
+/* the sum of x[0..n)^2, n a multiple of 16; `bf16`: x holds bfloat16 values */
+static inline float sum_squares(const void *x, int64_t n, int bf16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = bf16 ? from_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)))
+                              : _mm512_loadu_ps((const float *)x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* out (rows, n) = RMSNorm of x (rows, n) with weight w (n,): x, w and out all float32 (`bf16` 0) or all
+ * bfloat16 (1); `offset`: scale by (1 + w). n is a multiple of 16. */
+void kvw_rms_norm(const void *x, const void *w, void *out, int64_t rows, int64_t n, float eps, int offset,
+                  int bf16, int threads) {
+    #pragma omp parallel for num_threads(rows >= 8 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float scale = 1.0f / sqrtf(sum_squares((const char *)x + r * n * (bf16 ? 2 : 4), n, bf16) / (float)n + eps);
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < n; i += 16) {
+            const int64_t at = r * n + i;
+            __m512 v, wv;
+            if (bf16) {
+                v = from_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at)));
+                wv = from_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i)));
+            } else {
+                v = _mm512_loadu_ps((const float *)x + at);
+                wv = _mm512_loadu_ps((const float *)w + i);
+            }
+            const __m512 h = _mm512_mul_ps(v, s);
+            const __m512 y = offset ? _mm512_fmadd_ps(h, wv, h) : _mm512_mul_ps(h, wv);
+            if (bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(bf16_bits(y)));
+            else
+                _mm512_storeu_ps((float *)out + at, y);
+        }
     }
 }
