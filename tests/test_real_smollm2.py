@@ -199,15 +199,17 @@ def test_the_files_own_q4_1_and_q8_0_blocks_on_ggml_kernels(lm, gguf_lm):
         # (llama.cpp's own logits on this file are 2-4 % from float32 too)
         assert ((ours - full).norm() / full.norm()).item() < 0.08, text
         assert (ours.argmax(-1) == full.argmax(-1)).float().mean().item() >= 0.9, text
-        # 16 greedy tokens from uncached calls: calls of up to 32 rows run the kernels (the
-        # fibonacci prompt's last two calls, 33 and 34 rows, the float GEMM on the same weights)
-        got = _rollout(gguf_lm, ids, 16)[0, ids.shape[1]:].tolist()
-        same += sum(a == b for a, b in zip(got, lm.generate(ids[0], max_new_tokens=16, ignore_eos=True).tolist()))
-        if text == GGUF_PROMPTS[0]:
-            assert lm.tokenizer.decode(got).strip().startswith("Paris")
-    # of 48; measured 48 (a near tie can flip a word: "Once upon a time, in a small village by the
-    # sea," goes "woman" / "wizard" at its 6th token and then differs throughout)
-    assert same >= 40, same
+        # the float model's 16 greedy tokens, each predicted by the file's blocks from the same prefix
+        # (teacher-forced: a free-running rollout repeats a near tie's flip in every token after it)
+        expected = lm.generate(ids[0], max_new_tokens=16, ignore_eos=True).tolist()
+        with torch.inference_mode():
+            picks = gguf_lm(torch.cat([ids, torch.tensor([expected])], 1))[0, ids.shape[1] - 1:-1].argmax(-1)
+        same += sum(a == b for a, b in zip(picks.tolist(), expected))
+        if text == GGUF_PROMPTS[0]:  # 16 greedy tokens from uncached calls of up to 32 rows: the kernels
+            assert lm.tokenizer.decode(_rollout(gguf_lm, ids, 16)[0, ids.shape[1]:]).strip().startswith("Paris")
+    # of 48; measured 48 with PyTorch's elementwise ops, 47 with kvwire's fused kernels (session 30: the
+    # capital prompt's 6th token, a near tie: 0.07 logits apart on the blocks, 0.22 in float32)
+    assert same >= 44, same
 
 
 @ggml
