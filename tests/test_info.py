@@ -15,9 +15,9 @@ from kvwire.layers import cpu
 def fresh_choices(monkeypatch):
     """No overriding variables from the caller's shell; the cached choices cleared before and after
     (they read the environment once)."""
-    for name in ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_F32_ROW", "KVWIRE_GGML_KERNEL"):
+    for name in ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_F32_ROW", "KVWIRE_FUSED", "KVWIRE_GGML_KERNEL"):
         monkeypatch.delenv(name, raising=False)
-    clear = (cpu.bf16_gemm.cache_clear, cpu.f32_gemv.cache_clear, cpu.f32_row.cache_clear)
+    clear = (cpu.bf16_gemm.cache_clear, cpu.f32_gemv.cache_clear, cpu.f32_row.cache_clear, cpu.fused.cache_clear)
     for c in clear:
         c()
     yield
@@ -31,6 +31,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     assert report["paths"]["bf16_gemm"] == cpu.bf16_gemm()
     assert report["paths"]["f32_gemv"] == cpu.f32_gemv()
     assert report["paths"]["f32_row"].split(" ")[0] == cpu.f32_row()
+    assert report["paths"]["fused"].split(" ")[0] == cpu.fused()
     if importlib.util.find_spec("llama_cpp") is None:
         assert report["paths"]["ggml_kernel"] == "not installed"
     else:
@@ -46,6 +47,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     assert f"bfloat16 GEMM: {cpu.bf16_gemm()} " in text
     assert f"float32 GEMV: {cpu.f32_gemv()} " in text
     assert f"float32 one-row products: {cpu.f32_row()} " in text
+    assert f"gated MLP and RMSNorm in one pass: {cpu.fused()} " in text
     assert f"capability {report['cpu']['capability']}" in text
     assert cli.main(["info", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["paths"] == report["paths"]
@@ -56,6 +58,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     ("KVWIRE_BF16_GEMM", "bogus", "expected one of packed, native, upcast"),
     ("KVWIRE_F32_GEMV", "bogus", "expected one of linear, transposed"),
     ("KVWIRE_F32_ROW", "bogus", "expected one of kvwire, mkl"),
+    ("KVWIRE_FUSED", "bogus", "expected one of kvwire, aten"),
     ("KVWIRE_GGML_KERNEL", "fastest", "expected one of"),
 ])
 def test_an_invalid_setting_is_shown_with_its_reason_and_exits_1(variable, value, expected, fresh_choices,
