@@ -9,6 +9,7 @@ fall back to a path that needs none.
 Example:
     >>> path = library("kvw_gemv", [Path("gemv.c")], ["-O3", "-mavx512f", "-fopenmp"])  # doctest: +SKIP
 """
+import ctypes
 import hashlib
 import os
 import shutil
@@ -55,3 +56,22 @@ def library(name, sources, flags, stamp=b""):
         run([cc, *flags, "-shared", "-fPIC", *map(str, sources), "-o", str(built)])
         os.replace(built, target)  # atomic: a concurrent build of the same sources is harmless
     return target
+
+
+def loaded(cache, build, declare):
+    """A kernel library built on first use and loaded once a process: `cache["lib"]`, after
+    build() -> its path and declare(lib) (argument types); a failed build raises `BuildError`,
+    remembered in `cache["error"]` (one try a process). Loaded after torch: its libgomp serves."""
+    if "lib" not in cache and "error" not in cache:
+        try:
+            # PyDLL: the GIL stays held during a call (a ctypes.CDLL call drops it, and getting it back
+            # behind another thread cost compiled decode steps ~11 ms each, 127 GEMV calls a step)
+            lib = ctypes.PyDLL(str(build()))
+        except (BuildError, OSError) as e:
+            cache["error"] = BuildError(str(e))
+        else:
+            declare(lib)
+            cache["lib"] = lib
+    if "error" in cache:
+        raise cache["error"]
+    return cache["lib"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..layers.tracing import is_exporting
-from .build import BuildError, library
+from .build import BuildError, library, loaded
 
 SOURCE = Path(__file__).with_name("fused.c")
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # built and called only where the CPU has AVX-512F
@@ -31,21 +31,14 @@ _LIB = {}  # "lib": the loaded library, or "error": why it could not be built
 def load():
     """The loaded kernel library, built on first use; raises `BuildError` (remembered: one try a
     process)."""
-    if "lib" not in _LIB and "error" not in _LIB:
-        try:
-            lib = ctypes.PyDLL(str(library("kvw_fused", [SOURCE], FLAGS)))  # after torch: its libgomp serves
-        except (BuildError, OSError) as e:
-            _LIB["error"] = BuildError(str(e))
-        else:
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            for name in ("kvw_gated_f32", "kvw_gated_bf16"):
-                getattr(lib, name).argtypes, getattr(lib, name).restype = [i32, p, p, p, i64, i32], None
-            lib.kvw_rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float, i32, i32, i32]
-            lib.kvw_rms_norm.restype = None
-            _LIB["lib"] = lib
-    if "error" in _LIB:
-        raise _LIB["error"]
-    return _LIB["lib"]
+    return loaded(_LIB, lambda: library("kvw_fused", [SOURCE], FLAGS), _declare)
+
+
+def _declare(lib):
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in ("kvw_gated_f32", "kvw_gated_bf16"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [i32, p, p, p, i64, i32], None
+    lib.kvw_rms_norm.argtypes, lib.kvw_rms_norm.restype = [p, p, p, i64, i64, ctypes.c_float, i32, i32, i32], None
 
 
 def available():

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..layers.tracing import is_exporting
-from .build import BuildError, library
+from .build import BuildError, library, loaded
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # built and called only where the CPU has AVX-512F
@@ -28,22 +28,13 @@ _LIB = {}  # "lib": the loaded library, or "error": why it could not be built
 def load():
     """The loaded kernel library, built on first use; raises `BuildError` (remembered: one try a
     process)."""
-    if "lib" not in _LIB and "error" not in _LIB:
-        try:
-            # PyDLL: the GIL stays held during a call (a ctypes.CDLL call drops it, and getting it back
-            # behind another thread cost compiled decode steps ~11 ms each, 127 calls a step)
-            lib = ctypes.PyDLL(str(library("kvw_gemv", [SOURCE], FLAGS)))  # after torch: its libgomp serves
-        except (BuildError, OSError) as e:
-            _LIB["error"] = BuildError(str(e))
-        else:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.kvw_gemv_f32.argtypes, lib.kvw_gemv_f32.restype = [p, i64, p, p, p, i64, i64, ctypes.c_int], None
-            lib.kvw_gemv_bf16.argtypes = [p, i64, p, p, p, p, i64, i64, ctypes.c_int]
-            lib.kvw_gemv_bf16.restype = None
-            _LIB["lib"] = lib
-    if "error" in _LIB:
-        raise _LIB["error"]
-    return _LIB["lib"]
+    return loaded(_LIB, lambda: library("kvw_gemv", [SOURCE], FLAGS), _declare)
+
+
+def _declare(lib):
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kvw_gemv_f32.argtypes, lib.kvw_gemv_f32.restype = [p, i64, p, p, p, i64, i64, ctypes.c_int], None
+    lib.kvw_gemv_bf16.argtypes, lib.kvw_gemv_bf16.restype = [p, i64, p, p, p, p, i64, i64, ctypes.c_int], None
 
 
 def available():
