@@ -1,8 +1,9 @@
 """What kvwire finds on this machine and which paths it takes: `kvwire info` (and `--json`).
 
 The CPU's features as torch's kernels see them, the bfloat16 GEMM path, the float32 GEMV paths, the
-one-pass elementwise kernels and the ggml kernel chosen from them (with the environment variables that override each), the devices,
-the optional packages behind presets, export and serving, and the on-disk cache. A setting kvwire would refuse (say
+one-pass elementwise kernels and the ggml kernel chosen from them (with the environment variables that
+override each), the devices, the optional packages behind presets, export and serving, and the on-disk
+cache. A setting kvwire would refuse (say
 `KVWIRE_BF16_GEMM=packed` on a CPU without bf16 units) shows as invalid with the reason, and the
 command exits 1; a path it cannot take here (ggml's bridge fails to build) shows as unavailable.
 It never builds the ggml bridge itself: before the first ggml use it says which kernel to expect.

@@ -1,7 +1,9 @@
-"""kvwire's one-pass act(gate) * up for gated MLPs (`kvwire/native/gated.c`): its values against a float64
-reference (tanh-GELU and SiLU, float32 and bfloat16, every tail length, special values), the choice
-`cpu.fused()` makes and what it refuses, and where `GatedMLP` uses it. Kernel tests run where the
-CPU has AVX-512F and the kernel builds; elsewhere they are skipped with the reason."""
+"""kvwire's one-pass kernels (`kvwire/native/fused.c`): a gated MLP's act(gate) * up and RMSNorm, their
+values against float64 references and PyTorch's ops (tanh-GELU and SiLU, float32 and bfloat16, every
+tail length, special values), the choice `cpu.fused()` makes and what it refuses, where `GatedMLP` and
+`RMSNorm` use them and where they leave the call to PyTorch (edits, gradients, transforms, layouts).
+Kernel tests run where the CPU has AVX-512F and the kernels build; elsewhere they are skipped with the
+reason."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from kvwire.native import fused
 
 from .conftest import FAMILIES
 
-NO_AVX512 = "this CPU has no AVX-512F: kvwire's fused kernels does not run here"
+NO_AVX512 = "this CPU has no AVX-512F: kvwire's fused kernels do not run here"
 runs_here = pytest.mark.skipif(not cpu.features()["avx512"] or not fused.available(),
                                reason=NO_AVX512 if not cpu.features()["avx512"] else
                                f"kvwire's fused kernels did not build here: {fused.unavailable_reason()}")
@@ -57,7 +59,7 @@ def test_float32_values_are_within_a_few_ulp_of_float64(kind, n):
 
 @runs_here
 @pytest.mark.parametrize("kind", ["gelu_tanh", "silu"])
-def test_bfloat16_values_round_as_pytorchs_two_ops_do(kind):
+def test_bfloat16_values_are_the_exact_acts_rounded_then_the_products(kind):
     """act(gate) rounded to bfloat16, then the product rounded: act is the exact act's rounding for all
     but a few values a few float32 ulp from a rounding boundary (then the next bfloat16), and the
     product is exactly that act times up, rounded."""
@@ -133,7 +135,7 @@ def test_what_the_kernel_does_not_compute_runs_as_it_is(monkeypatch):
         assert torch.equal(mlp(x), mlp.down_proj(mlp.act(mlp.gate_proj(x)) * mlp.up_proj(x)))
     with torch.no_grad():
         GatedMLP(64, 128, act="gelu")(x)  # exact (erf) GELU
-    GatedMLP(64, 128, act="silu")(x.requires_grad_())  # a gradient wanted
+    GatedMLP(64, 128, act="silu").requires_grad_(False)(x.clone().requires_grad_())  # the input's gradient
     with torch.no_grad():
         GatedMLP(64, 128, act="silu").half()(x.half())
     assert calls == []
@@ -206,8 +208,53 @@ def test_norms_the_kernel_does_not_take_run_their_ops(monkeypatch):
     with torch.no_grad():
         RMSNorm(40)(torch.randn(2, 40))
         RMSNorm(64).bfloat16()(torch.randn(2, 64))
-    RMSNorm(64)(torch.randn(2, 64, requires_grad=True))
+    RMSNorm(64).requires_grad_(False)(torch.randn(2, 64, requires_grad=True))  # the input's gradient
+    with torch.no_grad():
+        RMSNorm(64)(torch.randn(64, 2).T)  # not contiguous
     assert calls == []
+
+
+@runs_here
+def test_transforms_and_forward_mode_ad_get_pytorchs_ops():
+    """vmap and jvp wrap tensors without storage; a dual tensor's tangent would be dropped: the layers
+    leave all three to PyTorch, and the tangents come out as PyTorch's."""
+    import torch.autograd.forward_ad as fwAD
+
+    norm, mlp = RMSNorm(64).requires_grad_(False), GatedMLP(64, 128, act="silu").requires_grad_(False)
+    x, t = torch.randn(3, 64), torch.randn(3, 64)
+    for layer in (norm, mlp):
+        assert torch.allclose(torch.vmap(layer)(x), layer(x), atol=1e-6)
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(layer(fwAD.make_dual(x, t))).tangent
+        assert tangent is not None
+        assert torch.allclose(tangent, torch.func.jvp(layer, (x,), (t,))[1], atol=1e-5)
+
+
+@runs_here
+def test_direct_calls_with_tensors_the_kernels_cannot_read_are_refused():
+    with pytest.raises(ValueError, match=r"fused.gated: expected contiguous gate and up of one shape and dtype .*"
+                                         r"got \(4, 64\) torch.float32 and \(4, 32\) torch.float32"):
+        fused.gated("silu", torch.randn(4, 64), torch.randn(4, 32))
+    with pytest.raises(ValueError, match=r"fused.rms_norm: .*D a multiple of 16; got \(2, 40\) torch.float32"):
+        fused.rms_norm(torch.randn(2, 40), torch.randn(40), 1e-6, True)
+    with pytest.raises(ValueError, match="fused.rms_norm"):
+        fused.rms_norm(torch.randn(2, 64).bfloat16(), torch.randn(64), 1e-6, True)
+
+
+def test_the_kernel_sources_ship_in_the_package():
+    """Every C source kvwire compiles on first use is package data (an installed wheel without it
+    would quietly fall back to PyTorch's ops)."""
+    import tomllib
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    import kvwire
+
+    root = Path(kvwire.__file__).parent
+    data = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for source in [*root.rglob("*.c"), *root.rglob("*.cpp")]:
+        package = ".".join(source.parent.relative_to(root.parent).parts)
+        assert any(fnmatch(source.name, pattern) for pattern in data.get(package, [])), source
 
 
 @runs_here

@@ -200,7 +200,9 @@ def test_the_files_own_q4_1_and_q8_0_blocks_on_ggml_kernels(lm, gguf_lm):
         assert ((ours - full).norm() / full.norm()).item() < 0.08, text
         assert (ours.argmax(-1) == full.argmax(-1)).float().mean().item() >= 0.9, text
         # the float model's 16 greedy tokens, each predicted by the file's blocks from the same prefix
-        # (teacher-forced: a free-running rollout repeats a near tie's flip in every token after it)
+        # (teacher-forced: a free-running rollout repeats a near tie's flip in every token after it); one
+        # call of prompt + 16 rows: where x16 does not run, Q4_1 calls over 32 rows take the float GEMM
+        # on the dequantised blocks (the same weights), not ggml's row kernel
         expected = lm.generate(ids[0], max_new_tokens=16, ignore_eos=True).tolist()
         with torch.inference_mode():
             picks = gguf_lm(torch.cat([ids, torch.tensor([expected])], 1))[0, ids.shape[1] - 1:-1].argmax(-1)

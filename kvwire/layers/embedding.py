@@ -17,7 +17,9 @@ class TokenEmbedding(Layer):
     `quantized`, when set (a GGUF load with `quantize="gguf"`: the file's own table, a `GGMLLinear`
     with `rows(ids)`), is what the rows are read from, dequantised one row at a time, instead of
     `weight`: the float table is then never read (671 MB in float32 for Gemma 3's 262k rows). Its
-    values are the table's own (the float weight was dequantised from the same blocks).
+    values are the table's own (the float weight was dequantised from the same blocks). An edit of
+    `weight` then reaches neither the lookups nor a quantised head's logits: edit a float load, or set
+    `quantized = None` (and the head's) first.
     """
 
     def __init__(self, vocab_size, dim, scale=None, float32_for_float16=False):

@@ -6,12 +6,14 @@
  * kvwire is measured on, a (512, 2048) bfloat16 gate took 1.00 ms through `gelu(approximate="tanh")`
  * and 0.20 ms more for the product (one of 18 layers of a 512-token prompt). Here both activations are
  * x * sigmoid(z), z = x for SiLU and 2 sqrt(2/pi) (x + 0.044715 x^3) for GELU (0.5 (1 + tanh(y)) =
- * sigmoid(2 y)), with e^-z from a degree-6 polynomial of the reduced argument scaled by 2^n
- * (`vscalefps`): a few ulp of float32 from the exact value. The result is rounded as PyTorch's two ops
- * round it: act(gate) to the tensor's dtype first, then the product (bfloat16: round to nearest even,
- * NaN kept NaN), so values match PyTorch's except where the few-ulp difference in act crosses a
- * bfloat16 rounding boundary (one bfloat16 step, rarely). An act below about 1e-36 may come out as 0
- * (GELU below x = -10, where e^-z overflows float32 first).
+ * sigmoid(2 y)), with e^-z from Cephes' polynomial of the reduced argument scaled by 2^n (`vscalefps`):
+ * a few ulp of float32 from the exact value (GELU: |z| ulp more, z's own rounding). The result is
+ * rounded where PyTorch's two ops round: act(gate) to the tensor's dtype, then the product (bfloat16:
+ * to nearest even, NaN kept NaN). bfloat16 acts are the exact act's rounding but where the few ulp
+ * cross a rounding boundary (0.12 % of GELU's on random values, one step). They differ from PyTorch's
+ * below x = -3 for GELU, where PyTorch's 0.5 x (1 + tanh(y)) cancels (at x = -5: -2.98e-7 against the
+ * exact -2.29e-7): tiny values, and there the kernel is the accurate one. An act below about 1e-36
+ * may come out as 0 (GELU below x = -10, where e^-z overflows float32 first).
  *
  * RMSNorm: y = x / sqrt(mean(x^2) + eps) * w (or * (1 + w), Gemma's), all in float32, rounded once to
  * the output's dtype, as kvwire's RMSNorm computes it; a row's sum of squares in 16 float32 lanes.
@@ -69,7 +71,9 @@ static inline __m512i bf16_bits(__m512 v) {
 }
 
 /* 16 floats from 16 bfloat16 values */
-static inline __m512 from_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+static inline __m512 from_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 static inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
 
@@ -128,7 +132,8 @@ void kvw_rms_norm(const void *x, const void *w, void *out, int64_t rows, int64_t
                   int bf16, int threads) {
     #pragma omp parallel for num_threads(rows >= 8 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float scale = 1.0f / sqrtf(sum_squares((const char *)x + r * n * (bf16 ? 2 : 4), n, bf16) / (float)n + eps);
+        const float sum = sum_squares((const char *)x + r * n * (bf16 ? 2 : 4), n, bf16);
+        const float scale = 1.0f / sqrtf(sum / (float)n + eps);
         const __m512 s = _mm512_set1_ps(scale);
         for (int64_t i = 0; i < n; i += 16) {
             const int64_t at = r * n + i;

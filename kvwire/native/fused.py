@@ -7,8 +7,9 @@ any row count (bfloat16, a (1, 2048) GELU gate: 6.2 against 8.7 us; (512, 2048):
 session 30).
 
 Example:
+    >>> from kvwire.layers import cpu
     >>> g, u = torch.randn(4, 64), torch.randn(4, 64)
-    >>> y = gated("silu", g, u) if available() else torch.nn.functional.silu(g) * u
+    >>> y = gated("silu", g, u) if cpu.fused() == "kvwire" else torch.nn.functional.silu(g) * u
     >>> torch.allclose(y, torch.nn.functional.silu(g) * u, atol=1e-6)
     True
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..layers.tracing import is_exporting
+from ..layers.tracing import is_exporting, transformed
 from .build import BuildError, library, loaded
 
 SOURCE = Path(__file__).with_name("fused.c")
@@ -56,8 +57,9 @@ def unavailable_reason():
 
 
 def _plain(*tensors):
-    """Contiguous float32 or bfloat16 CPU tensors of one dtype, no gradient wanted, outside compilers
-    and exporters (they fuse the plain ops themselves; fake and functional tensors are subclasses)."""
+    """Contiguous float32 or bfloat16 CPU tensors of one dtype, no gradient wanted, outside compilers,
+    exporters (they fuse the plain ops themselves; fake and functional tensors are subclasses),
+    functorch transforms and forward-mode AD."""
     if any(type(t) not in _PLAIN for t in tensors):
         return False
     dtype = tensors[0].dtype
@@ -66,7 +68,7 @@ def _plain(*tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return not (torch.compiler.is_compiling() or is_exporting())
+    return not (torch.compiler.is_compiling() or is_exporting() or transformed(*tensors))
 
 
 def applies_gated(gate, up):
@@ -76,8 +78,13 @@ def applies_gated(gate, up):
 
 def gated(kind, gate, up):
     """act(gate) * up for act `kind` ("gelu_tanh": GELU, tanh-approximated; "silu"), gate and up (...)
-    -> (...) in their dtype, rounded as PyTorch's two ops round it (bfloat16: act's result, then the
-    product). Call where `applies_gated(gate, up)`; the library must be loaded (`load`)."""
+    -> (...) in their dtype, rounded where PyTorch's two ops round (bfloat16: act's result, then the
+    product; act itself is closer to the exact value than PyTorch's below x = -3, see fused.c). Call
+    where `applies_gated(gate, up)`; the library must be loaded (`load`)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _DTYPES or \
+            not (gate.is_contiguous() and up.is_contiguous()):  # the kernel reads both unchecked
+        raise ValueError(f"fused.gated: expected contiguous gate and up of one shape and dtype (float32 or "
+                         f"bfloat16), got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
     out = torch.empty_like(gate)
     kernel = _LIB["lib"].kvw_gated_f32 if gate.dtype == torch.float32 else _LIB["lib"].kvw_gated_bf16
     kernel(KINDS[kind], gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
@@ -95,6 +102,11 @@ def rms_norm(x, weight, eps, offset):
     """x (..., D) / sqrt(mean(x^2) + eps) * weight (D,) (`offset`: * (1 + weight)), computed in float32
     and rounded once to x's dtype: kvwire's `RMSNorm`. Call where `applies_rms_norm(x, weight)`; the
     library must be loaded (`load`)."""
+    if x.dim() < 1 or weight.shape != x.shape[-1:] or x.shape[-1] % 16 or weight.dtype != x.dtype or \
+            x.dtype not in _DTYPES or not (x.is_contiguous() and weight.is_contiguous()):  # read unchecked
+        raise ValueError(f"fused.rms_norm: expected contiguous x (..., D) and weight (D,) of one dtype (float32 or "
+                         f"bfloat16), D a multiple of 16; got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     out = torch.empty_like(x)
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     _LIB["lib"].kvw_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, x.shape[-1], float(eps),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..layers.tracing import is_exporting
+from ..layers.tracing import is_exporting, transformed
 from .build import BuildError, library, loaded
 
 SOURCE = Path(__file__).with_name("gemv.c")
@@ -69,7 +69,7 @@ def applies(x, weight, bias=None):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
-    return not (torch.compiler.is_compiling() or is_exporting())
+    return not (torch.compiler.is_compiling() or is_exporting() or transformed(x, weight))
 
 
 def product(x, weight, bias=None):
