@@ -75,3 +75,12 @@ def loaded(cache, build, declare):
     if "error" in cache:
         raise cache["error"]
     return cache["lib"]
+
+
+def builds(load):
+    """Whether load() (a `loaded` library's loader) succeeds here, building the library if needed."""
+    try:
+        load()
+    except BuildError:
+        return False
+    return True

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..layers.tracing import is_exporting, transformed
-from .build import BuildError, library, loaded
+from .build import builds, library, loaded
 
 SOURCE = Path(__file__).with_name("fused.c")
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # built and called only where the CPU has AVX-512F
@@ -43,16 +43,12 @@ def _declare(lib):
 
 
 def available():
-    """Whether the kernels are built and loaded here (building them if needed); the CPU is not checked."""
-    try:
-        load()
-    except BuildError:
-        return False
-    return True
+    """Whether the kernels are built and loaded here (building them if needed); the CPU is not checked.
+    `unavailable_reason()` says why not."""
+    return builds(load)
 
 
 def unavailable_reason():
-    """Why the kernels could not be built, or None."""
     return str(_LIB["error"]) if "error" in _LIB else None
 
 
