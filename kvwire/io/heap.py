@@ -37,7 +37,7 @@ def give_back_freed_memory():
 def give_back_file_pages(tensors):
     """Give back the pages this process holds of the files memory-mapped under `tensors` (CPU tensors;
     read again from the file if needed). For a file little of which is read from now on: the float
-    weights a GGUF load maps for its norms and embedding rows once its linear maps and head run on the
+    weights a GGUF load maps for its norms once its linear maps, head and embedding run on the
     GGUF's blocks (safetensors' `load_file` alone left 8 MiB of Gemma 3's in the process). A mapping
     is dropped only when smaps shows it holds no page of this process's own (written, or swapped
     out): those exist nowhere else. Call it before anything may write the tensors (a load does): a

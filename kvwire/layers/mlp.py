@@ -59,6 +59,6 @@ class GatedMLP(Layer):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):  # compilers fuse the plain ops
             kind = _ONE_PASS.get(self.act)
-            if kind is not None and fused.applies_gated(gate, up) and cpu.fused() == "kvwire":
+            if kind is not None and cpu.fused() == "kvwire" and fused.applies_gated(gate, up):
                 return self.down_proj(fused.gated(kind, gate, up))
         return self.down_proj(self.act(gate) * up)

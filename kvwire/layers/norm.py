@@ -41,8 +41,8 @@ class RMSNorm(Layer):
         self.eps = eps
 
     def forward(self, x):
-        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and fused.applies_rms_norm(x, self.weight) \
-                and cpu.fused() == "kvwire":  # one pass (`native.fused`); compilers fuse the ops below
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and cpu.fused() == "kvwire" \
+                and fused.applies_rms_norm(x, self.weight):  # one pass (`native.fused`); compilers fuse the ops below
             return fused.rms_norm(x, self.weight, self.eps, self.offset)
         h = nn.functional.rms_norm(as_float32(x), x.shape[-1:], None, self.eps)
         w = as_float32(self.weight)

@@ -1,5 +1,5 @@
-/* `kvwire::ggml_matmul`, `kvwire::ggml_matmuls` and `kvwire::ggml_rows` as PyTorch operators with C++ CPU kernels
- * (schemas and shape functions are declared in linear.py).
+/* `kvwire::ggml_matmul`, `kvwire::ggml_matmuls` and `kvwire::ggml_rows` as PyTorch operators with C++
+ * CPU kernels (schemas and shape functions are declared in linear.py).
  *
  * A decode step makes ~130 of these calls; through a Python kernel each cost ~20 us of dispatch
  * before any work, ~2.5 ms a token on the default model. Registered here, the dispatcher reaches
@@ -22,6 +22,19 @@ int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_
 int kvw_rows(int type, const void *w, int64_t rows, int64_t n, const int64_t *ids, int64_t count, float *dst);
 }
 
+/* `w` must be contiguous (out, row_bytes) uint8 blocks of ggml type `type`, in_features weights a row:
+ * the kernels read them unchecked, and ggml aborts the process on a row that is not whole blocks. */
+static void check_blocks(const char *op, const at::Tensor &w, int type, int64_t in_features) {
+    TORCH_CHECK(kvw_supported(type), op, ": ggml has no CPU dot product for type ", type);
+    TORCH_CHECK(in_features > 0 && in_features % kvw_block_size(type) == 0, op, ": type ", type, " packs ",
+                kvw_block_size(type), " weights a block; in_features = ", in_features,
+                " is not a positive multiple of it");
+    const int64_t row_bytes = kvw_row_bytes(type, in_features);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == row_bytes && w.is_contiguous(), op,
+                ": expected contiguous (out, ", row_bytes, ") uint8 blocks for ", in_features,
+                " weights a row of type ", type, ", got ", w.sizes(), " ", w.scalar_type());
+}
+
 /* x (rows, in_features) float32 @ W_i^T for each W_i (out_i, in_features) as ggml blocks
  * (out_i, row_bytes) uint8 of type qtypes[i] -> [(rows, out_i)]. */
 static std::vector<at::Tensor> ggml_matmuls(const at::Tensor &x, at::TensorList blocks, at::IntArrayRef qtypes,
@@ -41,14 +54,7 @@ static std::vector<at::Tensor> ggml_matmuls(const at::Tensor &x, at::TensorList 
     for (size_t i = 0; i < blocks.size(); i++) {
         const at::Tensor &w = blocks[i];
         const int type = (int)qtypes[i];
-        TORCH_CHECK(kvw_supported(type), "ggml_matmul: ggml has no CPU dot product for type ", type);
-        TORCH_CHECK(in_features > 0 && in_features % kvw_block_size(type) == 0, "ggml_matmul: type ", type,
-                    " packs ", kvw_block_size(type), " weights a block; in_features = ", in_features,
-                    " is not a positive multiple of it");  // ggml aborts the process on such a row
-        const int64_t row_bytes = kvw_row_bytes(type, in_features);  // blocks are read unchecked
-        TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == row_bytes && w.is_contiguous(),
-                    "ggml_matmul: expected contiguous (out, ", row_bytes, ") uint8 blocks for ", in_features,
-                    " weights a row of type ", type, ", got ", w.sizes(), " ", w.scalar_type());
+        check_blocks("ggml_matmul", w, type, in_features);
         ys.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
         types.push_back(type);
         ws.push_back(w.data_ptr());
@@ -71,15 +77,7 @@ static at::Tensor ggml_matmul(const at::Tensor &x, const at::Tensor &blocks, int
  * (*ids.shape, in_features) float32: a token embedding's lookup on a quantised table. */
 static at::Tensor ggml_rows(const at::Tensor &ids, const at::Tensor &blocks, int64_t qtype, int64_t in_features) {
     const int type = (int)qtype;
-    TORCH_CHECK(kvw_supported(type), "ggml_rows: ggml has no CPU kernels for type ", type);
-    TORCH_CHECK(in_features > 0 && in_features % kvw_block_size(type) == 0, "ggml_rows: type ", type, " packs ",
-                kvw_block_size(type), " weights a block; in_features = ", in_features,
-                " is not a positive multiple of it");
-    const int64_t row_bytes = kvw_row_bytes(type, in_features);
-    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == row_bytes &&
-                    blocks.is_contiguous(),
-                "ggml_rows: expected contiguous (out, ", row_bytes, ") uint8 blocks for ", in_features,
-                " weights a row of type ", type, ", got ", blocks.sizes(), " ", blocks.scalar_type());
+    check_blocks("ggml_rows", blocks, type, in_features);
     TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && !at::isComplexType(ids.scalar_type()) &&
                     ids.scalar_type() != at::kBool,
                 "ggml_rows: expected integer token ids, got ", ids.scalar_type());
