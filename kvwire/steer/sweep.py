@@ -76,10 +76,13 @@ def sweep(lm, vector, strengths, probe=None, prompt="I think that today is", max
     """Steer `lm` with `vector` at each strength; measure `probe` and sample a continuation.
 
     Args:
-        lm: a CausalLM with a tokenizer. vector: a kw.ControlVector.
+        lm: a CausalLM with a tokenizer.
+        vector: a kw.ControlVector.
         strengths: numbers (e.g. [-1, -0.5, 0, 0.5, 1]), kept in the given order.
         probe: a callable steered_lm -> float; default `WordGap()` (happy vs sad words, the demo's).
-        prompt, max_new_tokens, sampler: the sample's prompt, budget and sampler (default greedy).
+        prompt: the sample's prompt.
+        max_new_tokens: the sample's budget.
+        sampler: the sample's sampler (default greedy).
     Returns a `Sweep`.
 
     Example:
