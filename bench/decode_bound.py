@@ -11,7 +11,8 @@ runs them), with nothing else around them:
 and how fast this machine streams memory (torch's sum over a 256 MB tensor), and llama.cpp's whole
 decode step on the same file (timed from its tokens' arrival, in the same rounds). If "in cache" is not
 much faster than "streamed" while memory streams far faster than the kernels read their blocks,
-the kernels' arithmetic, not memory, bounds the step (as on the AMD EPYC of session 16: see README).
+the kernels' arithmetic, not memory, bounds the step (as on a 2-core AMD EPYC, 2026-12-02: see
+docs/performance.md).
 """
 import argparse
 import os

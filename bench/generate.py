@@ -28,8 +28,8 @@ Speed: every library is loaded in a process of its own and this process drives t
 one run at a time, each timing its own runs (`common.LibraryProcess`): libraries never share a
 process (thread pools, heap, allocator state), and their runs still interleave, so a noisy
 machine's drift hits them alike; each run starts `SETTLE_S` after the last ended (see there).
-(Session 24 suspected llama.cpp's OpenMP pool of slowing torch in
-one process; session 25's runs of both designs, an hour apart, gave kvwire/transformers float32
+(llama.cpp's OpenMP pool was suspected of slowing torch in one process; runs of both designs on
+the 2-core Intel Xeon with AMX, 2026-12-03, an hour apart, gave kvwire/transformers float32
 1.06x / 1.43x / 0.89x / 0.95x in one process and 1.04x / 1.50x / 0.86x / 0.93x apart: no clear
 effect, but no shared state to doubt.)
 
@@ -67,7 +67,7 @@ def counting(text):
 
 
 # libgomp's workers (torch's OpenMP) spin after a parallel region before they sleep (GOMP_SPINCOUNT;
-# 4-7 ms of CPU after a 1024 x 1024 product on the 2-core AMX Xeon of session 28): a run that starts
+# 4-7 ms of CPU after a 1024 x 1024 product on a 2-core Xeon with AMX, 2026-12-04): a run that starts
 # right after another library's shares the cores with that library's spinning thread. Same machine,
 # `--variants bfloat16`, one run each: kvwire prefill 32 / 512 at 699 / 3015 tokens/s timed alone,
 # 579 / 2894 interleaved with transformers and no pause, 619 / 2984 with this one.

@@ -272,10 +272,10 @@ def test_coreml_package_is_structurally_loadable(family, stateful, tmp_path):
 def test_seed_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
     """coremltools issue #2008: distil GPT-2 (6 x 12 heads x 768, vocab 21128) with a KV cache and
     beam size 3. One graph, no branches: ONNX beam tokens equal eager; Core ML converts and passes
-    the structural checks the seed's conversion failed."""
-    from examples.seed_gpt2_beam import seed_model
+    the structural checks the reported conversion failed."""
+    from examples.gpt2_beam_export import distil_gpt2
 
-    lm = seed_model()
+    lm = distil_gpt2()
     prompt = torch.tensor([101, 2769, 4263, 872, 8024])
     beam = kw.BeamSearch(num_beams=3)
     kw.export(lm, tmp_path / "seed.onnx", max_length=24)

@@ -1,12 +1,12 @@
-"""The seed's scenario (coremltools issue #2008): a distil GPT-2 (6 layers, 12 heads, 768 wide,
-vocabulary 21128) with a KV cache and beam size 3, exported as one graph with no control flow.
+"""coremltools #2008's scenario: a distil GPT-2 (6 layers, 12 heads, 768 wide, vocabulary 21128)
+with a KV cache and beam size 3, exported as one graph with no control flow.
 
-The seed needed two `if` branches (prefill / decode), padded outputs and disabled passes, and its
-Core ML model still failed to load. Here the cached graph is exported as it is and run in
+The report there needed two `if` branches (prefill / decode), padded outputs and disabled passes,
+and its Core ML model still failed to load. Here the cached graph is exported as it is and run in
 onnxruntime with kvwire's beam search; the tokens equal the eager model's. Random weights (the
-seed's checkpoint is not needed to show the mechanics; nothing is downloaded).
+original checkpoint is not needed to show the mechanics; nothing is downloaded).
 
-    python examples/seed_gpt2_beam.py [OUT.onnx]
+    python examples/gpt2_beam_export.py [OUT.onnx]
 """
 import sys
 import tempfile
@@ -17,20 +17,20 @@ import torch
 
 import kvwire as kw
 
-SEED_CONFIG = dict(n_layer=6, n_head=12, n_embd=768, vocab_size=21128, n_positions=512, bos_token_id=101,
+DISTIL_GPT2_CONFIG = dict(n_layer=6, n_head=12, n_embd=768, vocab_size=21128, n_positions=512, bos_token_id=101,
                    eos_token_id=102)
 
 
-def seed_model(seed=0):
+def distil_gpt2(seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return kw.from_hf(GPT2LMHeadModel(GPT2Config(**SEED_CONFIG)).eval())
+    return kw.from_hf(GPT2LMHeadModel(GPT2Config(**DISTIL_GPT2_CONFIG)).eval())
 
 
 def main(out=None):
     torch.set_grad_enabled(False)
-    lm = seed_model()
+    lm = distil_gpt2()
     prompt = torch.tensor([101, 2769, 4263, 872, 8024])
     beam = kw.BeamSearch(num_beams=3)
     with tempfile.TemporaryDirectory() as tmp:
