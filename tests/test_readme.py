@@ -60,7 +60,7 @@ def test_the_readme_links_its_picture_and_the_docs():
         assert page in targets, f"README does not link {page}"
 
 
-@pytest.mark.parametrize("page", manual_pages())
+@pytest.mark.parametrize("page", [p for p in manual_pages() if p != "CHANGELOG.md"])  # history names old files
 def test_the_files_a_page_names_in_code_exist(page):
     text = (ROOT / page).read_text()
     named = set(NAMED.findall(text)) | set(RUN.findall(text))
@@ -75,7 +75,8 @@ def test_the_readme_names_files_at_all():
 
 def test_the_manual_speaks_of_the_project_only():
     """No words about the team's work process: work periods, internal ticket numbers, reviewers."""
-    process = re.compile(r"\bsessions? \d+|(?<![\w/-] )\bissue \d+|\bhelper-\d+|\bthe seed's\b|\bthe seed\b", re.I)
+    # public references name their project and use "#": "coremltools #2008"
+    process = re.compile(r"\bsessions? \d+|\bissue \d+|\bhelper-\d+|\bthe seed's|\bthe seed\b", re.I)
     found = {page: process.findall((ROOT / page).read_text()) for page in manual_pages()}
     found = {page: words for page, words in found.items() if words}
     assert not found, f"process words in the manual: {found}"
