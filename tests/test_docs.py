@@ -57,6 +57,8 @@ def test_readme_test_command_is_the_ci_command():
     blocks = re.findall(r"^```bash\n(.*?)^```", section(README.read_text(), "Two commands"), re.M | re.S)
     assert len(blocks) == 2, "the Two commands section holds two bash blocks: the main job and the tests"
     assert blocks[1].strip() == ci_command.strip(), "README's test command differs from the last line of .ci/run"
+    testing = re.findall(r"^```bash\n(.*?)^```", (ROOT / "docs" / "testing.md").read_text(), re.M | re.S)
+    assert testing and testing[0].strip() == ci_command.strip(), "docs/testing.md's command differs from .ci/run's"
     assert "pytest" in shlex.split(ci_command.replace("&&", " ").replace("||", " ").replace("(", " ").replace(")", " "))
 
 
