@@ -39,15 +39,15 @@ def header(threads, cpuinfo="/proc/cpuinfo"):
 
 
 def cpu_paths():
-    """kvwire's kernel choices for this CPU (kvwire.layers.cpu.report, and the Q4_1 / Q5_0 kernel where
+    """kvwire's kernel choices for this CPU (kvwire.kernels.cpu.report, and the Q4_1 / Q5_0 kernel where
     ggml is installed), for benchmark headers."""
     import importlib.util
 
-    from kvwire.layers.cpu import report
+    from kvwire.kernels.cpu import report
 
     line = "kvwire " + report()
     if importlib.util.find_spec("llama_cpp") is not None:
-        from kvwire.quant.ggml.linear import ggml_kernel
+        from kvwire.kernels.cpu import ggml_kernel
 
         line += f"; Q4_1/Q5_0/Q8_0/Q4_K kernel: {ggml_kernel()}"
     return line

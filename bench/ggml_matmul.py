@@ -49,8 +49,8 @@ def ms(fn, budget=0.3):
 
 
 def main():
-    from kvwire.quant.ggml.lib import library
-    from kvwire.quant.ggml.linear import QUANTIZE_TYPES, X16, GGMLLinear, qtype_of, x16_runs
+    from kvwire.kernels.ggml.lib import library, x16_runs
+    from kvwire.quant.ggml.linear import QUANTIZE_TYPES, X16, GGMLLinear, qtype_of
 
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 8, 32, 128, 512])

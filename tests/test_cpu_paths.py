@@ -4,8 +4,9 @@ elsewhere. Each branch is tested where it runs; the other is skipped."""
 import pytest
 import torch
 
-from kvwire.layers import cpu
-from kvwire.layers.linear import Linear, linear
+from kvwire.kernels import cpu
+from kvwire.kernels.products import linear
+from kvwire.layers.linear import Linear
 
 
 @pytest.fixture(autouse=True)
@@ -154,7 +155,8 @@ def test_a_bf16_model_generates_the_same_tokens_on_packed_weights(monkeypatch, f
 def test_bf16_products_read_the_pack_up_to_256_rows():
     """Decode and short prompts read the packed copy; a long prompt's chunk (from ~384 rows oneDNN's
     own call is faster) takes `linear`; the head's one row takes kvwire's GEMV where it is chosen."""
-    from kvwire.layers.linear import PACKED_BF16_ROWS, WeightPack
+    from kvwire.kernels.products import PACKED_BF16_ROWS
+    from kvwire.layers.linear import WeightPack
 
     assert cpu.bf16_gemm() == "packed" and PACKED_BF16_ROWS == 256
     w = torch.randn(96, 64).bfloat16()
@@ -173,7 +175,7 @@ def test_a_compiled_bf16_batch1_step_sends_only_its_head_to_the_gemv():
     GEMV at run time), every projection Inductor's own; the eager run's tokens and close log-probs."""
     from torch._inductor.utils import run_and_get_code
 
-    from kvwire.native import gemv
+    from kvwire.kernels.native import gemv
 
     from .test_devices import tiny_lm
 
@@ -201,7 +203,7 @@ def float32_path(monkeypatch, rows):
     """[(kind, rows)] of the products a float32 `linear` of `rows` rows ran: ("linear", rows) for
     nn.functional.linear, ("matmul", rows) for W @ x^T, ("kvwire", rows) for kvwire's GEMV; its values
     checked against x @ W^T."""
-    from kvwire.native import gemv
+    from kvwire.kernels.native import gemv
 
     seen = []
     real_linear, real_matmul, real_gemv = torch.nn.functional.linear, torch.Tensor.__matmul__, gemv.product
@@ -234,7 +236,7 @@ def test_the_float32_gemv_follows_the_cpu_vendor_and_features(monkeypatch):
 def test_few_float32_rows_run_linear_on_an_intel_cpu_and_one_row_kvwires_gemv(monkeypatch):
     """One row (batch-1 decode) on kvwire's GEMV where it builds (this machine has a C compiler
     unless it says why not), else `linear`; `KVWIRE_F32_ROW=mkl` keeps it on `linear`."""
-    from kvwire.native import gemv
+    from kvwire.kernels.native import gemv
 
     assert cpu.f32_gemv() == "linear"
     assert cpu.f32_row() == ("kvwire" if gemv.available() else "mkl"), gemv.unavailable_reason()

@@ -199,7 +199,7 @@ def _tied_name(lm):
 def packed_float32_head(monkeypatch):
     """The head's float32 pack made from its first product (any CPU: the 'transposed' path), so a
     test can see it made and then dropped."""
-    from kvwire.layers import cpu
+    from kvwire.kernels import cpu
 
     monkeypatch.setenv("KVWIRE_F32_GEMV", "transposed")
     cpu.f32_gemv.cache_clear()

@@ -72,7 +72,7 @@ def test_the_row_loop_and_ggmls_graph_compute_the_same_products(name):
     import ctypes
 
     from kvwire.quant.ggml import GGMLLinear
-    from kvwire.quant.ggml.lib import library
+    from kvwire.kernels.ggml.lib import library
 
     g = torch.Generator().manual_seed(3)
     qs = [GGMLLinear.quantize(torch.randn(out, 256, generator=g), kind) for out, kind in [(72, name), (40, "q8_0")]]
@@ -139,7 +139,8 @@ def test_rows_are_the_dequantized_weights_rows(name, kernel):
     """An embedding's lookup on blocks: exactly the rows `dequantize` gives, in either layout (x16's
     300 rows end in a group of 12), for ids of any shape; a bad id is an IndexError naming it."""
     from kvwire.quant.ggml import GGMLLinear
-    from kvwire.quant.ggml.linear import X16, x16_runs
+    from kvwire.kernels.ggml.lib import x16_runs
+    from kvwire.quant.ggml.linear import X16
 
     if kernel == "x16" and not x16_runs():
         pytest.skip("the x16 kernel needs AVX-512 F, BW, VL and VNNI, which this CPU lacks")

@@ -8,7 +8,7 @@ import torch
 
 from kvwire import cli
 from kvwire.info import cpu_name, info
-from kvwire.layers import cpu
+from kvwire.kernels import cpu
 
 
 @pytest.fixture
@@ -35,8 +35,8 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
     if importlib.util.find_spec("llama_cpp") is None:
         assert report["paths"]["ggml_kernel"] == "not installed"
     else:
-        from kvwire.quant.ggml.lib import loaded_or_built
-        from kvwire.quant.ggml.linear import ggml_kernel
+        from kvwire.kernels.cpu import ggml_kernel
+        from kvwire.kernels.ggml.lib import loaded_or_built
         if loaded_or_built():  # asking ggml_kernel() otherwise would build the bridge (~15 s)
             assert report["paths"]["ggml_kernel"] == ggml_kernel()
         else:
@@ -90,7 +90,7 @@ def test_cpu_name_reads_cpuinfo_and_falls_back(tmp_path):
 @pytest.fixture
 def with_ggml():
     pytest.importorskip("llama_cpp")
-    from kvwire.quant.ggml import lib
+    from kvwire.kernels.ggml import lib
     return lib
 
 

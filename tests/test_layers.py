@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kvwire.layers import cpu
-from kvwire.layers.linear import SMALL_ROWS, linear
+from kvwire.kernels import cpu
+from kvwire.kernels.products import SMALL_ROWS, linear
 
 
 @pytest.fixture(autouse=True)
@@ -173,7 +173,7 @@ def test_layers_run_on_a_torch_without_is_exporting(monkeypatch):
     pack, which asks on every eager call, reads it as False there (attention asks only while
     compiling, which this torch's own compile needs the attribute for)."""
     import kvwire as kw
-    from kvwire.layers.tracing import is_exporting
+    from kvwire.kernels.tracing import is_exporting
 
     from .conftest import FAMILIES
 

@@ -1,4 +1,4 @@
-"""kvwire's one-pass kernels (`kvwire/native/fused.c`): a gated MLP's act(gate) * up and RMSNorm, their
+"""kvwire's one-pass kernels (`kvwire/kernels/native/fused.c`): a gated MLP's act(gate) * up and RMSNorm, their
 values against float64 references and PyTorch's ops (tanh-GELU and SiLU, float32 and bfloat16, every
 tail length, special values), the choice `cpu.fused()` makes and what it refuses, where `GatedMLP` and
 `RMSNorm` use them and where they leave the call to PyTorch (edits, gradients, transforms, layouts).
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import kvwire as kw
-from kvwire.layers import cpu
+from kvwire.kernels import cpu
 from kvwire.layers.mlp import GatedMLP
 from kvwire.layers.norm import RMSNorm
-from kvwire.native import fused
+from kvwire.kernels.native import fused
 
 from .conftest import FAMILIES
 

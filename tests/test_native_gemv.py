@@ -1,12 +1,13 @@
-"""kvwire's AVX-512 GEMV for one-row float32 and bfloat16 products (`kvwire/native/gemv.c`): the values of
+"""kvwire's AVX-512 GEMV for one-row float32 and bfloat16 products (`kvwire/kernels/native/gemv.c`): the values of
 `nn.functional.linear`, the choice `cpu.f32_row()` makes and what it refuses, and a build that fails
 (no compiler, a broken source) leaving the MKL path. Kernel tests run where the CPU has AVX-512F and
 the kernel builds; elsewhere they are skipped with the reason."""
 import pytest
 import torch
 
-from kvwire.layers import cpu
-from kvwire.native import build, gemv
+from kvwire.kernels import cpu
+from kvwire.kernels import build
+from kvwire.kernels.native import gemv
 
 NO_AVX512 = "this CPU has no AVX-512F: kvwire's GEMV does not run here"
 runs_here = pytest.mark.skipif(not cpu.features()["avx512"] or not gemv.available(),
@@ -160,7 +161,7 @@ def test_a_bf16_models_head_reads_the_gemv_at_one_row(monkeypatch):
     """A tiny Gemma 3 in bfloat16, batch 1: the head's one-row products (the prompt's last row, every
     decode step) go to kvwire's GEMV, no packed copy is made, and the log-probs match the same model
     through oneDNN / `linear`; projections keep their own path."""
-    from kvwire.layers import linear as linear_module
+    from kvwire.kernels import products
 
     from .test_devices import tiny_lm
 
@@ -170,7 +171,7 @@ def test_a_bf16_models_head_reads_the_gemv_at_one_row(monkeypatch):
     lm.head.pack.after = 1  # would pack at once where the GEMV is not taken
     runs = {}
     for row in ("mkl", "kvwire"):
-        monkeypatch.setattr(linear_module, "f32_row", lambda r=row: r)
+        monkeypatch.setattr(products, "f32_row", lambda r=row: r)
         calls.clear()
         lm.reset_caches()
         runs[row] = lm.generate(["Hello there"], max_new_tokens=6, ignore_eos=True, return_logprobs=True)
@@ -184,15 +185,15 @@ def test_a_bf16_models_head_reads_the_gemv_at_one_row(monkeypatch):
 def test_the_bf16_heads_one_row_kind_follows_the_gemv_choice(monkeypatch):
     """Where the GEMV is chosen (`f32_row()` "kvwire"), a bfloat16 head's one-row product takes it;
     projections, other row counts, and other CPUs keep oneDNN's pack (or `linear`)."""
-    from kvwire.layers import linear as linear_module
+    from kvwire.kernels import products
 
-    monkeypatch.setattr(linear_module, "bf16_gemm", lambda: "packed")
-    monkeypatch.setattr(linear_module, "f32_row", lambda: "kvwire")
-    kind = linear_module._kind_for
+    monkeypatch.setattr(products, "bf16_gemm", lambda: "packed")
+    monkeypatch.setattr(products, "f32_row", lambda: "kvwire")
+    kind = products.pack_kind
     assert kind("head", 1, torch.bfloat16, True) == "row"
     assert kind("projection", 1, torch.bfloat16, True) == "onednn"
     assert kind("head", 4, torch.bfloat16, True) == "onednn"
-    monkeypatch.setattr(linear_module, "f32_row", lambda: "mkl")
+    monkeypatch.setattr(products, "f32_row", lambda: "mkl")
     assert kind("head", 1, torch.bfloat16, True) == "onednn"
 
 

@@ -18,7 +18,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def _x16_runs():
-    from kvwire.quant.ggml.linear import x16_runs
+    from kvwire.kernels.ggml.lib import x16_runs
 
     return x16_runs()
 
@@ -128,13 +128,14 @@ def test_a_module_pickled_before_x16_existed_unpickles():
 @pytest.mark.parametrize("kind", FORMATS)
 def test_a_copy_made_where_x16_ran_falls_back_where_it_does_not(monkeypatch, kind):
     """A repacked module unpickled on a CPU without the x16 kernel gets ggml's layout back."""
-    from kvwire.quant.ggml import GGMLLinear, linear
+    from kvwire.kernels.ggml import lib
+    from kvwire.quant.ggml import GGMLLinear
 
     w = torch.randn(40, 256, generator=torch.Generator().manual_seed(6))
-    if not linear.x16_runs():
+    if not lib.x16_runs():
         pytest.skip("this CPU lacks AVX-512 F/BW/VL + VNNI: no repacked module can be made here")
     packed, plain = GGMLLinear.quantize(w, kind, kernel="x16"), GGMLLinear.quantize(w, kind, kernel="ggml")
-    monkeypatch.setattr(linear, "x16_runs", lambda: False)
+    monkeypatch.setattr(lib, "x16_runs", lambda: False)
     clone = copy.deepcopy(packed)
     assert not clone.repacked and torch.equal(clone.blocks, plain.blocks)
     x = torch.randn(2, 256)
@@ -142,10 +143,12 @@ def test_a_copy_made_where_x16_ran_falls_back_where_it_does_not(monkeypatch, kin
 
 
 def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
-    from kvwire.quant.ggml import GGMLLinear, linear
+    from kvwire.kernels import cpu
+    from kvwire.kernels.ggml import lib
+    from kvwire.quant.ggml import GGMLLinear
 
-    runs = linear.x16_runs()
-    assert linear.ggml_kernel() == ("x16" if runs else "ggml")
+    runs = lib.x16_runs()
+    assert cpu.ggml_kernel() == ("x16" if runs else "ggml")
     w = torch.randn(32, 256)
     assert all(GGMLLinear.quantize(w, kind).repacked == runs for kind in FORMATS)
     assert not GGMLLinear.quantize(w, "q4_0", kernel="x16").repacked  # only the formats x16 has
@@ -157,8 +160,8 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
     monkeypatch.delenv("KVWIRE_GGML_KERNEL")
     with pytest.raises(ValueError, match="kernel='avx'; expected one of x16, ggml"):
         GGMLLinear.quantize(w, "q4_1", kernel="avx")
-    monkeypatch.setattr(linear, "x16_runs", lambda: False)  # a CPU without the features, as on AVX2
-    assert linear.ggml_kernel() == "ggml"
+    monkeypatch.setattr(lib, "x16_runs", lambda: False)  # a CPU without the features, as on AVX2
+    assert cpu.ggml_kernel() == "ggml"
     with pytest.raises(ValueError, match="kernel=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, which this CPU"):
         GGMLLinear.quantize(w, "q4_1", kernel="x16")
     monkeypatch.setenv("KVWIRE_GGML_KERNEL", "x16")

@@ -7,8 +7,6 @@ from pathlib import Path
 import torch
 
 from ..dtypes import weights_dtype
-from ..quant import QuantizedLinear
-from ..quant.ggml import GGMLLinear
 from .program import ExportProgram
 from .runtime import ExportedLM, RuntimeGraph, dtype_name, executorch_runner, onnx_runner, read_meta, sidecar
 
@@ -55,10 +53,7 @@ def export(lm, path, max_length=None, batch_size=1, dtype=None, *, format=None, 
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if quantize is not None and fmt != "onnx":
         raise ValueError(f"quantize={quantize!r} is an ONNX option; {fmt} export takes the model's weights")
-    if any(isinstance(m, (QuantizedLinear, GGMLLinear)) for m in lm.modules()):
-        raise ValueError("this model's layers were quantised with kw.quantize or quantize='gguf' (CPU kernels "
-                         "that no export runtime has); export the float model, with quantize='int4' or 'int8' "
-                         "for ONNX")
+    _refuse_unexportable(lm)
     if delegate != "xnnpack" and fmt != "executorch":
         raise ValueError(f"delegate={delegate!r} is an ExecuTorch option")
     lengths = _chunk_lengths(fmt, prefill_length, max_length)
@@ -118,6 +113,17 @@ def load_exported(path, tokenizer=None, threads=None):
     if tokenizer is None and meta.get("tokenizer"):
         tokenizer = _tokenizer(meta)
     return ExportedLM(RuntimeGraph(meta, run), tokenizer, meta)
+
+
+def _refuse_unexportable(lm):
+    """ValueError naming the first layer an exporter cannot represent (a module whose class says
+    `exportable = False`, e.g. one on CPU-only quantised kernels)."""
+    for name, m in lm.named_modules():
+        if not getattr(m, "exportable", True):
+            kernels = getattr(m, "cpu_only", None) or type(m).__name__
+            raise ValueError(f"this model's layers were quantised with kw.quantize or quantize='gguf' ({name!r}: "
+                             f"{kernels}, CPU kernels that no export runtime has); export the float model, "
+                             f"with quantize='int4' or 'int8' for ONNX")
 
 
 def _format(path, format):

@@ -102,7 +102,7 @@ def _rename(model, prog, stateful):
 
 
 def check_coreml(model):
-    """Structural checks of a converted model (what the seed's conversion failed): no control-flow
+    """Structural checks of a converted model (what coremltools #2008's conversion failed): no control-flow
     ops, every op's `weight` a constant, tensor dtypes Core ML supports. Returns the op types."""
     from coremltools.converters.mil.mil import types
 

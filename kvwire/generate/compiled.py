@@ -1,22 +1,22 @@
 """A `torch.compile`d decode step: the cached graph and the head for one token per row, and for
 a prompt's short last chunk.
 
-Decode at batch 1 runs ~2,700 small ops a token; eager PyTorch pays ~5 us of dispatch for each,
+Decode at batch 1 runs thousands of small ops a token; eager PyTorch's dispatch for them costs
 more than the weights cost to stream once they are 4-8 bits. Compiled, Inductor fuses the norms,
 rotary, masks and softmax into a few C++ kernels, and the matmuls stay library calls. Shapes are
 static (one compile per batch size and cache length), so cache lengths are rounded up to `bucket`
 times a power of two: calls with different `max_length` share compiled steps, a long context
 costs a logarithmic number of compiles, and a short one attends over few slots (decode reads
-every slot: 64 instead of 256 slots saved ~2.7 of ~32 ms a step on the default model). With
-Inductor, ggml matmuls that read one input run as one call (`quant/ggml/fuse.py`).
+every slot). With
+Inductor, ggml matmuls that read one input run as one call (`kernels/ggml/fuse.py`).
 
 A prompt's last chunk of 2 to `prefill_tokens` (32) tokens runs through the same compiled function,
 with its length dynamic: one more graph per batch size and cache length serves every short prompt
-(eager, a 32-token prompt of the default model pays ~8 ms of small ops around the same ggml kernels;
-the extra graph doubles the first call's compile). Longer chunks stay eager, where the fused flash
+(eager, such a prompt pays more in small ops than in its matrix products; the extra graph doubles
+the first call's compile). Longer chunks stay eager, where the fused flash
 attention and many-row matrix products pay and small ops do not matter.
 
-Dynamo checks ~300 guards (every weight's metadata) before each call, ~2-3 ms a step here. Once a
+Dynamo checks hundreds of guards (every weight's metadata) before each call. Once a
 call of a signature (batch, tokens per row, cache length, one cache index or one per row, input /
 cache / weight dtypes, grad mode) has run without compiling anything, later calls with it evaluate
 only the guards that tell compiled variants apart (`skip_guard_eval_unsafe`): safe because nothing else
@@ -37,13 +37,13 @@ from ..layers.attention import in_place_cache_writes
 from ..layers.linear import allow_packs_in_compiled_graphs
 from .direct import DirectCalls, flat_args
 
-# Longest prompt chunk run compiled by default: measured there (bench/generate.py's prefill 32);
-# longer chunks keep eager's flash attention and, for Q4_1 / Q5_1, its dequantised float GEMM.
+# Longest prompt chunk run compiled by default (bench/generate.py's prefill 32); longer chunks keep
+# eager's flash attention and, for Q4_1 / Q5_1, its dequantised float GEMM.
 PREFILL_TOKENS = 32
 RECOMPILE_LIMIT = 64  # graphs of the one `step` code, all instances together (see __call__)
-# Inductor's Python wrapper checks the size, strides and alignment of every input (~370 in a SmolLM2
-# step) and custom-op output (~120) on each call: 0.3-1.3 of 8-11 ms a token (bench/compile_options.py).
-# kvwire's signature key (`__call__`) holds every tensor argument's shape and strides instead.
+# Inductor's Python wrapper checks the size, strides and alignment of every input and custom-op output
+# on each call, a measurable part of a token (bench/compile_options.py). kvwire's signature key
+# (`__call__`) holds every tensor argument's shape and strides instead.
 WRAPPER_CHECKS_OFF = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
@@ -157,7 +157,7 @@ def _with_passes(options):
     unless another backend or a `mode` (which excludes `options`) was asked for."""
     if options.get("backend", "inductor") != "inductor" or "mode" in options:
         return options
-    from ..quant.ggml.fuse import FuseSiblingMatmuls
+    from ..kernels.ggml.fuse import FuseSiblingMatmuls
 
     # reorder_for_locality would move the attention's read of a value cache below that cache's
     # one-slot write, and Inductor then copies the whole cache out and back instead of writing it in place

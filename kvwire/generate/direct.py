@@ -1,15 +1,14 @@
 """Calling a compiled decode step's Inductor function directly, past dynamo's frame machinery.
 
-Even with its guards skipped, a dynamo call of a SmolLM2 decode step spends ~1 ms of ~8 before
+Even with its guards skipped, a dynamo call of a decode step spends a good part of the step before
 Inductor's code runs: the cache lookup walks the ~370 graph inputs (every weight is fetched again
 through its module path each call) and a bytecode prologue builds their list. The compiled function
 itself needs only that list in a fixed order, and all but the step's own arguments (token ids,
 positions, masks, caches) are the same weight tensors on every call. So the backend here records,
 for a graph compiled from one call, which of its inputs are that call's arguments (by identity)
 and holds the rest; later calls with the same signature fill in their arguments and call Inductor's
-function directly: ~1 ms less a step (one compiled SmolLM2 step called both ways in one process:
-6.7-7.0 against 7.8-7.9 ms; in generation, `python bench/compile_options.py '{"kvwire_dynamo": true}'
-'{}'`: 8.39-8.44 against 8.88-9.94 ms a token).
+function directly (docs/kernels.md, Measurements; `python bench/compile_options.py
+'{"kvwire_dynamo": true}' '{}'` compares the two).
 
 A recorded graph is used only when it can stand in for the whole dynamo call, checked on the call
 that compiled it: one graph (no graph break), tensor inputs only (a dynamic prompt length passes a

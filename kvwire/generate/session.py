@@ -5,8 +5,7 @@ import torch
 # attention masks (the flash kernel takes an additive one of groups*T x S floats for each window
 # size) grow with the chunk: one call for a 4,096-token prompt raised the default model's peak RSS
 # from 0.55 to 1.70 GB (2,048 tokens: 0.89 GB). 512 is llama.cpp's default micro-batch, and one
-# 512-token call is the fastest measured for such a prompt: 256-token chunks cost 5-18%
-# (bfloat16, gguf, float32; /tmp A/B in one process, session 22 notes). A model can ask for less
+# 512-token call is the fastest for such a prompt (docs/kernels.md, Measurements). A model can ask for less
 # (`CausalLM.prefill_call_tokens`): ggml-quantised ones do, where memory is what quantising was for.
 PREFILL_CALL_TOKENS = 512
 

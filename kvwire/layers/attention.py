@@ -11,13 +11,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..kernels.cpu import bf16_gemm
+from ..kernels.tracing import is_exporting
 from .base import Layer
-from .cpu import bf16_gemm
 from .linear import Linear
 from .masks import chunk_mask, ring_indices, ring_sources, slot_mask
 from .norm import as_float32
 from .shared import shared
-from .tracing import is_exporting
 
 FLASH_ROWS = 64  # query rows per key/value head from which the fused kernel pays off
 _compiled_in_place = False  # see in_place_cache_writes
@@ -129,7 +129,7 @@ class Attention(Layer):
         # on CPUs without native bf16, and the cache keeps full precision (no-ops for float32);
         # a bf16 prompt's flash kernel is the exception where the CPU has bf16 units (_attend_flash).
         # Eager, the rotary runs in the projections' dtype, as transformers' does (a bf16 512-token
-        # prefill 4 ms faster than in float32, session 28), and q stays in it until `_attend` (the
+        # prefill faster than in float32), and q stays in it until `_attend` (the
         # flash kernel takes bf16); compilers and exporters rotate in float32 (no mixed-dtype graphs).
         if torch.compiler.is_compiling() or is_exporting():
             q, k = as_float32(q), as_float32(k)

@@ -2,8 +2,9 @@
 import torch
 from torch import nn
 
+from ..kernels.products import linear
 from .base import Layer
-from .linear import WeightPack, linear
+from .linear import WeightPack
 
 
 class OutputWeight(Layer):

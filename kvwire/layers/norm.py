@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from ..native import fused
-from . import cpu
+from ..kernels import cpu
+from ..kernels.native import fused
 from .base import Layer
 
 

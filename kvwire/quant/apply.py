@@ -1,7 +1,6 @@
 """`kw.quantize`: swap a model's linear maps for weight-only quantised ones, in place."""
-from torch import nn
-
 from .linear import SCHEMES, QuantizedLinear, check_shape
+from .targets import linears, quantizable_head
 
 
 def quantize(lm, scheme="int4", group_size=32, head=True, layers=True):
@@ -52,16 +51,3 @@ def quantize(lm, scheme="int4", group_size=32, head=True, layers=True):
         target.quantized = head_weights
     lm.reset_caches()
     return lm
-
-
-def linears(lm):
-    """(parent, name, child) for every `nn.Linear` in `lm.backbone`: the maps a quantiser swaps."""
-    return [(parent, name, child) for parent in lm.backbone.modules()
-            for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-
-
-def quantizable_head(lm):
-    """`lm.head` if it can hold a quantised copy of its weight (`head.quantized`), else a ValueError."""
-    if not hasattr(lm.head, "quantized"):
-        raise ValueError(f"head {type(lm.head).__name__} cannot be quantised; pass head=False")
-    return lm.head

@@ -36,6 +36,9 @@ class QuantizedLinear(nn.Module):
         torch.Size([2, 64])
     """
 
+    cpu_only = "int8/int4 (PyTorch's CPU kernels)"  # what runs it, where a move to another device is refused
+    exportable = False  # no export runtime has these kernels (ONNX export quantises on its own: quantize=)
+
     def __init__(self, weight, bias=None, scheme="int4", group_size=32):
         super().__init__()
         out_features, in_features = weight.shape

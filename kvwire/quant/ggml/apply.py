@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from ...io.gguf import GGUFFile
 from ...layers.embedding import TokenEmbedding
-from ..apply import linears, quantizable_head
+from ..targets import linears, quantizable_head
 from .linear import FLOAT_TYPES, GGMLLinear, qtype_of, x16_layout
 
 # llama.cpp's fallbacks when a row is not a whole number of 256-weight K-quant blocks
@@ -18,10 +18,8 @@ from .linear import FLOAT_TYPES, GGMLLinear, qtype_of, x16_layout
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 # Prompt tokens a prefill call of a model on ggml blocks runs at most (`CausalLM.prefill_call_tokens`;
-# float models: 512). Quantising is for memory, and a call's activations are then a large part of
-# it: Gemma 3 270M (GGUF + Q5_0 head, eager), bench/generate.py's memory worker, peak RSS 0.621-0.626
-# -> 0.605-0.608 GB (3 runs each); its 512-token prefill 421.0 -> 433.3 ms (medians of 7, interleaved
-# in one process; 128-token calls: 0.59 GB, 501.5 ms). README, Benchmarks, session 29.
+# float models: 512). Quantising is for memory, and a call's activations are then a large part of it:
+# 256-token calls lower the peak for a few percent of prefill speed (docs/kernels.md, Measurements).
 PREFILL_CALL_TOKENS = 256
 
 

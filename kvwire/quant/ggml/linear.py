@@ -1,42 +1,34 @@
 """`GGMLLinear`: a linear map whose weight stays in a GGUF block format (Q8_0, Q5_0, Q4_K, ...).
 
 The weights a GGUF file ships are used as they are, with no re-quantisation and so no further
-loss: ggml's own kernels run on the blocks (`lib.py`, `matmul.c`), with activations quantised per
+loss: ggml's own kernels run on the blocks (`kvwire.kernels.ggml`), with activations quantised per
 row to ggml's partner format (8-bit) as llama.cpp does. One or two rows (decode; up to seven for a
 vocabulary-sized head and for Q4_1 / Q5_1) run a dot product per weight row; more rows run ggml's
 own matrix product, tiled as llama.cpp's is (`matmul.c`'s `kvw_matmuls` chooses). The formats ggml
 has no tiled kernel for (Q4_1, Q5_1) instead dequantise the weight and use MKL's float32 GEMM
-beyond `MANY_ROWS` rows, which wins there. The crossovers are measured by bench/ggml_matmul.py.
+beyond `MANY_ROWS` rows, which wins there.
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0, Q8_0 and Q4_K blocks are repacked at
 construction into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at
-every row count (bench/ggml_matmul.py, 1536x1024: Q4_1 2x ggml's row loop at one row, 3.6x at 32,
-1.8x dequantise + MKL at 512; Q5_0 1.7x, 1.7x and 1.5x ggml's fastest; Q8_0 2.4x, 3.2x and 2.3x;
-Q4_K 1.6-2.6x at one row, 3.1x at 4, 1.1-1.35x at 32, 0.82-1.06x ggml's tiled product at 512; a
-262144x640 Q8_0 head streams at memory speed either way at one row, 2.1x ggml's fastest at 4).
-`ggml_kernel()` chooses, `KVWIRE_GGML_KERNEL=ggml|x16` overrides.
+every row count, faster than ggml's at most shapes. `kernels.cpu.ggml_kernel()` chooses,
+`KVWIRE_GGML_KERNEL=ggml|x16` overrides. bench/ggml_matmul.py measures the crossovers;
+docs/kernels.md gives the numbers.
 """
-import os
-from functools import lru_cache
-
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from .lib import library
+from ...kernels.cpu import ggml_kernel
+from ...kernels.ggml.lib import library
 
 # Formats whose matrix product ggml runs row by row (no tiled kernel): above MANY_ROWS rows,
-# dequantising + float32 GEMM beats them (bench/ggml_matmul.py, 1536x1024, 2 threads, AMD EPYC
-# AVX-512: Q4_1 at 64 rows 3.32 vs 2.65 ms, at 512 26.2 vs 11.0; Q5_1 4.36 vs 3.12, 33.1 vs 12.4).
-# Every other format stays on ggml's kernels at any size: Q4_K at 512 rows 4.97 vs 13.3 ms, Q8_0 12.1
-# vs 11.5 (a tie, without a float copy of the weight).
+# dequantising + float32 GEMM beats them; every other format stays on ggml's kernels at any size
 UNTILED = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1)
 MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # the formats x16.c repacks, and the type numbers matmul.c knows their repacked blocks by
 X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002, GGMLQuantizationType.Q8_0: 1003,
        GGMLQuantizationType.Q4_K: 1004}
-KERNELS = ("x16", "ggml")
 REPACK_ROWS = 16384  # rows repacked at a time (a multiple of x16's 16-row groups)
 QUANTIZE_ROWS = 4096  # rows quantised at a time (a multiple of 16): a float chunk of 10 MB for a 640-wide head
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
@@ -62,6 +54,9 @@ class GGMLLinear(nn.Module):
         >>> q(torch.randn(2, 256)).shape
         torch.Size([2, 64])
     """
+
+    cpu_only = "ggml blocks (ggml's CPU kernels)"  # what runs it, where a move to another device is refused
+    exportable = False  # no export runtime has ggml's block kernels
 
     def __init__(self, blocks, qtype, in_features, bias=None, kernel=None, release=None):
         super().__init__()
@@ -142,7 +137,7 @@ class GGMLLinear(nn.Module):
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
         # compiled graphs keep the opaque op: dequantising calls ctypes, where dynamo would break the graph;
-        # x16 beats dequantising at every row count (512 rows of 1536x1024: 6.1 vs 13.5 ms)
+        # x16 beats dequantising at every row count
         if not torch.compiler.is_compiling() and rows > MANY_ROWS and self.qtype in UNTILED and \
                 not self.repacked:
             out = nn.functional.linear(x2, self.dequantize())
@@ -204,34 +199,9 @@ class GGMLLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype.name}{layout}"
 
 
-def ggml_kernel(asked=None, runs=None):
-    """The kernel for the formats in X16 (Q4_1, Q5_0, Q8_0, Q4_K): `asked` ("x16" / "ggml"), else
-    `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU has AVX-512
-    F, BW, VL and VNNI and 'ggml' (ggml's kernels on the file's layout) where it has not. x16 on a
-    CPU without those features is refused, naming them. `runs`: whether x16 runs here, when the
-    caller knows without the bridge (None: ask the bridge, built on first use)."""
-    source = "kernel" if asked is not None else "KVWIRE_GGML_KERNEL"
-    asked = (os.environ.get("KVWIRE_GGML_KERNEL", "") if asked is None else str(asked)).strip().lower()
-    runs = x16_runs() if runs is None else runs
-    if not asked:
-        return "x16" if runs else "ggml"
-    if asked not in KERNELS:
-        raise ValueError(f"{source}={asked!r}; expected one of {', '.join(KERNELS)}")
-    if asked == "x16" and not runs:
-        raise ValueError(f"{source}=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, which this CPU lacks; "
-                         "leave it unset (kvwire then runs ggml's own kernels)")
-    return asked
-
-
 def x16_layout(qtype, kernel=None):
     """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`."""
     return qtype_of(qtype) in X16 and ggml_kernel(kernel) == "x16"
-
-
-@lru_cache(maxsize=None)
-def x16_runs():
-    """Whether this CPU runs the x16 kernel (AVX-512 F, BW, VL and VNNI)."""
-    return bool(library().kvw_x16_supported())
 
 
 def _repacked(blocks, qtype, in_features, to_x16, release=None):
@@ -254,31 +224,6 @@ def _check_width(qtype, in_features):
     if in_features % block:
         raise ValueError(f"{qtype.name} packs {block} weights a block; a weight with {in_features} inputs "
                          f"is not a multiple of {block}")
-
-
-# the operators' kernels are C++ (op.cpp, loaded by `library()`); their schemas and shapes live here
-torch.library.define("kvwire::ggml_matmul", "(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor")
-torch.library.define("kvwire::ggml_matmuls",
-                     "(Tensor x, Tensor[] blocks, int[] qtypes, int in_features) -> Tensor[]")
-torch.library.define("kvwire::ggml_rows", "(Tensor ids, Tensor blocks, int qtype, int in_features) -> Tensor")
-
-
-@torch.library.register_fake("kvwire::ggml_matmul")
-def _(x, blocks, qtype, in_features):
-    """x (rows, in) float32 @ W^T, W (out, in) as ggml blocks (out, row_bytes) uint8 -> (rows, out)."""
-    return x.new_empty(x.shape[0], blocks.shape[0])
-
-
-@torch.library.register_fake("kvwire::ggml_matmuls")
-def _(x, blocks, qtypes, in_features):
-    """ggml_matmul for several weights reading the same x (fuse.py) -> [(rows, out_i)]."""
-    return [x.new_empty(x.shape[0], b.shape[0]) for b in blocks]
-
-
-@torch.library.register_fake("kvwire::ggml_rows")
-def _(ids, blocks, qtype, in_features):
-    """Rows `ids` (...) of W (out, in) as ggml blocks (out, row_bytes) uint8 -> (..., in) float32."""
-    return blocks.new_empty(*ids.shape, in_features, dtype=torch.float32)
 
 
 def qtype_of(name):

@@ -15,7 +15,7 @@
  * numbers (KVW_Q4_1_X16, KVW_Q5_0_X16, KVW_Q8_0_X16, KVW_Q4_K_X16) and run that file's kernel in the
  * row loop, at every row count.
  *
- * Built by kvwire/quant/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
+ * Built by kvwire/kernels/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -169,11 +169,10 @@ int kvw_graph_matmuls(int count, const int *types, const void *const *ws, const 
     return status == GGML_STATUS_SUCCESS ? 0 : -3;
 }
 
-/* The row loop or ggml's graph, whichever is faster for these shapes. Measured on the default model
- * (bench/ggml_matmul.py, 2 threads, AMD EPYC AVX-512): the graph is 1.1-1.8x faster from 3 rows
- * (2-5x at 32-512), the loop up to 1.3x faster at one row; a vocabulary-sized head (262k rows) streams
- * fastest through the loop below 8 rows (2 rows: 9.3 vs 16.8 ms; at 8 a tie), and so do Q4_1 and
- * Q5_1, which ggml runs row by row too (3 rows, 1536x1024 Q4_1: 0.135 vs 0.177 ms; at 8 a tie). */
+/* The row loop or ggml's graph, whichever is faster for these shapes (bench/ggml_matmul.py; numbers in
+ * docs/kernels.md, Measurements): the graph from 3 rows, the loop at one or two; a vocabulary-sized
+ * head (over 65536 rows) streams fastest through the loop below 8 rows, and so do Q4_1 and Q5_1, which
+ * ggml runs row by row too. */
 int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                 const float *x, int64_t rows, float *const *ys, int threads) {
     int graph = rows >= 8;

@@ -2,21 +2,20 @@
  * ones widened to float32 as they are read (x and y are float32 either way).
  *
  * A decode step at batch 1 multiplies every weight by one row: a GEMV whose speed is how fast the
- * weight streams from memory. On the AMX Xeon kvwire is measured on, MKL's `linear` read the default
- * model's 262144 x 640 head in 22.9-23.6 ms; MKL's packed copy of it in 19.4-21.2 ms, but that is a
- * second copy (0.64 GB). This kernel reads the weight in place, row-major as torch holds it, in blocks
- * of 4 rows: each row's next 64 floats go to 4 accumulators (16 independent FMA chains hide the FMA
+ * weight streams from memory. MKL's `linear` streams it slower, and MKL's packed copy is a second copy
+ * of the weight. This kernel reads the weight in place, row-major as torch holds it, in blocks of 4
+ * rows: each row's next 64 floats go to 4 accumulators (16 independent FMA chains hide the FMA
  * latency, 4 nearby streams keep the prefetchers ahead; 16 rows of one accumulator each, 8 x 2 and
- * 2 x 8 were slower), no horizontal sum until a row's end: 19.3-20.8 ms (session 26, one process,
- * interleaved runs). Blocks go to OpenMP threads in static order: each thread streams one contiguous
- * span, and a row's sum does not depend on the thread count. Compiled with -mavx512f and called only
- * where the CPU has AVX-512F (kvwire/native/gemv.py).
+ * 2 x 8 were slower), no horizontal sum until a row's end (docs/kernels.md, Measurements). Blocks go
+ * to OpenMP threads in static order: each thread streams one contiguous span, and a row's sum does
+ * not depend on the thread count. Compiled with -mavx512f and called only where the CPU has AVX-512F
+ * (kvwire/kernels/native/gemv.py).
  *
  * bfloat16 weights (`kvw_gemv_bf16`): a bfloat16 is a float32's top 16 bits, so 32 of them loaded as
  * 16 32-bit lanes give the even-indexed weights as floats by a shift left of 16 and the odd-indexed by
  * masking the low half off: two cheap integer ops, no shuffles, against x split once a call into its
- * even- and odd-indexed values. Widening each 16 with a zero-extending load instead read the default
- * model's 335 MB bf16 head no faster than torch's `linear` (20.8 against 20.7 ms, session 29).
+ * even- and odd-indexed values. Widening each 16 with a zero-extending load instead read a bf16 head
+ * no faster than torch's `linear`.
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -3,11 +3,10 @@
 Eager PyTorch makes a pass and a temporary per step (bfloat16 converted to float32 and back around
 each): a gated MLP's activation, then its product; an RMSNorm's upcast, squares, mean, scale, weight
 and downcast. `cpu.fused()` decides where these kernels are used; `GatedMLP` and `RMSNorm` call them at
-any row count (bfloat16, a (1, 2048) GELU gate: 6.2 against 8.7 us; (512, 2048): 0.38 against 1.12 ms;
-session 30).
+any row count (docs/kernels.md, Measurements).
 
 Example:
-    >>> from kvwire.layers import cpu
+    >>> from kvwire.kernels import cpu
     >>> g, u = torch.randn(4, 64), torch.randn(4, 64)
     >>> y = gated("silu", g, u) if cpu.fused() == "kvwire" else torch.nn.functional.silu(g) * u
     >>> torch.allclose(y, torch.nn.functional.silu(g) * u, atol=1e-6)
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..layers.tracing import is_exporting, transformed
-from .build import builds, library, loaded
+from ..build import builds, library, loaded
+from ..tracing import is_exporting, transformed
 
 SOURCE = Path(__file__).with_name("fused.c")
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # built and called only where the CPU has AVX-512F

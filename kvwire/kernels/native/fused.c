@@ -2,9 +2,9 @@
  * act(gate) * up, and RMSNorm. PyTorch's eager ops make a pass (and a temporary) per step, with
  * bfloat16 converted to float32 and back around each.
  *
- * Gated: act is tanh-approximated GELU (Gemma's GeGLU) or SiLU (Llama's SwiGLU). On the AMX Xeon
- * kvwire is measured on, a (512, 2048) bfloat16 gate took 1.00 ms through `gelu(approximate="tanh")`
- * and 0.20 ms more for the product (one of 18 layers of a 512-token prompt). Here both activations are
+ * Gated: act is tanh-approximated GELU (Gemma's GeGLU) or SiLU (Llama's SwiGLU); PyTorch's
+ * `gelu(approximate="tanh")` alone costs several times the product after it (docs/kernels.md,
+ * Measurements). Here both activations are
  * x * sigmoid(z), z = x for SiLU and 2 sqrt(2/pi) (x + 0.044715 x^3) for GELU (0.5 (1 + tanh(y)) =
  * sigmoid(2 y)), with e^-z from Cephes' polynomial of the reduced argument scaled by 2^n (`vscalefps`):
  * a few ulp of float32 from the exact value (GELU: |z| ulp more, z's own rounding). The result is

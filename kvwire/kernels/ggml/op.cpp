@@ -1,5 +1,5 @@
 /* `kvwire::ggml_matmul`, `kvwire::ggml_matmuls` and `kvwire::ggml_rows` as PyTorch operators with C++
- * CPU kernels (schemas and shape functions are declared in linear.py).
+ * CPU kernels (schemas and shape functions are declared in ops.py).
  *
  * A decode step makes ~130 of these calls; through a Python kernel each cost ~20 us of dispatch
  * before any work, ~2.5 ms a token on the default model. Registered here, the dispatcher reaches

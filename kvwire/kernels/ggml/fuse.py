@@ -11,6 +11,8 @@ import operator
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from . import ops  # noqa: F401 - the operators the pass looks for exist without a ggml model
+
 MAX_WEIGHTS = 8  # matmul.c's limit for one call
 
 

@@ -1,11 +1,8 @@
 """One-row float32 and bfloat16 products on kvwire's AVX-512 GEMV (`gemv.c`), reading the weight in place.
 
-A batch-1 decode step is one GEMV per weight, bound by how fast the weights stream from memory.
-On the AMX Xeon kvwire is measured on (session 26, one process, interleaved), the default model's
-262144 x 640 float32 head took 20.5-21.2 ms here against 22.8-23.6 ms through MKL's `linear`
-(MKL's packed copy 19.5-20.2 ms, at 0.64 GB more memory), and float32 batch-1 decode ran at 23.23
-against 21.48 tokens/s (eager, six paired rounds). A bfloat16 head: 13.3-14.4 ms against 16.5 for
-oneDNN's packed copy (session 29). `cpu.f32_row()` decides where it is used.
+A batch-1 decode step is one GEMV per weight, bound by how fast the weights stream from memory;
+this kernel streams them faster than MKL's `linear` and than oneDNN's packed bf16 copy, with no
+copy of its own (docs/kernels.md, Measurements). `cpu.f32_row()` decides where it is used.
 
 Example:
     >>> w, x = torch.randn(40, 24), torch.randn(1, 24)
@@ -17,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..layers.tracing import is_exporting, transformed
-from .build import BuildError, library, loaded
+from ..build import builds, library, loaded
+from ..tracing import is_exporting, transformed
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]  # built and called only where the CPU has AVX-512F
@@ -39,11 +36,7 @@ def _declare(lib):
 
 def available():
     """Whether the kernel is built and loaded here (building it if needed); the CPU is not checked."""
-    try:
-        load()
-    except BuildError:
-        return False
-    return True
+    return builds(load)
 
 
 def unavailable_reason():
