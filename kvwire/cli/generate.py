@@ -1,0 +1,49 @@
+"""`kvwire generate`: continue a prompt, streaming to the terminal."""
+import torch
+
+from ..generate import BeamSearch
+from .options import (_load_model, _model_options, _quantize_option, _report, _sampling_options, _steer_options,
+                      make_sampler)
+
+
+def add(commands):
+    g = commands.add_parser("generate", help="continue a prompt (streams to the terminal)",
+                            description="Continue a prompt. Streams text as it is produced; prefill time and "
+                            "decode speed go to stderr.")
+    g.add_argument("prompt", help="the text to continue")
+    _model_options(g)
+    _quantize_option(g)
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (about a minute first; pays with --quantize gguf)")
+    _sampling_options(g)
+    g.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
+    g.add_argument("--runtime", default="eager", choices=["eager", "onnx", "executorch"],
+                   help="eager (kvwire), or onnx / executorch: --model is then an exported .onnx / .pte file")
+    _steer_options(g)
+    g.set_defaults(run=run)
+
+
+def run(args):
+    sampler = make_sampler(args)  # refuse contradicting options before loading anything
+    lm = _load_model(args, args.quantize)
+    if args.compile:
+        if args.runtime != "eager":
+            raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
+        lm.compile(prefill_tokens=0)  # one prompt a process: a prompt graph costs more to compile than it saves
+    options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=sampler,
+                   seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
+    if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:
+        options["inputs"] = {"steer_strength": torch.tensor([args.strength])}
+    if args.no_stream or isinstance(options["sampler"], BeamSearch):
+        gen = lm.generate(args.prompt, return_logprobs=True, **options)
+        print(args.prompt + gen.texts[0])
+        _report(gen.prefill_seconds, len(gen.tokens[0]), gen.decode_steps, gen.decode_seconds)
+        return
+    pieces = lm.stream_with_record(args.prompt, logprobs=False, **options)  # checks the options first
+    print(args.prompt, end="", flush=True)
+    gen = None
+    for piece, gen in pieces:  # the record for its timings only
+        print(piece, end="", flush=True)
+    print()
+    if gen is not None:
+        _report(gen.prefill_seconds, len(gen.tokens[0]), gen.decode_steps, gen.decode_seconds)

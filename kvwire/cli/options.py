@@ -1,0 +1,125 @@
+"""What the commands share: samplers from options, model loading, option groups, terminal output."""
+import sys
+
+from ..quant import SCHEMES
+
+SAMPLERS = ("greedy", "random", "top-k", "top-p", "min-p", "beam")
+
+
+# the option each sampler reads; an option of another sampler would be dropped silently
+_OPTION_OF = {"top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "beam": "beams"}
+
+
+def make_sampler(args):
+    """The sampler object the command-line options describe. kvwire's samplers are one filter
+    each, so options of two samplers (--top-k with --top-p, --sampler random with --top-k) are
+    refused rather than one being dropped."""
+    from .. import generate as g
+
+    given = [name for name, option in _OPTION_OF.items() if getattr(args, option) is not None]
+    flags = ", ".join("--" + _OPTION_OF[n].replace("_", "-") for n in given)
+    if len(given) > 1:
+        raise ValueError(f"{flags} belong to different samplers and cannot be combined here; give one of them")
+    name = args.sampler
+    if name is None:  # infer from the options given
+        name = given[0] if given else "random" if args.temperature is not None else "greedy"
+    elif given and given[0] != name:
+        raise ValueError(f"--sampler {name} does not use {flags}; drop it or use --sampler {given[0]}")
+    if args.temperature is not None and name in ("greedy", "beam"):
+        raise ValueError(f"--sampler {name} is deterministic and takes no --temperature")
+    t = 1.0 if args.temperature is None else args.temperature
+    return {
+        "greedy": lambda: g.Greedy(),
+        "random": lambda: g.Random(t),
+        "top-k": lambda: g.TopK(50 if args.top_k is None else args.top_k, temperature=t),
+        "top-p": lambda: g.TopP(0.9 if args.top_p is None else args.top_p, temperature=t),
+        "min-p": lambda: g.MinP(0.1 if args.min_p is None else args.min_p, temperature=t),
+        "beam": lambda: g.BeamSearch(num_beams=3 if args.beams is None else args.beams),
+    }[name]()
+
+
+def _load_model(args, quantize=None):
+    """The model the options name (quantised when asked), steered by --control-vector when given."""
+    from ..load import load
+    from ..steer import ControlVector
+
+    if getattr(args, "runtime", "eager") != "eager":
+        from ..export import load_exported
+        if getattr(args, "control_vector", None):
+            raise ValueError("--control-vector applies to eager models; export a steered model instead "
+                             "(kvwire export --control-vector V ...) and pass --strength at run time")
+        if quantize or getattr(args, "head", None):
+            raise ValueError(f"--quantize and --head apply to eager models; --runtime {args.runtime} runs the "
+                             "file's own weights (export with kvwire export --quantize for ONNX)")
+        return load_exported(args.model)
+    lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
+    if getattr(args, "control_vector", None):
+        strength = 1.0 if args.strength is None else args.strength
+        lm = lm.steer(ControlVector.load(args.control_vector), strength,
+                      generated_only=getattr(args, "generated_only", False))
+    return lm
+
+
+def _named_files(pairs):
+    """--control-vector NAME=FILE options as {name: file}."""
+    from ..serve.options import check_names
+
+    named = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--control-vector {pair!r}: expected NAME=FILE, e.g. happy=happy.gguf")
+        if name in named:
+            raise ValueError(f"--control-vector name {name!r} is given twice; each name steers with one vector")
+        named[name] = path
+    check_names(named)
+    return named
+
+
+def _report(prefill, new, steps, seconds):
+    rate = steps / seconds if seconds > 0 else float("nan")
+    print(f"prefill {prefill * 1000:.0f} ms, {new} new tokens, decode {rate:.1f} tokens/s", file=sys.stderr)
+
+
+def _echo(pieces):
+    for piece in pieces:
+        print(piece, end="", flush=True)
+        yield piece
+
+
+def _sampling_options(p, max_new_tokens=None):
+    shown = 32 if max_new_tokens is None else max_new_tokens  # None: generate's own default
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                   help=f"tokens to generate (default {shown})")
+    p.add_argument("--max-length", type=int, default=None, metavar="N", help="prompt + new tokens at most")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
+                   help="decoding method (default: greedy, or what the options below imply)")
+    p.add_argument("--temperature", type=float, default=None, help="softmax temperature (> 0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--min-p", type=float, default=None, metavar="P", help="keep tokens >= P x the top probability")
+    p.add_argument("--beams", type=int, default=None, metavar="N", help="beam search with N beams")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable; not printed)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="penalty > 0 on seen tokens")
+
+
+def _steer_options(p):
+    p.add_argument("--control-vector", default=None, metavar="VEC.gguf", help="steer with this control vector")
+    p.add_argument("--strength", type=float, default=None,
+                   help="control-vector strength (default 1.0; for --runtime onnx: the exported default)")
+    p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
+
+
+def _quantize_option(p):
+    p.add_argument("--quantize", default=None, metavar="Q",
+                   help="weights of the eager model: 'gguf' (a GGUF file's own quantised blocks on ggml's "
+                        f"kernels), a ggml type (q8_0, q5_0, q4_k, ...) or {' / '.join(SCHEMES)} (PyTorch kernels)")
+    p.add_argument("--head", default=None, metavar="Q",
+                   help="with --quantize gguf: re-quantise the logits head to ggml type Q (q5_0: a smaller head, "
+                        "most of a decode step's bytes) straight from the file's blocks")
+
+
+def _model_options(p):
+    p.add_argument("--model", default="gemma3-270m", help="preset name, GGUF file or HF folder (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")

@@ -1,0 +1,23 @@
+"""`kvwire score`: the perplexity of a text file."""
+import torch
+
+from .options import _load_model, _model_options, _quantize_option, _steer_options
+
+
+def add(commands):
+    s = commands.add_parser("score", help="perplexity of a text file", description="Print the perplexity of a "
+                            "UTF-8 text file under the model (one uncached pass).")
+    s.add_argument("file", help="text file")
+    _model_options(s)
+    _quantize_option(s)
+    _steer_options(s)
+    s.set_defaults(run=run)
+
+
+def run(args):
+    lm = _load_model(args, args.quantize)
+    with open(args.file, encoding="utf-8") as f:
+        text = f.read()
+    logprobs = lm.score(text)
+    print(f"{len(logprobs)} tokens, mean log-prob {float(logprobs.mean()):.4f}, "
+          f"perplexity {float(torch.exp(-logprobs.mean())):.3f}")

@@ -1,0 +1,102 @@
+"""`kvwire steer train` and `kvwire steer sweep`: train control vectors and sweep their strength."""
+import sys
+
+from .options import _model_options
+
+
+def add(commands):
+    st = commands.add_parser("steer", help="control vectors: `steer train`, `steer sweep`")
+    actions = st.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = actions.add_parser("train", help="train a control vector from contrastive prompts",
+                           description="Train a control vector from paired prompts (one per line; line i of "
+                           "--positive pairs with line i of --negative) and write llama.cpp's GGUF format.")
+    t.add_argument("--positive", required=True, metavar="FILE", help="prompts showing the concept")
+    t.add_argument("--negative", required=True, metavar="FILE", help="paired prompts showing its opposite")
+    t.add_argument("--layers", default=None, metavar="A-B", help="blocks to steer (default: 1 to the last)")
+    t.add_argument("--method", default="pca_center", choices=["pca_center", "pca_diff", "mean_diff"])
+    t.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward (default 8)")
+    t.add_argument("-o", "--output", required=True, metavar="VEC.gguf", help="where to write the vector")
+    _model_options(t)
+    t.set_defaults(run=run_train)
+    w = actions.add_parser("sweep", help="a probe and a sample per strength (optionally plotted)",
+                           description="Steer with a control vector at each strength; print the probe (mean "
+                           "log-probability of the positive words minus the negative words as the next token "
+                           "after neutral prompts; default happy vs sad words) and a greedy sample.")
+    w.add_argument("--control-vector", required=True, metavar="VEC.gguf", help="the vector to sweep")
+    w.add_argument("--strengths", type=float, nargs="+", default=[-1.0, -0.5, 0.0, 0.5, 1.0], metavar="S",
+                   help="strengths (default: -1 -0.5 0 0.5 1)")
+    w.add_argument("--prompt", default="I think that today is", help="the samples' prompt")
+    w.add_argument("--max-new-tokens", type=int, default=24, metavar="N", help="tokens per sample (default 24)")
+    w.add_argument("--positive-words", nargs="+", default=None, metavar="W",
+                   help="words the vector should make likelier (give the leading space: ' happy')")
+    w.add_argument("--negative-words", nargs="+", default=None, metavar="W", help="words it should make rarer")
+    w.add_argument("--probe-prompt", action="append", default=None, metavar="TEXT",
+                   help="a prompt the probe reads the next word after (repeatable; default: five neutral ones)")
+    w.add_argument("--plot", default=None, metavar="SWEEP.png", help="draw probe vs strength and the samples")
+    w.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    _model_options(w)
+    w.set_defaults(run=run_sweep)
+
+
+def read_pairs(positive_path, negative_path):
+    """Line i of one file pairs with line i of the other; pairs where both lines are blank are
+    dropped together (so blank lines never shift the pairing); a blank line facing text, or files
+    with different numbers of prompts, are refused with the line number."""
+    files = []
+    for path in (positive_path, negative_path):
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\r\n") for line in f]
+        while lines and not lines[-1].strip():  # trailing blank lines
+            lines.pop()
+        files.append(lines)
+    (pos, neg), (pos_path, neg_path) = files, (positive_path, negative_path)
+    if len(pos) != len(neg):
+        raise ValueError(f"{pos_path} has {len(pos)} lines and {neg_path} has {len(neg)}; line i of one pairs "
+                         f"with line i of the other")
+    pairs = []
+    for number, (p, n) in enumerate(zip(pos, neg), start=1):
+        if not p.strip() and not n.strip():
+            continue
+        if not p.strip() or not n.strip():
+            blank, other = (pos_path, neg_path) if not p.strip() else (neg_path, pos_path)
+            raise ValueError(f"line {number} is blank in {blank} but not in {other}; pairs must line up")
+        pairs.append((p, n))
+    if not pairs:
+        raise ValueError(f"{pos_path} and {neg_path} hold no prompt pairs")
+    return [p for p, _ in pairs], [n for _, n in pairs]
+
+
+def run_train(args):
+    from ..load import load
+    from ..steer import ControlVector
+
+    positive, negative = read_pairs(args.positive, args.negative)
+    lm = load(args.model, dtype=args.dtype)
+    vec = ControlVector.train(lm, positive, negative, layers=args.layers, method=args.method,
+                              batch_size=args.batch_size)
+    vec.save(args.output)
+    print(f"wrote {args.output}: {len(vec.layers)} directions (blocks {vec.layers[0]}-{vec.layers[-1]}), "
+          f"width {vec.width}, method {vec.method}", file=sys.stderr)
+
+
+def run_sweep(args):
+    import json
+
+    from ..load import load
+    from ..steer import ControlVector, WordGap, sweep
+
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"--plot must name a .png, .svg or .pdf file, got {args.plot!r}")
+    probe = WordGap(*(args.positive_words, args.negative_words) if args.positive_words or args.negative_words
+                    else (), **({"prompts": args.probe_prompt} if args.probe_prompt else {}))
+    vector = ControlVector.load(args.control_vector)
+    lm = load(args.model, dtype=args.dtype)
+    result = sweep(lm, vector, args.strengths, probe=probe, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+    print(result)
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
