@@ -66,7 +66,7 @@ def worker_transformers(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvwire.models.gemma3.presets import gemma3_270m
+    from kvwire.models.presets import gemma3_270m
 
     torch.set_num_threads(args.threads)
     path = gemma3_270m()

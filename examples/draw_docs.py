@@ -21,9 +21,9 @@ DOCS = HERE.parent / "docs"
 
 def tiny_gemma3():
     family = FAMILIES["gemma3"]
-    config = family.config_cls(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4,
-                               sliding_window_pattern=2, query_pre_attn_scalar=8, max_position_embeddings=64)
+    config = family.config_from_hf(dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4,
+                                        sliding_window_pattern=2, query_pre_attn_scalar=8, max_position_embeddings=64))
     torch.manual_seed(0)
     backbone = family.backbone(config).eval()
     return CausalLM(backbone, family.head(backbone), None, config)

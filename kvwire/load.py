@@ -139,10 +139,9 @@ def load_gguf(path, dtype=torch.float32, progress=True, entry=None):
     """Load a GGUF file of a supported architecture; the converted weights are cached on disk (in
     `entry`, the file's cache folder, when the caller found it already)."""
     entry = weights_cache.entry_for(path) if entry is None else entry
-    if weights_cache.is_complete(entry):
-        meta = json.loads((entry / "config.json").read_text())
-        family = FAMILIES[meta["family"]]
-        config = family.config_cls(**meta["config"])
+    cached = _cached_config(entry)
+    if cached is not None:
+        family, config = cached
         tokenizer = Tokenizer.load(entry) if (entry / CHAT_FILE).is_file() else _refresh_tokenizer(path, entry)
         return build(family, config, _cached_weights(entry, dtype), tokenizer, dtype)
     start = time.perf_counter()
@@ -161,6 +160,19 @@ def load_gguf(path, dtype=torch.float32, progress=True, entry=None):
     if progress:
         print(f"kvwire: converted {Path(path).name} in {time.perf_counter() - start:.1f} s (cached in {entry})")
     return lm
+
+
+def _cached_config(entry):
+    """(family, config) of a complete cache entry; None when there is none, or when its config has
+    fields the family's config no longer has (written by an older kvwire: the file is converted again)."""
+    if not weights_cache.is_complete(entry):
+        return None
+    meta = json.loads((entry / "config.json").read_text())
+    family = FAMILIES[meta["family"]]
+    try:
+        return family, family.config_cls(**meta["config"])
+    except TypeError:
+        return None
 
 
 def _refresh_tokenizer(path, entry):

@@ -20,8 +20,6 @@ from kvwire.graph import numbered_blocks
 from kvwire.graph.trace import layer_calls, trace
 from kvwire.layers.base import Block, Layer
 from kvwire.models import FAMILIES
-from kvwire.models.gemma3 import Gemma3Config
-from kvwire.models.gpt2 import GPT2Config
 
 MAX_POSITIONS = 128
 EOS = 1  # every family's tiny config ends rows at id 1 unless told to ignore it
@@ -125,16 +123,11 @@ def specs(draw, **edit_options):
 
 @functools.lru_cache(maxsize=None)
 def base_model(family, fields):
-    """A tiny kvwire CausalLM built from a kvwire config (no transformers: faster), float32: GPT-2's
-    and Gemma 3's own configs, the shared decoder's families' HF fields through their mapping."""
+    """A tiny kvwire CausalLM built from a kvwire config (no transformers: faster), float32: each
+    family's HF fields through its mapping."""
     fam = FAMILIES[family]
     fields = {k: dict(v) if k == "rope_scaling" and v else v for k, v in fields}  # a dict, kept hashable in the spec
-    if family == "gpt2":
-        config = GPT2Config(**fields)
-    elif family == "gemma3":
-        config = Gemma3Config(**fields)
-    else:
-        config = fam.config_from_hf(fields)
+    config = fam.config_from_hf(fields)
     torch.manual_seed(zlib.crc32(repr(fields).encode()))  # same weights in every process
     backbone = fam.backbone(config).eval()
     with torch.no_grad():  # weights large enough that attention is far from uniform (as conftest)

@@ -38,7 +38,7 @@ def test_unknown_rope_type_is_named_with_the_known_ones():
 
 def test_unknown_config_field_is_refused():
     d = {**tiny_hf("qwen3").config.to_dict(), "num_experts": 8}
-    with pytest.raises(ValueError, match=r"qwen3 config: unknown fields \['num_experts'\]"):
+    with pytest.raises(ValueError, match=r"qwen3 config: unknown config fields \['num_experts'\]"):
         FAMILIES["qwen3"].config_from_hf(d)
 
 

@@ -168,12 +168,13 @@ def test_gguf_rope_scaling_gemma3_does_not_implement_is_refused(tmp_path):
     parts = GGUFParts(tmp_path / "g.gguf").set("gemma3.rope.scaling.factor", FLOAT32, 4.0)
     parts.set("gemma3.rope.scaling.type", STRING, "yarn").write(tmp_path / "yarn.gguf")
     with pytest.raises(ValueError, match=r"yarn.gguf: gemma3.rope.scaling.type = 'yarn' is not supported "
-                                         r"\(Gemma 3 implements 'none' and 'linear'\)"):
+                                         r"\(kvwire reads 'none' and 'linear' for this architecture\)"):
         kw.load(tmp_path / "yarn.gguf", progress=False)
     with pytest.raises(ValueError, match="rope_scaling .*yarn.* is not supported"):  # as config.json's
-        kw.models.gemma3.Gemma3Config.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        kw.models.gemma3.config_from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     parts.set("gemma3.rope.scaling.type", STRING, "linear").write(tmp_path / "linear.gguf")
-    assert kw.load(tmp_path / "linear.gguf", progress=False).config.full_rope_factor == 4.0
+    linear = kw.load(tmp_path / "linear.gguf", progress=False).config
+    assert linear.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
 def test_a_rewritten_gguf_does_not_load_a_stale_cache_entry(tmp_path):

@@ -71,3 +71,20 @@ def test_quantised_gguf_loads_dequantised_and_on_its_own_blocks(tmp_path, case, 
     got = _logits(blocks, kvwire=True)
     assert (got - expected).abs().max() < 0.1 * expected.abs().max()
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_cache_entry_whose_config_fields_changed_is_converted_again(tmp_path, monkeypatch):
+    """An entry written when the family's config had other fields (Gemma 3's own config class, before
+    it became decoder data) is converted again instead of failing to load."""
+    import json
+
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path / "cache"))
+    hf = _hf("gemma2")
+    write_gguf(tmp_path / "m.gguf", hf)
+    kw.load(tmp_path / "m.gguf", progress=False)
+    [saved] = (tmp_path / "cache").glob("*/config.json")
+    meta = json.loads(saved.read_text())
+    saved.write_text(json.dumps({**meta, "config": {**meta["config"], "sliding_window_pattern": 2}}))
+    lm = kw.load(tmp_path / "m.gguf", progress=False)
+    torch.testing.assert_close(_logits(lm, kvwire=True), _logits(hf), atol=2e-5, rtol=0)
+    assert json.loads(saved.read_text()) == meta  # written again, in the config's current fields

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from kvwire.models.gemma3.presets import gemma3_270m
+from kvwire.models.presets import gemma3_270m
 
 
 @pytest.fixture

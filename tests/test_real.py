@@ -16,7 +16,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the 
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    from kvwire.models.gemma3.presets import gemma3_270m
+    from kvwire.models.presets import gemma3_270m
 
     return Path(gemma3_270m())
 

@@ -1,6 +1,4 @@
 """Token embedding (optionally scaled, as Gemma does) and learned position embedding (GPT-2)."""
-import math
-
 import torch
 from torch import nn
 
@@ -66,8 +64,3 @@ def _init_normal(weight, std):
     # On the meta device (loading a checkpoint) there is nothing to initialise.
     if not weight.is_meta:
         nn.init.normal_(weight, std=std)
-
-
-def gemma_embed_scale(dim):
-    """sqrt(hidden_size), Gemma's embedding multiplier."""
-    return math.sqrt(dim)

@@ -280,7 +280,7 @@ ROPE_TYPES = {
 }
 
 
-def rope_from_hf(d):
+def rope_from_hf(d, aliases=None):
     """(theta, scaling, partial_rotary_factor) from a Hugging Face config dict, popping the keys read.
 
     Reads either form: transformers v4 (`rope_theta`, `rope_scaling`, top-level
@@ -289,8 +289,9 @@ def rope_from_hf(d):
     top-level `original_max_position_embeddings` (Phi-3) goes into the scaling of the types that
     read it, and one still missing defaults to `max_position_embeddings`, as transformers'
     `standardize_rope_params` does. Defaults: theta 10000.0, partial_rotary_factor 1.0; scaling is
-    `check_rope_scaling`'s normalised dict or None. Per-layer-type `rope_parameters` (Gemma 3) are
-    the family config's to read.
+    `check_rope_scaling`'s normalised dict or None. `aliases` maps a family's other names of rope
+    types to transformers' (Phi-3 reads "su" and "yarn" as {"su": "longrope", ...}). Per-layer-type
+    `rope_parameters` (Gemma 3) are the family's to route: it reads each layer type's through here.
 
     Example:
         >>> rope_from_hf({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
@@ -299,7 +300,7 @@ def rope_from_hf(d):
     v5 = d.pop("rope_parameters", None)
     theta, partial = d.pop("rope_theta", None), d.pop("partial_rotary_factor", None)
     outer_original = d.pop(_ORIGINAL, None)
-    scaling = _with_original(check_rope_scaling(d.pop("rope_scaling", None)), outer_original, d)
+    scaling = _with_original(check_rope_scaling(_alias(d.pop("rope_scaling", None), aliases)), outer_original, d)
     if v5 is not None:
         if not isinstance(v5, Mapping):
             raise ValueError(f"rope_parameters={v5!r}; expected a dict such as {{'rope_type': 'default', "
@@ -311,12 +312,22 @@ def rope_from_hf(d):
         rest = dict(v5)
         theta = _agree("rope_theta", theta, rest.pop("rope_theta", None))
         partial = _agree("partial_rotary_factor", partial, rest.pop("partial_rotary_factor", None))
-        v5_scaling = _with_original(check_rope_scaling(rest), outer_original, d)
+        v5_scaling = _with_original(check_rope_scaling(_alias(rest, aliases)), outer_original, d)
         if scaling is not None and scaling != v5_scaling:
             raise ValueError(f"rope_scaling={scaling!r} disagrees with rope_parameters' {v5_scaling!r}; "
                              f"expected one setting")
         scaling = v5_scaling
     return (10_000.0 if theta is None else theta), scaling, (1.0 if partial is None else partial)
+
+
+def _alias(scaling, aliases):
+    """`scaling` with a type named in `aliases` renamed to transformers' name (as "rope_type")."""
+    if not aliases or not isinstance(scaling, Mapping):
+        return scaling
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if not isinstance(kind, str) or kind not in aliases:
+        return scaling
+    return {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": aliases[kind]}
 
 
 def _agree(name, v4, v5):

@@ -20,30 +20,39 @@ _attn_implementation_autoset _sliding_window_pattern base_model_tp_plan base_mod
 """.split())
 
 
-def from_hf_dict(cls, d, *, renames=None, must_be=None):
-    """Build config `cls` from a Hugging Face config dict.
+def read_hf(d, where, fields, *, renames=None, must_be=None, defaults=None):
+    """{field: value} from Hugging Face config dict `d`, for a family's config.
 
-    Fields of `cls` are taken by name; `renames` maps other HF spellings to fields; `must_be` maps
-    keys whose only supported value is fixed. Any other unknown key raises, so nothing a checkpoint
-    asks for is silently ignored.
+    Args:
+        where: what errors name ("llama config"). fields: keys read under their own name.
+        renames: {HF key: field} for keys spelled differently. must_be: {HF key: the only supported
+            value} (None in `d` counts as absent). defaults: {HF key: value} for keys `d` lacks.
+
+    Any other key that is not bookkeeping (HF_BOOKKEEPING) raises: a key kvwire does not read may
+    change the computation.
+
+    Example:
+        >>> read_hf({"n_embd": 32, "use_cache": True}, "gpt2 config", {"n_embd"})
+        {'n_embd': 32}
     """
     if not isinstance(d, dict):
-        raise ValueError(f"{cls.__name__}: expected a config dict (a JSON object), got {type(d).__name__}")
-    # Every family here ties its head to the embedding: an untied checkpoint must not load as tied.
-    renames, must_be = renames or {}, {"tie_word_embeddings": True, **(must_be or {})}
-    fields = {f.name for f in dataclasses.fields(cls)}
+        raise ValueError(f"{where}: expected a config dict (a JSON object), got {type(d).__name__}")
+    renames, must_be = renames or {}, must_be or {}
     kwargs, unknown = {}, []
-    for key, value in d.items():
+    for key, value in {**(defaults or {}), **d}.items():  # a key given as None stays None
         if key in must_be:
-            if value is not None and (type(value) is not type(must_be[key]) or value != must_be[key]):
-                raise ValueError(f"{cls.__name__}: {key}={value!r} is not supported (expected {must_be[key]!r})")
-        elif key in fields or key in renames:
-            kwargs[renames.get(key, key)] = value
+            want = must_be[key]
+            if value is not None and (type(value) is not type(want) or value != want):
+                raise ValueError(f"{where}: {key}={value!r} is not supported (expected {want!r})")
+        elif key in renames:
+            kwargs[renames[key]] = value
+        elif key in fields:
+            kwargs[key] = value
         elif key not in HF_BOOKKEEPING:
             unknown.append(key)
     if unknown:
-        raise ValueError(f"{cls.__name__}: unknown config fields {sorted(unknown)}")
-    return cls(**kwargs)
+        raise ValueError(f"{where}: unknown config fields {sorted(unknown)}")
+    return kwargs
 
 
 def _is_int(v):

@@ -4,10 +4,7 @@ from .decoder import decoder_config, decoder_family
 
 
 def config_from_hf(d):
-    n, window = d.get("num_hidden_layers"), d.get("sliding_window")
-    types = None if window is None or type(n) is not int else ("sliding_attention",) * n
-    return decoder_config(d, "mistral", keys=("sliding_window",), defaults={"tie_word_embeddings": False},
-                          layer_types=types)
+    return decoder_config(d, "mistral", keys=("sliding_window",), defaults={"tie_word_embeddings": False}, sliding={})
 
 
 FAMILY = decoder_family("mistral", ("mistral",), config_from_hf)

@@ -2,20 +2,14 @@
 `original_max_position_embeddings`, an optional window on every layer."""
 import re
 
-from .decoder import DecoderConfig, decoder_config, decoder_family, gguf_fields
+from .decoder import DecoderConfig, decoder_config, decoder_family, gguf_fields, sliding_layer_types
 from .decoder.convert import split_rows
 
 
 def config_from_hf(d):
-    d = dict(d)
-    for key in ("rope_scaling", "rope_parameters"):  # transformers reads "su" and "yarn" as longrope here
-        rope = d.get(key)
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
-            d[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "longrope"}
-    n, window = d.get("num_hidden_layers"), d.get("sliding_window")
-    types = None if window is None or type(n) is not int else ("sliding_attention",) * n
-    return decoder_config(d, "phi3", keys=("sliding_window",), defaults={"tie_word_embeddings": False},
-                          layer_types=types)
+    # transformers' Phi-3 reads "su" and "yarn" as longrope
+    return decoder_config(d, "phi3", keys=("sliding_window",), defaults={"tie_word_embeddings": False}, sliding={},
+                          rope_aliases={"su": "longrope", "yarn": "longrope"})
 
 
 def split(key, value, config):
@@ -36,20 +30,14 @@ def split(key, value, config):
     return {key: value}
 
 
-_KEYS = ("attention.sliding_window", "rope.scaling.attn_factor")
+_KEYS = ("attention.sliding_window", "rope.scaling.attn_factor")  # attn_factor: longrope's (gguf_fields reads it)
 
 
 def config_from_gguf(meta, vocab_size, source, file):
     fields, m = gguf_fields(meta, "phi3", vocab_size, source, file, keys=_KEYS,
                             attention_bias="blk.0.attn_qkv.bias" in file.tensor_names)
-    if "rope_factors_long.weight" in file.tensor_names:  # longrope: its factors are tensors
-        fields["rope_scaling"] = {
-            "rope_type": "longrope", "long_factor": file.tensor("rope_factors_long.weight").tolist(),
-            "short_factor": file.tensor("rope_factors_short.weight").tolist(),
-            "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
-            "attention_factor": m.float("rope.scaling.attn_factor", None)}
     window = m.int("attention.sliding_window", None, minimum=0) or None  # 0: none; else every layer slides
-    types = None if window is None else ("sliding_attention",) * fields["num_hidden_layers"]
+    types = None if window is None else sliding_layer_types(fields["num_hidden_layers"])
     return DecoderConfig(**fields, sliding_window=window, layer_types=types)
 
 

@@ -5,8 +5,9 @@ from .qwen2 import WINDOW_KEYS, windows
 
 
 def config_from_hf(d):
-    return decoder_config(windows(d), "qwen3", keys=("attention_bias", *WINDOW_KEYS),
-                          defaults={"tie_word_embeddings": False}, qk_norm="head")
+    d, sliding = windows(d)
+    return decoder_config(d, "qwen3", keys=("attention_bias", *WINDOW_KEYS), defaults={"tie_word_embeddings": False},
+                          sliding=sliding, qk_norm="head")
 
 
 def config_from_gguf(meta, vocab_size, source, file):

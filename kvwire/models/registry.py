@@ -9,7 +9,8 @@ class Family:
 
     config_from_hf(dict) -> config; backbone(config) -> nn.Module; head(backbone) -> head module;
     state_from_hf(state, config) / state_from_gguf(pairs, config) -> backbone state dict;
-    config_from_gguf(meta, vocab, source, file) -> config (file: the `GGUFFile`, for tensor names and small tensors), its errors naming `source` (the file).
+    config_from_gguf(meta, vocab, source, file) -> config (file: the `GGUFFile`, for tensor names and
+    small tensors), its errors naming `source` (the file).
     `gguf_architecture` is None for a family llama.cpp writes no files of.
     """
 

@@ -114,11 +114,12 @@ rope.scaling.yarn_beta_slow
 """.split())
 
 
-def config_from_gguf(meta, arch, vocab_size, source, file, *, keys=(), **fields):
+def config_from_gguf(meta, arch, vocab_size, source, file, *, keys=(), rope_types=("linear", "yarn"), **fields):
     """The `DecoderConfig` fields every llama-like GGUF file gives, plus `fields` from the family.
     Keys llama.cpp requires are required; the others take llama.cpp's defaults. `keys`: more
     `<arch>.*` keys the family reads itself (through the returned `GGUFMetadata`); `file`: the
-    `GGUFFile` (its tensor names; Llama 3.x's `rope_freqs` factors).
+    `GGUFFile` (its tensor names; Llama 3.x's `rope_freqs` factors); `rope_types`: the
+    rope.scaling.type values the family implements besides "none".
 
     Returns (fields dict for DecoderConfig, the GGUFMetadata)."""
     m = GGUFMetadata(meta, arch, GGUF_KEYS | set(keys), source)
@@ -131,36 +132,51 @@ def config_from_gguf(meta, arch, vocab_size, source, file, *, keys=(), **fields)
     if m.int("vocab_size", vocab_size) != vocab_size:
         m.fail("vocab_size", f"= {meta[f'{arch}.vocab_size']}, but the tokenizer lists {vocab_size} tokens")
     names = file.tensor_names
-    scaling = _rope_scaling(m)
-    if "rope_freqs.weight" in names:  # Llama 3.x: llama3's scaling, precomputed per frequency
-        if scaling is not None:
-            m.fail("rope.scaling.type", f"= {scaling['rope_type']!r} and a rope_freqs tensor: expected one scaling")
-        scaling = {"rope_type": "frequency_factors", "frequency_factors": file.tensor("rope_freqs.weight").tolist()}
     return dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=m.int("feed_forward_length"),
         num_hidden_layers=m.int("block_count"), num_attention_heads=heads,
         num_key_value_heads=m.int("attention.head_count_kv", heads), head_dim=head_dim,
         max_position_embeddings=m.int("context_length"),
         rms_norm_eps=m.float("attention.layer_norm_rms_epsilon", strict=False),
-        rope_theta=m.float("rope.freq_base", 10_000.0), rope_scaling=scaling,
+        rope_theta=m.float("rope.freq_base", 10_000.0), rope_scaling=_rope_scaling(m, rope_types, file),
         partial_rotary_factor=rotary / head_dim, tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         **fields), m
 
 
-def _rope_scaling(m):
-    """llama.cpp's rope.scaling.type "none", "linear" or "yarn" (a missing or zero factor means 1,
-    as in llama.cpp); other types are refused: loading them unscaled would be a wrong model."""
+def _rope_scaling(m, types, file):
+    """The file's rope scaling, in transformers' form: Phi-3's longrope factor tensors, Llama 3.x's
+    `rope_freqs` (llama3's scaling, precomputed per frequency), or rope.scaling.type."""
+    names = file.tensor_names
+    if "rope_factors_long.weight" in names:
+        return {"rope_type": "longrope", "long_factor": file.tensor("rope_factors_long.weight").tolist(),
+                "short_factor": file.tensor("rope_factors_short.weight").tolist(),
+                "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
+                "attention_factor": m.float("rope.scaling.attn_factor", None)}
+    scaling = _rope_scaling_type(m, types)
+    if "rope_freqs.weight" in names:
+        if scaling is not None:
+            m.fail("rope.scaling.type", f"= {scaling['rope_type']!r} and a rope_freqs tensor: expected one scaling")
+        return {"rope_type": "frequency_factors", "frequency_factors": file.tensor("rope_freqs.weight").tolist()}
+    return scaling
+
+
+def _rope_scaling_type(m, types):
+    """llama.cpp's rope.scaling.type: "none" or one of `types` ("linear", "yarn"; a missing or zero
+    factor means 1, as in llama.cpp); others are refused: loading them unscaled would be a wrong model."""
     kind = m.str("rope.scaling.type", "none")
-    if kind not in ("none", "linear", "yarn"):
-        m.fail("rope.scaling.type", f"= {kind!r} is not supported (kvwire reads 'none', 'linear' and 'yarn')")
+    if kind != "none" and kind not in types:
+        known = ["'none'", *(repr(t) for t in types)]
+        m.fail("rope.scaling.type", f"= {kind!r} is not supported (kvwire reads {', '.join(known[:-1])} and "
+               f"{known[-1]} for this architecture)")
     factor = m.float("rope.scaling.factor", 0.0, strict=False)
     if kind == "none" or factor in (0.0, 1.0):
         return None
     if kind == "yarn":
         if m.float("rope.scaling.yarn_ext_factor", 1.0, strict=False) != 1.0:
             m.fail("rope.scaling.yarn_ext_factor", "is not 1.0; transformers' yarn has no extrapolation factor")
-        optional = {"attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
+        optional = {"attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast",
+                    "beta_slow": "yarn_beta_slow"}
         read = {name: m.float(f"rope.scaling.{key}", None, strict=False) for name, key in optional.items()}
         return {"rope_type": "yarn", "factor": factor,
                 "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
