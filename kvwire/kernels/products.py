@@ -47,7 +47,8 @@ def linear(x, weight, bias=None):
         # an odd row count streams a wide or square weight slower than an even one: repeat the last
         # row and drop its result
         x2 = torch.cat((x2, x2[-1:]))
-    out = (weight @ x2.t()).t()[:rows]  # (rows, out)
+    # (rows, out), made contiguous (a few rows: a negligible copy) for the kernels that read it next
+    out = (weight @ x2.t()).t()[:rows].contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
