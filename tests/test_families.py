@@ -106,3 +106,15 @@ def test_longrope_short_factors_inside_the_original_context():
     ids = torch.randint(0, 96, (2, ORIGINAL), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(kw.from_hf(hf)(ids), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_one_window_pattern_gives_every_familys_layer_types():
+    from kvwire.models.decoder import sliding_layer_types
+
+    full, slide = "full_attention", "sliding_attention"
+    assert sliding_layer_types(3) == (slide,) * 3  # Mistral, Phi-3
+    assert sliding_layer_types(4, full_every=2) == (slide, full) * 2  # Gemma 2
+    assert sliding_layer_types(7, full_every=6) == (slide,) * 5 + (full, slide)  # Gemma 3
+    assert sliding_layer_types(4, first_sliding=3) == (full,) * 3 + (slide,)  # Qwen's max_window_layers
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1099511627776; expected an integer in \[0, 512\]"):
+        sliding_layer_types(2**40, full_every=6)  # a corrupt count, before a huge list is built

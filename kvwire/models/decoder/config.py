@@ -18,23 +18,6 @@ NORM_PLACEMENTS = {
                  "post_feedforward_layernorm"),  # Gemma 2 and 3
 }
 QK_NORMS = (None, "head", "full")
-
-
-def sliding_layer_types(n_layers, *, full_every=None, first_sliding=0):
-    """`layer_types` of a window pattern: layers from `first_sliding` on slide (Qwen's
-    max_window_layers), except every `full_every`-th, which is full (Gemma 2: 2, Gemma 3: 6).
-
-    Example:
-        >>> sliding_layer_types(4, full_every=2)
-        ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
-    """
-    if not (type(n_layers) is int and 0 <= n_layers <= MAX_LAYERS):  # a corrupt count must not build a huge list
-        raise ValueError(f"num_hidden_layers={n_layers!r}; expected an integer in [0, {MAX_LAYERS}]")
-    for name, value in (("full_every", full_every), ("first_sliding", first_sliding)):
-        if value is not None and (type(value) is not int or value < (1 if name == "full_every" else 0)):
-            raise ValueError(f"{name}={value!r}; expected an integer >= {1 if name == 'full_every' else 0}")
-    return tuple("full_attention" if i < first_sliding or (full_every and (i + 1) % full_every == 0)
-                 else "sliding_attention" for i in range(n_layers))
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "local_rope_theta",
              "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "query_scale",
@@ -135,3 +118,21 @@ class DecoderConfig:
     def rotary_dim(self):
         """Leading dims of each head that rotate (Phi-3's partial rotary)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+def sliding_layer_types(n_layers, *, full_every=None, first_sliding=0):
+    """`layer_types` of a window pattern: layers from `first_sliding` on slide (Qwen's
+    max_window_layers), except every `full_every`-th, which is full (Gemma 2: 2, Gemma 3: 6).
+
+    Example:
+        >>> sliding_layer_types(4, full_every=2)
+        ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
+    """
+    if not (type(n_layers) is int and 0 <= n_layers <= MAX_LAYERS):  # a corrupt count must not build a huge list
+        raise ValueError(f"num_hidden_layers={n_layers!r}; expected an integer in [0, {MAX_LAYERS}]")
+    if full_every is not None and not (type(full_every) is int and full_every >= 1):
+        raise ValueError(f"full_every={full_every!r}; expected an integer >= 1")
+    if not (type(first_sliding) is int and first_sliding >= 0):
+        raise ValueError(f"first_sliding={first_sliding!r}; expected an integer >= 0")
+    return tuple("full_attention" if i < first_sliding or (full_every and (i + 1) % full_every == 0)
+                 else "sliding_attention" for i in range(n_layers))
