@@ -107,8 +107,7 @@ def fx_source_kb():
 
 def kept_cache_mb(*lms):
     """MB of the caches the models keep for their next calls (one per batch size)."""
-    return sum(t.numel() * t.element_size() for lm in lms for _, cache in lm._caches.values()
-               for pair in cache for t in pair) / 1e6
+    return sum(lm.pool.nbytes() for lm in lms) / 1e6
 
 
 def main():
@@ -138,7 +137,7 @@ def main():
     except KeyboardInterrupt:  # a long run stopped by hand still gets its verdict
         print(f"interrupted after call {curve[-1][0] if curve else 0}")
     print("calls by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
-    print(f"kept caches at the end: batch sizes {sorted(lm._caches)} (model), {sorted(steered._caches)} (steered)")
+    print(f"kept caches at the end: batch sizes {lm.pool.batch_sizes()} (model), {steered.pool.batch_sizes()} (steered)")
     if len(curve) > 1:
         print(verdict(curve, args.calls))
 

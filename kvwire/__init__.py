@@ -6,7 +6,8 @@ Example:
     >>> lm.generate("The capital of France is", max_new_tokens=8)
 """
 from .export import export, load_exported
-from .generate import BeamSearch, CausalLM, Engine, Generation, Greedy, MinP, PrefixStore, Random, Sequence, TopK, TopP
+from .generate import (BeamSearch, CausalLM, Engine, Generation, Greedy, MinP, PrefixStore, Random, RequestError, Sequence,
+                       TopK, TopP)
 from .graph import (CachedGraph, block_calls, clone, insert_after, insert_before, plot, replace, select, skip, tap,
                     trace, with_cache)
 from .load import from_hf, load
@@ -14,6 +15,6 @@ from .quant import quantize
 from .steer import ControlVector, Steer
 
 __all__ = ["BeamSearch", "CachedGraph", "CausalLM", "ControlVector", "Engine", "Generation", "Greedy", "MinP",
-           "PrefixStore", "Random", "Sequence", "Steer", "TopK", "TopP", "block_calls", "clone", "export", "from_hf",
-           "insert_after", "insert_before", "load", "load_exported", "plot", "quantize", "replace", "select", "skip",
-           "tap", "trace", "with_cache"]
+           "PrefixStore", "Random", "RequestError", "Sequence", "Steer", "TopK", "TopP", "block_calls", "clone", "export",
+           "from_hf", "insert_after", "insert_before", "load", "load_exported", "plot", "quantize", "replace", "select",
+           "skip", "tap", "trace", "with_cache"]

@@ -187,7 +187,7 @@ def test_inputs_on_another_device_are_a_clear_error():
 
 def _tensors(lm):
     """Every tensor a model holds: parameters and buffers (the cached graph's included), the kept caches."""
-    kept = [t for _, cache in lm._caches.values() for pair in cache for t in pair]
+    kept = lm.pool.tensors()
     return [*lm.parameters(), *lm.buffers(), *kept]
 
 
@@ -219,7 +219,7 @@ def test_to_meta_moves_every_parameter_buffer_and_cache(family, packed_float32_h
     steered = lm.steer(vec, 2.0)
     lm.generate("Hello", max_new_tokens=3)  # kept caches, the cached graph and the head's packed copy
     steered.generate("Hello", max_new_tokens=3)
-    assert lm._caches and steered._caches
+    assert lm.pool.batch_sizes() and steered.pool.batch_sizes()
     if torch.backends.mkl.is_available():
         assert lm.head.pack.packed is not None  # made, so dropping it below is seen
     assert lm.to("meta") is lm and steered.to("meta") is steered

@@ -447,7 +447,7 @@ def test_bad_values_are_refused_at_submit_not_inside_a_step():
     g = torch.Generator().manual_seed(0)
     served = lm.steer(ControlVector({i: torch.randn(32, generator=g) for i in range(4)}), 0.0, name="s")
     engine = Engine(served, max_batch=1, max_length=16)
-    with pytest.raises(ValueError, match=r"prompt token ids must lie in \[0, 96\); got values in \[3, 96\]"):
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 96\); got values in \[3, 96\]"):
         engine.submit([3, 96], 2)
     with pytest.raises(TypeError, match="runtime input 's_strength' must be a number, got 'high'"):
         engine.submit([3], 2, inputs={"s_strength": "high"})

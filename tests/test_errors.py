@@ -67,7 +67,7 @@ def test_prompt_longer_than_max_length(lm):
         lm.generate(torch.arange(5), max_length=5)
     with pytest.raises(ValueError, match="exceeds the model's context of 128 tokens"):
         lm.generate(torch.arange(100) % 96, max_new_tokens=50)
-    with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 0"):
         lm.generate(torch.arange(5), max_new_tokens=0)
 
 

@@ -62,18 +62,18 @@ def test_unsteered_greedy_equals_eager_with_padding_and_past_the_window(exported
 def test_long_prompts_prefill_in_bounded_calls_through_the_runtime(exported, monkeypatch):
     """With a prefill budget of 8 tokens a call, a batch's prompts run through ONNX Runtime in
     chunks of 2 tokens a row and give eager's one-call tokens."""
-    from kvwire.generate import engine, session
+    from kvwire.generate import prefill, session
 
     lm, _, onnx_lm, _ = exported
     rows = PROMPTS + ["A prompt well past the window"]
     whole = lm.generate(rows, max_new_tokens=6)
     monkeypatch.setattr(session, "PREFILL_CALL_TOKENS", 8)
-    calls, original = [], engine.prefill_chunk
+    calls, original = [], prefill.prefill_chunk
 
     def recording(cached, head, decode, ids, *args, **kwargs):
         calls.append(tuple(ids.shape))
         return original(cached, head, decode, ids, *args, **kwargs)
-    monkeypatch.setattr(engine, "prefill_chunk", recording)
+    monkeypatch.setattr(prefill, "prefill_chunk", recording)
     assert onnx_lm.generate(rows, max_new_tokens=6) == whole
     assert len(calls) > 1 and all(c == (4, 2) for c in calls)  # 4 rows, 2 tokens a row a call
 
@@ -257,7 +257,7 @@ def test_coreml_package_is_structurally_loadable(family, stateful, tmp_path):
     for function, T in (("prefill", 32), ("decode", 1)):
         s = summary[function]
         assert not s["ops"] & {"cond", "while_loop"} and "linear" in s["ops"]
-        assert s["nonconst_weights"] == []  # the seed's "Param 'weight' must be const" failure
+        assert s["nonconst_weights"] == []  # coremltools #2008's "Param 'weight' must be const" failure
         assert s["inputs"]["token_ids"] == [1, T] and s["inputs"]["attention_mask"] == [1, 32]
         caches = s["states"] if stateful else s["inputs"]
         assert [caches[f"past_{i}_key"] for i in range(n)] == [list(shape) for shape in slots]
@@ -269,8 +269,8 @@ def test_coreml_package_is_structurally_loadable(family, stateful, tmp_path):
         kw.load_exported(path)
 
 
-def test_seed_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
-    """coremltools issue #2008: distil GPT-2 (6 x 12 heads x 768, vocab 21128) with a KV cache and
+def test_coremltools_2008_scenario_distil_gpt2_beam3_exports_to_onnx_and_core_ml(tmp_path):
+    """coremltools #2008: distil GPT-2 (6 x 12 heads x 768, vocab 21128) with a KV cache and
     beam size 3. One graph, no branches: ONNX beam tokens equal eager; Core ML converts and passes
     the structural checks the reported conversion failed."""
     from examples.gpt2_beam_export import distil_gpt2

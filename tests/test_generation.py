@@ -230,7 +230,7 @@ def test_invalid_generation_options(chat):
         chat.generate("Hi", sampler=kw.BeamSearch(num_beams=200))
     with pytest.raises(ValueError, match=r"stop strings must be non-empty str, got \(''"):
         chat.generate("Hi", stop=["", "x"])
-    with pytest.raises(ValueError, match="max_length must be a positive int, got -3"):
+    with pytest.raises(ValueError, match="max_length must be an int >= 1, got -3"):
         chat.generate("Hi", max_length=-3)
     with pytest.raises(ValueError, match="prompt has 3 tokens but max_length is 2"):
         chat.generate("Hi", max_length=2)
@@ -238,7 +238,7 @@ def test_invalid_generation_options(chat):
         chat.generate(42)
     with pytest.raises(TypeError, match="sampler must be a kvwire sampler"):
         chat.generate("Hi", sampler="greedy")
-    with pytest.raises(ValueError, match="repetition_penalty must be > 0, got 0"):
+    with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0, got 0"):
         chat.generate("Hi", repetition_penalty=0)
 
 

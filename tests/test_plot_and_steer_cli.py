@@ -93,7 +93,7 @@ def test_steer_train_command_reports_bad_input(folder, capsys):
     (["--sampler", "random", "--top-k", "1"], "--sampler random does not use --top-k; drop it or use --sampler top-k"),
     (["--sampler", "greedy", "--temperature", "0.5"], "--sampler greedy is deterministic and takes no --temperature"),
     (["--beams", "2", "--min-p", "0.1"], "--min-p, --beams belong to different samplers"),
-    (["--max-new-tokens", "-3"], "max_new_tokens must be a positive int, got -3"),
+    (["--max-new-tokens", "-3"], "max_new_tokens must be an int >= 1, got -3"),
 ])
 def test_generate_refuses_before_printing_anything(folder, capsys, options, message):
     assert cli.main(["generate", "the cat", "--model", str(folder / "model"), *options]) == 2

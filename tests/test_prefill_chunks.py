@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvwire as kw
-from kvwire.generate import engine as engine_module
+from kvwire.generate import prefill as engine_module  # the engine runs its prefill calls there
 from kvwire.generate import session as session_module
 from kvwire.generate.session import prefill_step
 

@@ -1,6 +1,6 @@
-"""Exported models driven by kvwire's generation loop: `ExportedLM` is a CausalLM whose cached
-graph is a runtime session (onnxruntime, ExecuTorch), so generate / stream / samplers / beam
-search behave as in eager mode."""
+"""Exported models driven by kvwire's generation loop: `ExportedLM` gives the engine a `Runner`
+whose cached graph is a runtime session (onnxruntime, ExecuTorch), so generate / stream /
+samplers / beam search behave as in eager mode."""
 import json
 from pathlib import Path
 
@@ -8,7 +8,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..generate.causal_lm import CausalLM
+from ..generate import request
+from ..generate.methods import GenerationMethods
+from ..generate.pool import CachePool
+from ..generate.runner import Runner
 
 _DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "float32": torch.float32}
 
@@ -121,20 +124,22 @@ def _pad_rows(t, rows):
     return torch.cat([t, torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype)])
 
 
-class ExportedLM(CausalLM):
-    """A CausalLM over an exported file: `generate`, `stream` and samplers as in eager mode.
+class ExportedLM(GenerationMethods):
+    """A model over an exported file: `generate`, `stream`, `chat`, samplers and beam search as
+    in eager mode, run by the same engine through the file's `Runner`.
 
     Uncached calls (`lm(ids)`, `score`, `perplexity`) need a file exported with all_logits=True
     (otherwise the program returns the last position's logits only).
+
+    Example:
+        >>> onnx_lm = kw.load_exported("model.onnx")
+        >>> onnx_lm.generate("The capital of France is", max_new_tokens=8)
     """
 
     def __init__(self, graph, tokenizer, meta):
-        super().__init__(nn.Identity(), nn.Identity(), tokenizer, None)
-        self._runtime, self.meta = graph, meta
-
-    @property
-    def cached(self):
-        return self._runtime
+        self.cached, self.tokenizer, self.meta = graph, tokenizer, meta
+        self.pool = CachePool()
+        self.device = torch.device("cpu")
 
     @property
     def vocab_size(self):
@@ -150,13 +155,24 @@ class ExportedLM(CausalLM):
             return tuple(self.tokenizer.eos_token_ids)
         return tuple(self.meta.get("eos_token_ids", ()))
 
+    def runner(self):
+        """The program as a `Runner`: caches at the exported length, prompts padded to whole chunks
+        of a prefill entry point; one write index for the batch, so the engine runs rows in lockstep
+        and does not use the prefix store (a row's cache cannot be seeded at another index)."""
+        length = self.meta["max_length"]
+        return Runner(self.cached, nn.Identity(), self.vocab_size, self.device, self.max_context, self.tokenizer,
+                      self.eos_token_ids, cache_length=lambda n: length, multiple=self._multiple, pool=self.pool)
+
+    def __call__(self, token_ids):
+        return self.forward(token_ids)
+
     def forward(self, token_ids):
         """Uncached logits (B, T, V) of a file exported with all_logits=True: one run of the
         program from an empty cache (runtime inputs at their defaults)."""
         if not self.meta.get("all_logits"):
             raise NotImplementedError("this model was exported with the last position's logits only; call "
                                       "generate or stream, or export with all_logits=True for lm(ids) and score")
-        self.check_uncached_input(token_ids)
+        request.uncached_input(token_ids, self.vocab_size, self.max_context, self.device)
         B, T = token_ids.shape
         cache = self.cached.init_cache(B, self.meta["max_length"])
         mask = torch.ones(B, self.meta["max_length"], dtype=torch.bool)
@@ -164,32 +180,19 @@ class ExportedLM(CausalLM):
         logits, _ = self.cached(token_ids, positions, 0, mask, cache)
         return logits.float()
 
-    def _multiple(self, rows, max_length):
+    def _multiple(self, longest, max_length):
         """Static chunk lengths: left-pad prompts to whole chunks of the shortest prefill entry
         point when the padding fits, so no prompt tail runs token by token."""
         prefills = [n for n in self.meta.get("chunk_lengths") or () if n > 1]
-        longest = max(len(r) for r in rows)
         multiple = min(prefills) if prefills else 1
         return 1 if max_length + (-longest % multiple) > self.meta["max_length"] else multiple
-
-    def _session(self, rows, max_length, inputs=None, reuse=True):  # caches at the exported length
-        from ..generate.session import Session
-
-        return Session(self.cached, self.head, rows, self.meta["max_length"], inputs=inputs,
-                       multiple=self._multiple(rows, max_length))
-
-    def _engine(self, rows, max_length, prefix_store=None):
-        """The engine runs the program in lockstep (it takes one cache index for the batch); the
-        prefix store is not used (a row's cache cannot be seeded at another index there)."""
-        from ..generate.engine import Engine
-
-        return Engine(self, len(rows), self.meta["max_length"], multiple=self._multiple(rows, max_length),
-                      prefix_store=prefix_store)
 
     def edit(self, fn, depth="block"):
         raise TypeError("an exported model cannot be edited; edit the eager model and export it again")
 
-    steer = edit
+    def steer(self, vector, strength=1.0, **options):
+        raise TypeError("an exported model cannot be steered by adding a vector; steer the eager model and "
+                        "export it again (its strengths stay runtime inputs: generate(..., inputs=...))")
 
 
 def read_meta(path):

@@ -29,59 +29,27 @@ from collections import Counter, deque
 import torch
 
 from ..io.heap import give_back_freed_memory
-from .loop import Stopper, nonfinite_error, penalize
+from .loop import Stopper, nonfinite_error
+from .pick import choose, take_rows
 from .prefix import PrefixStore, copy_positions
+from .request import RequestError, fits, positive_int, runtime_values, token_ids
+from .request import repetition_penalty as check_penalty
+from .request import seed as check_seed
+from .request import stop_strings as check_stops
 from .samplers import Greedy
-from .session import decode_step, left_pad, prefill_chunk, prefill_step
+from .prefill import Prefill
+from .sequence import Sequence
+from .session import decode_step
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _numbers = itertools.count(1)
-
-
-class Sequence:
-    """One request in the engine: its prompt, options and what it has produced so far.
-
-    Read by callers: `tokens` (generated ids; stop tokens excluded), `logprobs` (each token's
-    log-probability under the model, NaN when not asked for), `top_logprobs` (per token a list of
-    (id, log-probability) when asked for), `done`, `finish_reason` ("stop", "length", "cancelled",
-    "error"), `error` (the exception of a failed row), `cached_tokens` (prompt tokens reused from
-    the prefix store), timings (`submitted`, `first_token_at`, `finished_at`, perf_counter seconds).
-    `cancel()` may be called from any thread. A row ended by a stop string keeps the tokens that
-    reach into it: callers cut the text (`Stopper.trim`), as `generate` does.
-    """
-
-    def __init__(self, prompt, max_new_tokens, sampler, generator, stopper, inputs, repetition_penalty,
-                 logprobs, top_logprobs, listener, reuse_prefix, label):
-        self.prompt, self.max_new_tokens, self.sampler, self.generator = prompt, max_new_tokens, sampler, generator
-        self.stopper, self.inputs, self.repetition_penalty = stopper, inputs, repetition_penalty
-        self.want_logprobs, self.want_top = logprobs, top_logprobs
-        self.listener, self.reuse_prefix, self.label = listener, reuse_prefix, label
-        self.tokens, self.logprobs, self.top_logprobs = [], [], []
-        self.finish_reason, self.error, self.cached_tokens = None, None, 0
-        self.submitted, self.first_token_at, self.finished_at = time.perf_counter(), None, None
-        self.row, self.pending, self.seen, self.hit = None, None, None, None  # engine state
-        self.steps = 0  # tokens sampled (the stop token included)
-        self.inputs_key = ()  # the runtime inputs' values, for the prefix store
-        self._cancel = False
-
-    @property
-    def done(self):
-        return self.finish_reason is not None
-
-    def cancel(self):
-        """Stop this sequence at the engine's next step (a client went away); thread-safe."""
-        self._cancel = True
-
-    def __repr__(self):
-        return (f"Sequence({self.label}, prompt={len(self.prompt)} tokens, generated={len(self.tokens)}, "
-                f"finish_reason={self.finish_reason})")
 
 
 class Engine:
     """Continuous batching over a `CausalLM`'s cached graph.
 
     Args:
-        lm: the model (eager, compiled or exported). max_batch: rows decoding at once.
+        lm: the model (eager, compiled or exported), or the `Runner` it gives (`lm.runner()`).
+            max_batch: rows decoding at once.
         max_length: each row's timeline (prompt + new tokens at most); default the model's context.
         prefill_chunk: prompt tokens per prefill call while other rows decode (bounds how long a
             long prompt stalls them).
@@ -104,24 +72,21 @@ class Engine:
 
     def __init__(self, lm, max_batch=8, max_length=None, *, prefill_chunk=256, prefix_store=None, cache=None,
                  multiple=1):
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
-        limit = lm.max_context
-        max_length = limit if max_length is None else max_length
-        if not isinstance(max_length, int) or max_length < 2:
-            raise ValueError(f"max_length must be an int >= 2 (the model has no context length to default "
-                             f"to), got {max_length!r}")
-        self.lm, self.cached, self.head = lm, lm.cached, lm.head
-        # read once: `submit` runs on callers' threads (a server's event loop), where reading a Parameter
-        # while another thread traces (torch.fx patches nn.Module.__getattr__ process-wide) gives a Proxy
-        self.vocab_size = lm.vocab_size
-        self.decode = lm._decoder()
+        runner = lm.runner() if hasattr(lm, "runner") else lm
+        positive_int(max_batch, "max_batch")
+        positive_int(prefill_chunk, "prefill_chunk")
+        max_length = runner.max_context if max_length is None else max_length
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+            raise RequestError(f"max_length must be an int >= 2 (the model has no context length to default "
+                               f"to), got {max_length!r}", "max_length")
+        # everything a step needs comes from the runner, read once: `submit` runs on callers'
+        # threads (a server's event loop), where reading a Parameter while another thread traces
+        # (torch.fx patches nn.Module.__getattr__ process-wide) gives a Proxy
+        self.runner, self.cached, self.head, self.decode = runner, runner.graph, runner.head, runner.decode
+        self.vocab_size, self.device, self.tokenizer = runner.vocab_size, runner.device, runner.tokenizer
         self.capacity, self.max_length, self.multiple = max_batch, max_length, multiple
         self.prefill_chunk, self.prefix_store = prefill_chunk, prefix_store
         self.per_row = bool(getattr(self.cached, "row_index", False))
-        self.device = lm.device
         self.cache = cache
         self.rows = [None] * max_batch  # the Sequence in each row (or None)
         self.index, self.pads = [0] * max_batch, [0] * max_batch
@@ -152,35 +117,19 @@ class Engine:
                 the k most likely tokens at each step.
             listener: called as listener(seq) after each new token and when the row finishes.
             reuse_prefix: look the prompt up in (and store the result into) the prefix store.
-        Raises ValueError for a prompt + budget that does not fit max_length, or unknown inputs.
+        Raises `RequestError` (a ValueError) for a prompt + budget that does not fit max_length or
+        the context, unknown inputs, or other bad values (see `kvwire.generate.request`).
         """
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty; expected at least one token")
-        vocab = self.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got values in [{min(prompt)}, {max(prompt)}]")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        limit = self.lm.max_context
-        if limit is not None and len(prompt) + max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceeds the model's "
-                             f"context of {limit} tokens")
-        if len(prompt) + max_new_tokens > self.max_length:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceeds this engine's "
-                             f"max_length of {self.max_length} tokens")
-        unknown = set(inputs or {}) - set(self.cached.runtime_inputs)
-        if unknown:
-            raise ValueError(f"unknown runtime inputs {sorted(unknown)}; this model takes "
-                             f"{sorted(self.cached.runtime_inputs) or 'none'}")
-        for name, value in (inputs or {}).items():
-            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
-                raise TypeError(f"runtime input {name!r} must be a number, got {value!r:.40}")
-            if self.cached.runtime_inputs[name].is_floating_point and not abs(number) <= 3.4e38:
-                raise ValueError(f"runtime input {name!r} must be a finite float32 number, got {number!r}")
+        prompt = token_ids(prompt, self.vocab_size)
+        max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
+        fits(len(prompt), max_new_tokens, self.runner.max_context, "the model's context")
+        fits(len(prompt), max_new_tokens, self.max_length, "this engine's max_length")
+        inputs = runtime_values(inputs, self.cached.runtime_inputs)
+        seed = check_seed(seed)
+        repetition_penalty = check_penalty(repetition_penalty)
+        stop_strings = check_stops(stop_strings)
         generator = None if seed is None else torch.Generator(device="cpu").manual_seed(int(seed))
-        stopper = Stopper(stop_ids, stop_strings, self.lm.tokenizer if stop_strings else None)
+        stopper = Stopper(stop_ids, stop_strings, self.tokenizer if stop_strings else None)
         seq = Sequence(prompt, max_new_tokens, Greedy() if sampler is None else sampler, generator, stopper,
                        dict(inputs or {}), repetition_penalty, logprobs, top_logprobs, listener, reuse_prefix,
                        label or f"request {next(_numbers)}")
@@ -333,7 +282,7 @@ class Engine:
             rows = list(range(rows[0], rows[0] + len(seqs))) if _contiguous(rows) else None
             if rows is None:  # direct prefill writes into a contiguous block of rows
                 direct, rows = False, self._free_rows()[:len(seqs)]
-        job = _Prefill(self, seqs, rows, direct, prefix)
+        job = Prefill(self, seqs, rows, direct, prefix)
         self.stats["direct_prefills" if direct else "scratch_prefills"] += 1
         for seq in seqs:
             seq.row, seq.hit = None, (None, 0)  # restored into the job: the entry may be evicted now
@@ -411,7 +360,7 @@ class Engine:
         live = [(r, s) for r, s in enumerate(rows) if s is not None and not s.done and s.pending is not None]
         for _, s in live:
             s.pending = None
-        self._sample(_take(logits, [r for r, _ in live]), [s for _, s in live])
+        self._sample(take_rows(logits, [r for r, _ in live]), [s for _, s in live])
 
     def _sample(self, logits, seqs):
         """Choose each sequence's next token from its logits row (len(seqs), V)."""
@@ -430,30 +379,7 @@ class Engine:
             logits, seqs = logits[keep], [seqs[i] for i in keep]
             if not seqs:
                 return
-        scores = logits
-        penalized = [i for i, s in enumerate(seqs) if s.repetition_penalty is not None]
-        if penalized:
-            scores = logits.clone()
-            for i in penalized:
-                scores[i] = penalize(logits[i], seqs[i].seen, seqs[i].repetition_penalty)
-        tokens = [0] * len(seqs)
-        by_sampler = {}
-        for i, s in enumerate(seqs):
-            by_sampler.setdefault(s.sampler, []).append(i)
-        for sampler, idx in by_sampler.items():
-            chosen = sampler.sample_rows(_take(scores, idx), [seqs[i].generator for i in idx]).tolist()
-            for i, t in zip(idx, chosen):
-                tokens[i] = t
-        want = [i for i, s in enumerate(seqs) if s.want_logprobs or s.want_top]
-        chosen_lp, tops = {}, {}
-        if want:
-            logp = torch.log_softmax(_take(logits, want).float(), -1)
-            picked = torch.tensor([tokens[i] for i in want], device=logp.device)[:, None]
-            for j, (i, lp) in enumerate(zip(want, logp.gather(1, picked)[:, 0].tolist())):
-                chosen_lp[i] = lp
-                if seqs[i].want_top:
-                    top = logp[j].topk(min(seqs[i].want_top, logp.shape[-1]))
-                    tops[i] = list(zip(top.indices.tolist(), top.values.tolist()))
+        tokens, chosen_lp, tops = choose(logits, seqs)
         now = time.perf_counter()
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.steps += 1
@@ -518,88 +444,6 @@ class Engine:
             self.rows = [None] * self.capacity  # lockstep batch over: the rows are free again
         if seq.listener is not None:
             seq.listener(seq)
-
-
-class _Prefill:
-    """The prefill of a group of waiting sequences, run chunk by chunk.
-
-    Direct: left-padded together into their contiguous rows of the engine's cache. Otherwise into a
-    scratch cache of the group's length, copied into the rows when done; a prefix hit first restores
-    the stored keys/values there. Either way in chunks of `prefill_step` tokens a row (512 prompt
-    tokens a call in all, or the model's `prefill_call_tokens`), scratch ones also at most `prefill_chunk`.
-    """
-
-    def __init__(self, engine, seqs, rows, direct, prefix):
-        self.engine, self.seqs, self.rows, self.direct = engine, seqs, rows, direct
-        entry, reused = prefix
-        device = engine.device
-        prompts = [s.prompt for s in seqs]
-        self.ids, self.positions, pads = left_pad(prompts, multiple=engine.multiple, device=device)
-        self.pads = pads.tolist()
-        length = self.ids.shape[1]
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        defaults = engine.cached.default_inputs(len(seqs), lengths)
-        self.inputs = {name: value.clone() for name, value in defaults.items()}
-        for i, seq in enumerate(seqs):
-            for name, value in seq.inputs.items():
-                self.inputs[name][i] = value
-        if direct:
-            r0 = rows[0]
-            self.cache = tuple((k[r0:r0 + len(seqs)], v[r0:r0 + len(seqs)]) for k, v in engine._main_cache())
-            self.mask = engine.mask[r0:r0 + len(seqs)]
-            self.mask.copy_(torch.arange(engine.max_length, device=device)[None] >= pads[:, None])
-        else:
-            self.cache = engine.cached.init_cache(len(seqs), length)
-            self.mask = torch.arange(length, device=device)[None] >= pads[:, None]
-        self.at = 0
-        if entry is not None:
-            engine.prefix_store.restore(entry, reused, self.cache, 0, 0)
-            seqs[0].cached_tokens = self.at = reused
-
-    def write_back(self):
-        """Put a functional graph's new caches (an exported runtime returns new tensors) into the
-        engine's rows; eager graphs wrote into them in place."""
-        main, r0, n = self.engine._main_cache(), self.rows[0], len(self.seqs)
-        if not main or self.cache[0][0].data_ptr() == main[0][0][r0:r0 + n].data_ptr():
-            return  # no cached layers (all replaced by edits), or written in place
-        if n == self.engine.capacity:
-            self.engine.cache = self.cache
-            return
-        for (k, v), (nk, nv) in zip(main, self.cache):
-            k[r0:r0 + n].copy_(nk)
-            v[r0:r0 + n].copy_(nv)
-
-    def row_inputs(self, i):
-        return {name: value[i] for name, value in self.inputs.items()}
-
-    def next_chunk_tokens(self):
-        """Prompt tokens (all rows) that the next `advance` runs."""
-        return (self._stop() - self.at) * self.ids.shape[0]
-
-    def _stop(self):
-        engine = self.engine
-        step = prefill_step(len(self.seqs), engine.multiple, getattr(engine.lm, "prefill_call_tokens", None))
-        if not self.direct:  # a scratch prefill shares steps with decoding rows: prefill_chunk a row at most
-            step = min(step, engine.prefill_chunk)
-        return min(self.ids.shape[1], self.at + step)
-
-    def advance(self):
-        """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""
-        engine, end, stop = self.engine, self.ids.shape[1], self._stop()
-        # compiled only into the rows decode steps run on (all of them, as `_decode` does): a scratch
-        # cache or a group of fewer rows would compile a graph for its own length or batch size
-        decode = engine.decode if self.direct and len(self.seqs) == engine.capacity else None
-        logits, self.cache = prefill_chunk(engine.cached, engine.head, decode, self.ids[:, self.at:stop],
-                                           self.positions[:, self.at:stop], self.at, self.mask, self.cache,
-                                           self.inputs, last=stop == end)
-        self.at = stop
-        return logits
-
-
-def _take(t, rows):
-    """t[rows], without a copy when rows are all of t's rows in order (a decode step's usual case:
-    the logits of every row, (B, V) over a vocabulary of up to 262k)."""
-    return t if rows == list(range(t.shape[0])) else t[rows]
 
 
 def _contiguous(rows):

@@ -15,7 +15,8 @@ import logging
 import threading
 from contextlib import contextmanager
 
-from .errors import APIError
+from ..generate.request import RequestError
+from .errors import APIError, from_request_error
 
 log = logging.getLogger("kvwire.serve")
 _FAILED = -1  # queued to every run when the engine thread dies
@@ -82,7 +83,7 @@ class EngineThread:
 
     def run(self, requests):
         """Submit sequences (each a dict of `Engine.submit` arguments) for one HTTP request; call on
-        the event loop. A ValueError from the engine is a 400; earlier sequences are cancelled."""
+        the event loop. A `RequestError` from the engine is a 400; earlier sequences are cancelled."""
         if not self.alive:
             raise APIError(f"the engine is not running ({self.failure!r})", status=503, type="server_error",
                            code="engine_stopped")
@@ -90,9 +91,9 @@ class EngineThread:
         try:
             for i, options in enumerate(requests):
                 run.seqs.append(self.engine.submit(**options, listener=run.listener(i)))
-        except ValueError as e:
+        except RequestError as e:
             run.cancel()
-            raise APIError(str(e), code="invalid_value") from None
+            raise from_request_error(e) from None
         self._runs.add(run)
         return run
 

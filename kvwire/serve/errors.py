@@ -5,6 +5,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ..generate.request import RequestError
+
 
 class APIError(Exception):
     """A request the server refuses (status 4xx) or could not answer (5xx).
@@ -22,6 +24,12 @@ class APIError(Exception):
 
     def response(self):
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def from_request_error(exc):
+    """The checks every door shares (`kvwire.generate.request`) refused a request: a 400 with the
+    same message as the Python API's, naming the field."""
+    return APIError(str(exc), param=exc.param, code=exc.code)
 
 
 def validation_error(exc):
@@ -59,6 +67,10 @@ def install(app: FastAPI):
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return from_request_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -1,12 +1,12 @@
 """A request's fields as engine options (sampler, stops, budget, steering), checked, and the served
 model with its named control vectors."""
 import keyword
-import math
 
-from ..generate import samplers
+import torch
+
+from ..generate import request as checks
 from .errors import APIError
 
-_FLOAT32_MAX = 3.4028234663852886e38  # strengths are float32 graph inputs
 MAX_CHOICES = 16  # n x prompts a request may ask for: bounds one request's share of the slots
 
 
@@ -37,26 +37,11 @@ def check_names(names):
 
 def sampler(request):
     """temperature 0: greedy; > 0: sampling at that temperature, within top_p when it is below 1."""
-    t = 1.0 if request.temperature is None else float(request.temperature)  # OpenAI's default
-    if not math.isfinite(t) or t < 0:
-        raise APIError(f"temperature must be a finite number >= 0 (0 = greedy), got {request.temperature!r}",
-                       param="temperature", code="invalid_value")
-    top_p = request.top_p
-    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise APIError(f"top_p must lie in (0, 1], got {top_p!r}", param="top_p", code="invalid_value")
-    if t == 0:
-        return samplers.Greedy()
-    if top_p is not None and top_p < 1:
-        return samplers.TopP(float(top_p), temperature=t)
-    return samplers.Random(t)
+    return checks.temperature_sampler(request.temperature, request.top_p)
 
 
 def stop_strings(request):
-    stop = request.stop
-    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    if any(not s for s in stops):
-        raise APIError(f"stop strings must be non-empty, got {stop!r}", param="stop", code="invalid_value")
-    return stops
+    return checks.stop_strings(request.stop)
 
 
 def steer_inputs(request, names):
@@ -68,17 +53,15 @@ def steer_inputs(request, names):
         served = ", ".join(names) if names else "none (start the server with --control-vector NAME=FILE)"
         raise APIError(f"unknown control vector names {unknown} in steer; this server has {served}",
                        param="steer", code="invalid_value")
-    for name, value in asked.items():
-        if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
-            raise APIError(f"steer.{name} must be a finite float32 number, got {value!r}", param=f"steer.{name}",
-                           code="invalid_value")
-    return {f"{name}_strength": float(asked.get(name, 0.0)) for name in names}
+    values = {f"{name}_strength": float(asked.get(name, 0.0)) for name in names}
+    checks.runtime_values(values, {key: torch.float32 for key in values}, param=lambda key: f"steer.{key[:-9]}")
+    return values
 
 
 def choices(request, prompts):
-    n = request.n
-    if n < 1 or n * prompts > MAX_CHOICES:
-        raise APIError(f"n must be >= 1 and n x prompts at most {MAX_CHOICES}; got n={n} for {prompts} "
+    n = checks.positive_int(request.n, "n")
+    if n * prompts > MAX_CHOICES:
+        raise APIError(f"n x prompts must be at most {MAX_CHOICES}; got n={n} for {prompts} "
                        f"prompt(s)", param="n", code="invalid_value")
     return n
 
@@ -89,15 +72,6 @@ def budget(request, prompt_length, max_length):
     asked = getattr(request, "max_completion_tokens", None)
     field = "max_completion_tokens" if asked is not None else "max_tokens"
     asked = request.max_tokens if asked is None else asked
-    if asked is not None and asked < 1:
-        raise APIError(f"{field} must be >= 1, got {asked}", param=field, code="invalid_value")
-    if prompt_length >= max_length:
-        raise APIError(f"the prompt has {prompt_length} tokens, but this server's context is {max_length} tokens "
-                       f"(prompt + completion)", param="messages" if hasattr(request, "messages") else "prompt",
-                       code="context_length_exceeded")
-    room = max_length - prompt_length
-    if asked is not None and asked > room:
-        raise APIError(f"{field} is {asked}, but the prompt has {prompt_length} tokens and this server's context "
-                       f"is {max_length}: at most {room} new tokens fit", param=field,
-                       code="context_length_exceeded")
-    return room if asked is None else asked
+    return checks.new_tokens(prompt_length, asked, context=max_length, context_name="this server's context",
+                             default=None, param=field, prompt_param="messages" if hasattr(request, "messages")
+                             else "prompt")

@@ -1,7 +1,7 @@
 """A choice's text, log-probabilities and usage as OpenAI's JSON writes them, from an engine `Sequence`."""
 import math
 
-from ..generate.causal_lm import _visible
+from ..generate.methods import visible_text
 from ..generate.loop import Stopper
 
 
@@ -32,7 +32,7 @@ class ChoiceText:
             cut = Stopper((), self.stops).cut(text)
             text = text if cut is None else text[:cut]
         else:
-            text = _visible(text, self.stops)
+            text = visible_text(text, self.stops)
         piece = ""
         if text.startswith(self.sent) and len(text) > len(self.sent):
             piece, self.sent = text[len(self.sent):], text

@@ -15,17 +15,17 @@ ARCH = "controlvector"
 _NAME = re.compile(r"^direction\.(\d+)$")
 
 
-def save_control_vector(vector, path):
-    """Write `vector` (a ControlVector) to `path` as a llama.cpp GGUF control vector."""
+def save_control_vector(directions, model_hint, path):
+    """Write `directions` ({block: (D,) tensor}) to `path` as a llama.cpp GGUF control vector."""
     import gguf
 
-    if 0 in vector.directions:
+    if 0 in directions:
         raise ValueError("block 0 cannot be saved: llama.cpp's control-vector format numbers directions "
                          "from 1 (direction.N steers the output of block N); train with layers >= 1")
     writer = gguf.GGUFWriter(str(path), ARCH)
-    writer.add_string(f"{ARCH}.model_hint", vector.model_hint or "")
-    writer.add_uint32(f"{ARCH}.layer_count", len(vector.directions))
-    for i, v in vector.directions.items():
+    writer.add_string(f"{ARCH}.model_hint", model_hint or "")
+    writer.add_uint32(f"{ARCH}.layer_count", len(directions))
+    for i, v in directions.items():
         writer.add_tensor(f"direction.{i}", v.numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -34,9 +34,8 @@ def save_control_vector(vector, path):
 
 
 def load_control_vector(path):
-    """Read a GGUF control vector: ControlVector with llama.cpp's block numbering."""
+    """Read a GGUF control vector: ({block: (D,) float32 tensor} in llama.cpp's numbering, model hint)."""
     from ..io.gguf import GGUFFile
-    from .vector import ControlVector
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"no control-vector file at {path}")
@@ -53,4 +52,4 @@ def load_control_vector(path):
         directions[int(m.group(1))] = torch.from_numpy(np.array(array, dtype=np.float32))
     if not directions:
         raise ValueError(f"{path}: control vector has no direction tensors")
-    return ControlVector(directions, str(f.field(f"{ARCH}.model_hint", "") or ""), "")
+    return directions, str(f.field(f"{ARCH}.model_hint", "") or "")

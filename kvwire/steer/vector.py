@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 from ..generate.session import left_pad
 from ..graph import numbered_blocks, tap, with_cache
 from ..graph.edit import summarize_indices
+from .gguf_io import load_control_vector, save_control_vector
 
 METHODS = ("pca_diff", "pca_center", "mean_diff")
 
@@ -97,14 +98,13 @@ class ControlVector:
 
     def save(self, path):
         """Write llama.cpp's GGUF control-vector format (see `kvwire.steer.gguf_io`)."""
-        from .gguf_io import save_control_vector
-        save_control_vector(self, path)
+        save_control_vector(self.directions, self.model_hint, path)
 
     @classmethod
     def load(cls, path):
         """Read a GGUF control vector (written by kvwire, llama.cpp's generator or repeng)."""
-        from .gguf_io import load_control_vector
-        return load_control_vector(path)
+        directions, model_hint = load_control_vector(path)
+        return cls(directions, model_hint, "")
 
 
 def parse_layers(layers, blocks):
@@ -140,7 +140,7 @@ def last_token_states(lm, texts, names, batch_size=8, progress=True):
     batches = range(0, len(texts), batch_size)
     with torch.inference_mode():
         for start in tqdm(batches, desc="reading hidden states", disable=not progress, leave=False):
-            rows = [lm._encode(t) for t in texts[start:start + batch_size]]
+            rows = [lm.encode(t) for t in texts[start:start + batch_size]]
             for text, row in zip(texts[start:start + batch_size], rows):
                 lm.check_length(len(row), f"prompt {text!r:.40}")
             ids, positions, pads = left_pad(rows, device=lm.device)

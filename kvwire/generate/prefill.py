@@ -1,0 +1,80 @@
+"""A prompt's prefill in the engine, run chunk by chunk into the engine's rows or a scratch cache."""
+import torch
+
+from .session import left_pad, prefill_chunk, prefill_step
+
+
+class Prefill:
+    """The prefill of a group of waiting sequences, run chunk by chunk.
+
+    Direct: left-padded together into their contiguous rows of the engine's cache. Otherwise into a
+    scratch cache of the group's length, copied into the rows when done; a prefix hit first restores
+    the stored keys/values there. Either way in chunks of `prefill_step` tokens a row (512 prompt
+    tokens a call in all, or the model's `prefill_call_tokens`), scratch ones also at most `prefill_chunk`.
+    """
+
+    def __init__(self, engine, seqs, rows, direct, prefix):
+        self.engine, self.seqs, self.rows, self.direct = engine, seqs, rows, direct
+        entry, reused = prefix
+        device = engine.device
+        prompts = [s.prompt for s in seqs]
+        self.ids, self.positions, pads = left_pad(prompts, multiple=engine.multiple, device=device)
+        self.pads = pads.tolist()
+        length = self.ids.shape[1]
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        defaults = engine.cached.default_inputs(len(seqs), lengths)
+        self.inputs = {name: value.clone() for name, value in defaults.items()}
+        for i, seq in enumerate(seqs):
+            for name, value in seq.inputs.items():
+                self.inputs[name][i] = value
+        if direct:
+            r0 = rows[0]
+            self.cache = tuple((k[r0:r0 + len(seqs)], v[r0:r0 + len(seqs)]) for k, v in engine._main_cache())
+            self.mask = engine.mask[r0:r0 + len(seqs)]
+            self.mask.copy_(torch.arange(engine.max_length, device=device)[None] >= pads[:, None])
+        else:
+            self.cache = engine.cached.init_cache(len(seqs), length)
+            self.mask = torch.arange(length, device=device)[None] >= pads[:, None]
+        self.at = 0
+        if entry is not None:
+            engine.prefix_store.restore(entry, reused, self.cache, 0, 0)
+            seqs[0].cached_tokens = self.at = reused
+
+    def write_back(self):
+        """Put a functional graph's new caches (an exported runtime returns new tensors) into the
+        engine's rows; eager graphs wrote into them in place."""
+        main, r0, n = self.engine._main_cache(), self.rows[0], len(self.seqs)
+        if not main or self.cache[0][0].data_ptr() == main[0][0][r0:r0 + n].data_ptr():
+            return  # no cached layers (all replaced by edits), or written in place
+        if n == self.engine.capacity:
+            self.engine.cache = self.cache
+            return
+        for (k, v), (nk, nv) in zip(main, self.cache):
+            k[r0:r0 + n].copy_(nk)
+            v[r0:r0 + n].copy_(nv)
+
+    def row_inputs(self, i):
+        return {name: value[i] for name, value in self.inputs.items()}
+
+    def next_chunk_tokens(self):
+        """Prompt tokens (all rows) that the next `advance` runs."""
+        return (self._stop() - self.at) * self.ids.shape[0]
+
+    def _stop(self):
+        engine = self.engine
+        step = prefill_step(len(self.seqs), engine.multiple, engine.runner.prefill_call_tokens)
+        if not self.direct:  # a scratch prefill shares steps with decoding rows: prefill_chunk a row at most
+            step = min(step, engine.prefill_chunk)
+        return min(self.ids.shape[1], self.at + step)
+
+    def advance(self):
+        """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""
+        engine, end, stop = self.engine, self.ids.shape[1], self._stop()
+        # compiled only into the rows decode steps run on (all of them, as `_decode` does): a scratch
+        # cache or a group of fewer rows would compile a graph for its own length or batch size
+        decode = engine.decode if self.direct and len(self.seqs) == engine.capacity else None
+        logits, self.cache = prefill_chunk(engine.cached, engine.head, decode, self.ids[:, self.at:stop],
+                                           self.positions[:, self.at:stop], self.at, self.mask, self.cache,
+                                           self.inputs, last=stop == end)
+        self.at = stop
+        return logits
