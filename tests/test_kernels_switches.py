@@ -13,8 +13,6 @@ from kvwire.kernels import switches
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvwire"
-# io sits below kernels, so it cannot ask the table: it reads the one switch it owns itself
-READ_BELOW_KERNELS = {"kvwire/io/weights_cache.py": {"KVWIRE_CACHE"}}
 
 
 def _sources():
@@ -42,7 +40,7 @@ def test_only_the_table_reads_the_environment_for_switches():
         names = {m.group(3) for m in reads.finditer(path.read_text())}
         if rel == "kvwire/kernels/switches.py":
             continue
-        assert names <= READ_BELOW_KERNELS.get(rel, set()), f"{rel} reads {sorted(names)} itself"
+        assert not names, f"{rel} reads {sorted(names)} itself"
 
 
 def test_a_switch_is_validated_naming_the_variable_the_value_and_the_choices(monkeypatch):

@@ -4,15 +4,12 @@ dequantising again. Keyed by the file's path, size, modification time and a dige
 clock's granularity (same size, same mtime) must not load the entry of the file it replaced."""
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from ..kernels.switches import cache_root
 
 FORMAT = 1  # bump when the cached layout changes
 _HEAD, _TAIL = 16 << 20, 1 << 20
-
-
-def cache_root():
-    return Path(os.environ.get("KVWIRE_CACHE", Path.home() / ".cache" / "kvwire"))
 
 
 def entry_for(path):
