@@ -104,14 +104,14 @@ _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Real-model export and compile round trips (`heavy`) run only when asked: each takes 1-2 minutes
 # of one core from cold caches (the default model to ExecuTorch 112 s and to ONNX 60 s, SmolLM2's
-# compiled step 70 s, session 15), and CI's 2-core machines must run the whole suite well under
+# compiled step 70 s; 2-core AVX-512 machine, 2026-12-02), and CI's 2-core machines must run the whole suite well under
 # 15 minutes. The same mechanisms run in every CI run on tiny models of several families
 # (test_export.py, test_compiled.py), and one real model is exported to ONNX there
 # (test_real_smollm2.py, steered). KVWIRE_HEAVY_TESTS=1 runs them as well.
 HEAVY = os.environ.get("KVWIRE_HEAVY_TESTS", "") == "1"
 
 # The files that take most of the suite's time, heaviest first (seconds of one xdist worker from
-# cold caches on a 2-core AVX-512 machine, session 15: 228, 173, 112, 95, 61, 60, 48; the other
+# cold caches on a 2-core AVX-512 machine, 2026-12-02: 228, 173, 112, 95, 61, 60, 48; the other
 # files ~250 s together). They are handed out first so that the two workers finish together:
 # xdist's default order for --dist loadfile (files with the most tests first) put the one-test
 # export files last, and one worker ran them alone for the last minutes of the suite.

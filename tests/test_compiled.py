@@ -111,8 +111,8 @@ def test_cache_lengths_round_up_to_bucket_times_a_power_of_two():
 
 
 def _exporting_inside_compile():
-    """Whether this torch says `is_exporting()` inside torch.compile (some versions did, pytorch
-    issue 176347): kvwire then keeps the functional cache update there, correct but copying."""
+    """Whether this torch says `is_exporting()` inside torch.compile (some versions did,
+    pytorch/pytorch#176347): kvwire then keeps the functional cache update there, correct but copying."""
     return torch.compile(lambda x: x + torch.compiler.is_exporting(), backend="eager")(torch.zeros(())).item() == 1
 
 

@@ -209,7 +209,7 @@ def test_the_files_own_q4_1_and_q8_0_blocks_on_ggml_kernels(lm, gguf_lm):
         same += sum(a == b for a, b in zip(picks.tolist(), expected))
         if text == GGUF_PROMPTS[0]:  # 16 greedy tokens from uncached calls of up to 32 rows: the kernels
             assert lm.tokenizer.decode(_rollout(gguf_lm, ids, 16)[0, ids.shape[1]:]).strip().startswith("Paris")
-    # of 48; measured 48 with PyTorch's elementwise ops, 47 with kvwire's fused kernels (session 30: the
+    # of 48; measured 48 with PyTorch's elementwise ops, 47 with kvwire's fused kernels (the
     # capital prompt's 6th token, a near tie: 0.07 logits apart on the blocks, 0.22 in float32)
     assert same >= 44, same
 
