@@ -132,6 +132,10 @@ def test_cached_tap_with_left_padding_equals_single_rows(family):
     batched = last_token_states(lm, texts, names, batch_size=3, progress=False)
     for i, text in enumerate(texts):
         ids = torch.tensor([lm.tokenizer.encode(text)])
-        _, taps = kw.tap(lm.backbone, names)(ids)
+        with torch.inference_mode():  # as last_token_states runs: the same kernels (fused ones skip autograd)
+            _, taps = kw.tap(lm.backbone, names)(ids)
         for name in names:
-            torch.testing.assert_close(batched[name][i], taps[name][0, -1], atol=2e-5, rtol=1e-5)
+            # float32 rounding of a batch of 3 rows and of one row differs (products' summation order
+            # depends on the row count): a few 1e-7 of the largest state per layer, not of each value
+            scale = float(batched[name].abs().max())
+            torch.testing.assert_close(batched[name][i], taps[name][0, -1], atol=2e-6 * scale, rtol=1e-5)
