@@ -2,7 +2,7 @@
 import sys
 
 from ..generate import BeamSearch
-from .options import (_echo, _load_model, _model_options, _quantize_option, _sampling_options, _steer_options,
+from .options import (echo, load_model, model_options, quantize_option, sampling_options, steer_options,
                       make_sampler)
 
 
@@ -11,11 +11,11 @@ def add(commands):
                             description="Interactive multi-turn chat with the model's own chat template. Replies "
                             "stream as they are produced; each turn reuses the conversation's cached keys/values. "
                             "/reset clears the conversation, /exit or end of input quits.")
-    _model_options(c)
-    _quantize_option(c)
-    _sampling_options(c, max_new_tokens=256)
+    model_options(c)
+    quantize_option(c)
+    sampling_options(c, max_new_tokens=256)
     c.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation")
-    _steer_options(c)
+    steer_options(c)
     c.set_defaults(run=run)
 
 
@@ -25,7 +25,7 @@ def run(args):
     sampler = make_sampler(args)
     if isinstance(sampler, BeamSearch):
         raise ValueError("kvwire chat samples (greedy, top-p, ...); beam search runs through kvwire generate")
-    lm = _load_model(args, args.quantize)
+    lm = load_model(args, args.quantize)
     if lm.tokenizer is None or lm.tokenizer.chat_template is None:
         raise ValueError(f"{args.model} has no chat template, so kvwire chat cannot render a conversation for it; "
                          f"use kvwire generate, or a chat model (--model smollm2-135m-instruct)")
@@ -53,7 +53,7 @@ def run(args):
             continue
         messages.append({"role": "user", "content": line})
         try:
-            reply = "".join(_echo(lm.chat(messages, stream=True, **options)))
+            reply = "".join(echo(lm.chat(messages, stream=True, **options)))
         except ValueError as e:  # the conversation outgrew the context, the template refused it, ...
             messages.pop()
             print(f"\nkvwire: error: {e} (/reset starts over)", file=sys.stderr)

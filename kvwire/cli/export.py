@@ -2,7 +2,7 @@
 import sys
 
 from ..quant import SCHEMES
-from .options import _load_model, _model_options, _steer_options
+from .options import load_model, model_options, steer_options
 
 
 def add(commands):
@@ -11,8 +11,8 @@ def add(commands):
                             "(ExecuTorch) or .mlpackage (Core ML). Run .onnx / .pte files with kvwire generate "
                             "--runtime onnx|executorch --model FILE.")
     e.add_argument("output", help="output file, e.g. model.onnx")
-    _model_options(e)
-    _steer_options(e)
+    model_options(e)
+    steer_options(e)
     e.add_argument("--max-length", type=int, default=None, metavar="N", help="cache length (default 1024)")
     e.add_argument("--format", default=None, choices=["onnx", "executorch", "coreml"], help="when the suffix is unclear")
     e.add_argument("--quantize", default=None, choices=SCHEMES, help="ONNX weight-only quantisation")
@@ -28,7 +28,7 @@ def add(commands):
 def run(args):
     from ..export import export
 
-    lm = _load_model(args)
+    lm = load_model(args)
     report = export(lm, args.output, max_length=args.max_length, batch_size=args.batch_size, format=args.format,
                     overwrite=args.overwrite, quantize=args.quantize, delegate=args.delegate,
                     prefill_length=tuple(args.prefill_length) if args.prefill_length else None)

@@ -2,7 +2,7 @@
 import torch
 
 from ..generate import BeamSearch
-from .options import (_load_model, _model_options, _quantize_option, _report, _sampling_options, _steer_options,
+from .options import (load_model, model_options, quantize_option, report, sampling_options, steer_options,
                       make_sampler)
 
 
@@ -11,21 +11,21 @@ def add(commands):
                             description="Continue a prompt. Streams text as it is produced; prefill time and "
                             "decode speed go to stderr.")
     g.add_argument("prompt", help="the text to continue")
-    _model_options(g)
-    _quantize_option(g)
+    model_options(g)
+    quantize_option(g)
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (about a minute first; pays with --quantize gguf)")
-    _sampling_options(g)
+    sampling_options(g)
     g.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
     g.add_argument("--runtime", default="eager", choices=["eager", "onnx", "executorch"],
                    help="eager (kvwire), or onnx / executorch: --model is then an exported .onnx / .pte file")
-    _steer_options(g)
+    steer_options(g)
     g.set_defaults(run=run)
 
 
 def run(args):
     sampler = make_sampler(args)  # refuse contradicting options before loading anything
-    lm = _load_model(args, args.quantize)
+    lm = load_model(args, args.quantize)
     if args.compile:
         if args.runtime != "eager":
             raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
@@ -37,7 +37,7 @@ def run(args):
     if args.no_stream or isinstance(options["sampler"], BeamSearch):
         gen = lm.generate(args.prompt, return_logprobs=True, **options)
         print(args.prompt + gen.texts[0])
-        _report(gen.prefill_seconds, len(gen.tokens[0]), gen.decode_steps, gen.decode_seconds)
+        report(gen.prefill_seconds, len(gen.tokens[0]), gen.decode_steps, gen.decode_seconds)
         return
     pieces = lm.stream_with_record(args.prompt, logprobs=False, **options)  # checks the options first
     print(args.prompt, end="", flush=True)
@@ -46,4 +46,4 @@ def run(args):
         print(piece, end="", flush=True)
     print()
     if gen is not None:
-        _report(gen.prefill_seconds, len(gen.tokens[0]), gen.decode_steps, gen.decode_seconds)
+        report(gen.prefill_seconds, len(gen.tokens[0]), gen.decode_steps, gen.decode_seconds)

@@ -38,7 +38,7 @@ def make_sampler(args):
     }[name]()
 
 
-def _load_model(args, quantize=None):
+def load_model(args, quantize=None):
     """The model the options name (quantised when asked), steered by --control-vector when given."""
     from ..load import load
     from ..steer import ControlVector
@@ -60,7 +60,7 @@ def _load_model(args, quantize=None):
     return lm
 
 
-def _named_files(pairs):
+def named_files(pairs):
     """--control-vector NAME=FILE options as {name: file}."""
     from ..serve.options import check_names
 
@@ -76,18 +76,18 @@ def _named_files(pairs):
     return named
 
 
-def _report(prefill, new, steps, seconds):
+def report(prefill, new, steps, seconds):
     rate = steps / seconds if seconds > 0 else float("nan")
     print(f"prefill {prefill * 1000:.0f} ms, {new} new tokens, decode {rate:.1f} tokens/s", file=sys.stderr)
 
 
-def _echo(pieces):
+def echo(pieces):
     for piece in pieces:
         print(piece, end="", flush=True)
         yield piece
 
 
-def _sampling_options(p, max_new_tokens=None):
+def sampling_options(p, max_new_tokens=None):
     shown = 32 if max_new_tokens is None else max_new_tokens  # None: generate's own default
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
                    help=f"tokens to generate (default {shown})")
@@ -104,14 +104,14 @@ def _sampling_options(p, max_new_tokens=None):
     p.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help="penalty > 0 on seen tokens")
 
 
-def _steer_options(p):
+def steer_options(p):
     p.add_argument("--control-vector", default=None, metavar="VEC.gguf", help="steer with this control vector")
     p.add_argument("--strength", type=float, default=None,
                    help="control-vector strength (default 1.0; for --runtime onnx: the exported default)")
     p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
 
 
-def _quantize_option(p):
+def quantize_option(p):
     p.add_argument("--quantize", default=None, metavar="Q",
                    help="weights of the eager model: 'gguf' (a GGUF file's own quantised blocks on ggml's "
                         f"kernels), a ggml type (q8_0, q5_0, q4_k, ...) or {' / '.join(SCHEMES)} (PyTorch kernels)")
@@ -120,6 +120,6 @@ def _quantize_option(p):
                         "most of a decode step's bytes) straight from the file's blocks")
 
 
-def _model_options(p):
+def model_options(p):
     p.add_argument("--model", default="gemma3-270m", help="preset name, GGUF file or HF folder (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")

@@ -1,7 +1,7 @@
 """`kvwire plot`: draw the model's layer graph with Graphviz."""
 import sys
 
-from .options import _load_model, _model_options, _steer_options
+from .options import load_model, model_options, steer_options
 
 
 def add(commands):
@@ -9,8 +9,8 @@ def add(commands):
                              description="Draw the model's layer graph with Graphviz. Inserted layers are "
                              "orange; with --cached, the cache inputs and outputs of every layer are drawn.")
     pl.add_argument("output", help="output file: .svg, .png, .pdf or .dot")
-    _model_options(pl)
-    _steer_options(pl)
+    model_options(pl)
+    steer_options(pl)
     pl.add_argument("--cached", action="store_true", help="draw the cached graph (layer depth, cache wiring)")
     pl.add_argument("--depth", choices=["block", "layer"], default="block", help="granularity (default: block)")
     pl.set_defaults(run=run)
@@ -19,6 +19,6 @@ def add(commands):
 def run(args):
     from ..graph import plot
 
-    lm = _load_model(args)
+    lm = load_model(args)
     plot(lm.cached if args.cached else lm.backbone, args.output, depth=args.depth)
     print(f"wrote {args.output}", file=sys.stderr)

@@ -1,21 +1,21 @@
 """`kvwire score`: the perplexity of a text file."""
 import torch
 
-from .options import _load_model, _model_options, _quantize_option, _steer_options
+from .options import load_model, model_options, quantize_option, steer_options
 
 
 def add(commands):
     s = commands.add_parser("score", help="perplexity of a text file", description="Print the perplexity of a "
                             "UTF-8 text file under the model (one uncached pass).")
     s.add_argument("file", help="text file")
-    _model_options(s)
-    _quantize_option(s)
-    _steer_options(s)
+    model_options(s)
+    quantize_option(s)
+    steer_options(s)
     s.set_defaults(run=run)
 
 
 def run(args):
-    lm = _load_model(args, args.quantize)
+    lm = load_model(args, args.quantize)
     with open(args.file, encoding="utf-8") as f:
         text = f.read()
     logprobs = lm.score(text)

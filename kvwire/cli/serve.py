@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from .options import _load_model, _model_options, _named_files, _quantize_option
+from .options import load_model, model_options, named_files, quantize_option
 
 
 def add(commands):
@@ -10,8 +10,8 @@ def add(commands):
                             description="An OpenAI-compatible server: POST /v1/chat/completions, /v1/completions, "
                             "GET /v1/models, /health. Requests choose control-vector strengths with "
                             "\"steer\": {NAME: strength} (absent names: 0).")
-    _model_options(s)
-    _quantize_option(s)
+    model_options(s)
+    quantize_option(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--control-vector", action="append", default=None, metavar="NAME=FILE",
@@ -29,9 +29,9 @@ def run(args):
     from ..serve import create_app, serve
     from ..steer import ControlVector
 
-    named = _named_files(args.control_vector or [])  # refuse bad NAME=FILE before loading anything
+    named = named_files(args.control_vector or [])  # refuse bad NAME=FILE before loading anything
     vectors = {name: ControlVector.load(path) for name, path in named.items()}
-    lm = _load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
+    lm = load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
     app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "

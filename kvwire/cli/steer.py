@@ -1,7 +1,7 @@
 """`kvwire steer train` and `kvwire steer sweep`: train control vectors and sweep their strength."""
 import sys
 
-from .options import _model_options
+from .options import model_options
 
 
 def add(commands):
@@ -16,7 +16,7 @@ def add(commands):
     t.add_argument("--method", default="pca_center", choices=["pca_center", "pca_diff", "mean_diff"])
     t.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward (default 8)")
     t.add_argument("-o", "--output", required=True, metavar="VEC.gguf", help="where to write the vector")
-    _model_options(t)
+    model_options(t)
     t.set_defaults(run=run_train)
     w = actions.add_parser("sweep", help="a probe and a sample per strength (optionally plotted)",
                            description="Steer with a control vector at each strength; print the probe (mean "
@@ -34,7 +34,7 @@ def add(commands):
                    help="a prompt the probe reads the next word after (repeatable; default: five neutral ones)")
     w.add_argument("--plot", default=None, metavar="SWEEP.png", help="draw probe vs strength and the samples")
     w.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
-    _model_options(w)
+    model_options(w)
     w.set_defaults(run=run_sweep)
 
 

@@ -6,7 +6,6 @@ Core ML wants static shapes, so the package has two entry points from one copy o
 outputs (`past.*` / `present.*`). Integer inputs and the mask are int32. Prediction needs macOS;
 `check_coreml` verifies the package structurally on any machine.
 """
-import shutil
 import tempfile
 from pathlib import Path
 

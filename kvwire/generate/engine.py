@@ -31,7 +31,7 @@ import torch
 from ..io.heap import give_back_freed_memory
 from .loop import Stopper, nonfinite_error
 from .pick import choose, take_rows
-from .prefix import PrefixStore, copy_positions
+from .prefix import copy_positions
 from .request import RequestError, fits, positive_int, runtime_values, token_ids
 from .request import repetition_penalty as check_penalty
 from .request import seed as check_seed

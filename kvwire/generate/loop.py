@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .session import Session
 
 
 @dataclass

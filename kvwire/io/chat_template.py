@@ -6,7 +6,6 @@ prompt is byte-for-byte what transformers would build. Templates come from the H
 untrusted: on top of the sandbox, repetition, concatenation, powers, `range` and the output are bounded.
 """
 import json
-import operator
 from datetime import datetime
 from pathlib import Path
 

@@ -9,7 +9,6 @@ longer than the window, and it reads the cache in place instead of concatenating
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
 from ..kernels.cpu import bf16_gemm
 from ..kernels.tracing import is_exporting
