@@ -22,7 +22,8 @@ def process_words(text):
 
 
 def test_the_pattern_finds_process_words_and_spares_technical_ones():
-    flagged = ["measured in " + "session 23", "see " + "issue 16", "as " + "helper-14 found", "the " + "seed's example"]
+    # split, so that this file does not hold the phrases it looks for
+    flagged = ["measured in sess" + "ion 23", "see iss" + "ue 16", "as help" + "er-14 found", "the se" + "ed's example"]
     spared = ["kvwire/generate/session.py", "onnxruntime's InferenceSession", "a random seed", "seed + i",
               "coremltools #2008", "keras-hub #1598", "pytorch/pytorch#176347", "the seed of row i", "the seed gives the same tokens",
               "session.prefill()"]
