@@ -71,12 +71,3 @@ def test_the_files_a_page_names_in_code_exist(page):
 def test_the_readme_names_files_at_all():
     text = (ROOT / "README.md").read_text()
     assert set(NAMED.findall(text)) | set(RUN.findall(text)), "no file names found: the pattern is wrong"
-
-
-def test_the_manual_speaks_of_the_project_only():
-    """No words about the team's work process: work periods, internal ticket numbers, reviewers."""
-    # public references name their project and use "#": "coremltools #2008"
-    process = re.compile(r"\bsessions? \d+|\bissue \d+|\bhelper-\d+|\bthe seed's|\bthe seed\b", re.I)
-    found = {page: process.findall((ROOT / page).read_text()) for page in manual_pages()}
-    found = {page: words for page, words in found.items() if words}
-    assert not found, f"process words in the manual: {found}"

@@ -109,3 +109,30 @@ def test_unknown_runtime_inputs_are_one_error_in_python_and_the_engine(served):
     engine = _engine(lm, inputs={"sad_strength": 1.0})
     assert str(python) == str(engine)
     assert str(python).startswith("unknown runtime inputs ['sad_strength']; this model takes ['formal_start'")
+
+
+def test_the_engine_refuses_what_its_steps_could_not_run(served):
+    lm, _ = served
+    engine = kw.Engine(lm, max_batch=1, max_length=64)
+    ids = lm.encode(PROMPT)
+    with pytest.raises(TypeError, match="sampler must be a kvwire sampler"):
+        engine.submit(ids, 4, sampler="greedy")
+    with pytest.raises(RequestError, match="beam search runs through generate"):
+        engine.submit(ids, 4, sampler=kw.BeamSearch(num_beams=2))
+    with pytest.raises(RequestError, match=r"stop token id 999 is outside the vocabulary \[0, 260\)"):
+        engine.submit(ids, 4, stop_ids=[999])
+    with pytest.raises(RequestError, match="top_logprobs must be an int >= 0, got -1"):
+        engine.submit(ids, 4, top_logprobs=-1)
+    assert engine.idle  # nothing was queued
+
+
+def test_every_rows_seed_must_fit_and_the_message_quotes_the_callers_seed(served):
+    lm, server = served
+    top = 2 ** 64 - 1
+    with pytest.raises(RequestError, match=rf"seed must be an int in \[-2\*\*63, 2\*\*64 - 1 .*got {top}$"):
+        lm.generate([PROMPT, PROMPT], seed=top)
+    assert isinstance(lm.generate(PROMPT, seed=top, max_new_tokens=2), str)  # one row: the top seed fits
+    sample = dict(sampler=kw.Random(1.0), max_new_tokens=6)
+    assert lm.generate(PROMPT, seed=7.0, **sample) == lm.generate(PROMPT, seed=7, **sample)  # an integral float
+    http = _http(server, seed=top, n=2)
+    assert http["param"] == "seed" and http["message"].endswith(f"got {top}")

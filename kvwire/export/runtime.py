@@ -138,8 +138,9 @@ class ExportedLM(GenerationMethods):
 
     def __init__(self, graph, tokenizer, meta):
         self.cached, self.tokenizer, self.meta = graph, tokenizer, meta
-        self.pool = CachePool()
+        self.pool = CachePool()  # caches at the exported length, kept between calls
         self.device = torch.device("cpu")
+        self.prefill_call_tokens = None  # as `CausalLM.prefill_call_tokens`
 
     @property
     def vocab_size(self):
@@ -161,7 +162,14 @@ class ExportedLM(GenerationMethods):
         and does not use the prefix store (a row's cache cannot be seeded at another index)."""
         length = self.meta["max_length"]
         return Runner(self.cached, nn.Identity(), self.vocab_size, self.device, self.max_context, self.tokenizer,
-                      self.eos_token_ids, cache_length=lambda n: length, multiple=self._multiple, pool=self.pool)
+                      self.eos_token_ids, prefill_call_tokens=self.prefill_call_tokens,
+                      cache_length=lambda n: length, multiple=self._multiple, pool=self.pool)
+
+    def reset_caches(self):
+        """Free the caches kept between calls and the prefix store's entries."""
+        self.pool.clear()
+        if self._prefix_store is not None:
+            self._prefix_store.clear()
 
     def __call__(self, token_ids):
         return self.forward(token_ids)

@@ -32,11 +32,12 @@ from ..io.heap import give_back_freed_memory
 from .loop import Stopper, nonfinite_error
 from .pick import choose, take_rows
 from .prefix import copy_positions
-from .request import RequestError, fits, positive_int, runtime_values, token_ids
+from .request import RequestError, fits, positive_int, runtime_values, stop_token_ids, token_ids
 from .request import repetition_penalty as check_penalty
+from .request import sampler as check_sampler
 from .request import seed as check_seed
 from .request import stop_strings as check_stops
-from .samplers import Greedy
+from .request import top_logprobs as check_top
 from .prefill import Prefill
 from .sequence import Sequence
 from .session import decode_step
@@ -77,8 +78,9 @@ class Engine:
         positive_int(prefill_chunk, "prefill_chunk")
         max_length = runner.max_context if max_length is None else max_length
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-            raise RequestError(f"max_length must be an int >= 2 (the model has no context length to default "
-                               f"to), got {max_length!r}", "max_length")
+            raise RequestError(f"max_length must be an int >= 2, got {max_length!r}"
+                               + (" (the model has no context length to default to)" if runner.max_context is None
+                                  else ""), "max_length")
         # everything a step needs comes from the runner, read once: `submit` runs on callers'
         # threads (a server's event loop), where reading a Parameter while another thread traces
         # (torch.fx patches nn.Module.__getattr__ process-wide) gives a Proxy
@@ -128,9 +130,13 @@ class Engine:
         seed = check_seed(seed)
         repetition_penalty = check_penalty(repetition_penalty)
         stop_strings = check_stops(stop_strings)
-        generator = None if seed is None else torch.Generator(device="cpu").manual_seed(int(seed))
+        if stop_strings and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none", "stop")
+        sampler, top_logprobs = check_sampler(sampler, beams=False), check_top(top_logprobs)
+        stop_ids = stop_token_ids(stop_ids, self.vocab_size, "stop_ids")
+        generator = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
         stopper = Stopper(stop_ids, stop_strings, self.tokenizer if stop_strings else None)
-        seq = Sequence(prompt, max_new_tokens, Greedy() if sampler is None else sampler, generator, stopper,
+        seq = Sequence(prompt, max_new_tokens, sampler, generator, stopper,
                        dict(inputs or {}), repetition_penalty, logprobs, top_logprobs, listener, reuse_prefix,
                        label or f"request {next(_numbers)}")
         if self.prefix_store is not None and reuse_prefix:

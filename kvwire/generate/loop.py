@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 
-
 @dataclass
 class Generation:
     """What a generation produced, per row: token ids (stop tokens and stop strings excluded),

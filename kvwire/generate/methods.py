@@ -197,11 +197,11 @@ class GenerationMethods:
         runner = self.runner()
         longest = max(len(r) for r in rows)
         new = request.new_tokens(longest, max_new_tokens, max_length, context=runner.max_context)
-        sampler, seed = request.sampler(sampler), request.seed(seed)
+        sampler, seed = request.sampler(sampler), request.seed(seed, rows=len(rows))
         stop = request.stop_strings(stop)
         if stop and runner.tokenizer is None:
             raise request.RequestError("stop strings need a tokenizer; this model has none", "stop")
-        request.repetition_penalty(repetition_penalty)
+        repetition_penalty = request.repetition_penalty(repetition_penalty)
         stop_ids = request.stop_token_ids(stop_token_ids, runner.vocab_size) \
             + (() if ignore_eos else tuple(runner.eos_token_ids)) + tuple(extra_stop_ids)
         stopper = Stopper(stop_ids, stop, runner.tokenizer if text or stop else None)

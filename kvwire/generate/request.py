@@ -126,14 +126,14 @@ def uncached_input(token_ids, vocab_size, context, device):
     if token_ids.dim() != 2:
         raise RequestError(f"lm(token_ids) expects a (B, T) tensor, got shape {tuple(token_ids.shape)}"
                            + ("; use ids[None] for one row" if token_ids.dim() == 1 else ""), "token_ids")
-    length(token_ids.shape[1], context, "the input")
+    length(token_ids.shape[1], context, "the input", "token_ids")
 
 
-def length(tokens, context, what="the prompt"):
+def length(tokens, context, what="the prompt", param="prompt"):
     """Refuse `tokens` tokens past the model's context (positions it has no embedding or rotary range for)."""
     if context is not None and tokens > context:
         raise RequestError(f"{what} has {tokens} tokens, more than the model's context of {context} tokens",
-                           "prompt", "context_length_exceeded")
+                           param, "context_length_exceeded")
 
 
 def stop_strings(stop, param="stop"):
@@ -168,30 +168,50 @@ def stop_token_ids(ids, vocab_size, param="stop_token_ids"):
 
 
 def repetition_penalty(value, param="repetition_penalty"):
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise RequestError(f"{param} must be a finite number > 0, got {value!r}", param)
-    return value
-
-
-def seed(value, param="seed"):
-    """A seed for torch's generator: an int in [-2**63, 2**64), or None."""
+    """A penalty > 0 as a float (any real number: Python, NumPy, a 0-d tensor), or None."""
     if value is None:
         return None
-    number = _as_int(value)
-    if number is None or not SEED_RANGE[0] <= number < SEED_RANGE[1]:
-        raise RequestError(f"{param} must be an int in [-2**63, 2**64), got {value!r:.40}", param)
+    number = _as_float(value)
+    if number is None or not (math.isfinite(number) and number > 0):
+        raise RequestError(f"{param} must be a finite number > 0, got {value!r}", param)
     return number
 
 
-def sampler(value):
-    """The sampler to use: `value`, or kw.Greedy() for None."""
+def seed(value, rows=1, param="seed"):
+    """A seed for torch's generator, or None: an int (an integral float is taken as one) such that
+    the seeds of `rows` rows, value + i, all lie in [-2**63, 2**64)."""
+    if value is None:
+        return None
+    number = _as_int(value)
+    if number is None and isinstance(_as_float(value), float) and _as_float(value).is_integer():
+        number = int(_as_float(value))
+    high = SEED_RANGE[1] - rows + 1
+    if number is None or not SEED_RANGE[0] <= number < high:
+        limit = "2**64" if rows == 1 else f"2**64 - {rows - 1} (row i draws from seed + i, {rows} rows)"
+        raise RequestError(f"{param} must be an int in [-2**63, {limit}), got {value!r:.40}", param)
+    return number
+
+
+def sampler(value, beams=True):
+    """The sampler to use: `value`, or kw.Greedy() for None; `beams=False` where rows sample one by
+    one (the engine: beam search reorders rows, so it runs through `generate`)."""
     from .samplers import BeamSearch, Greedy, Sampler
 
     if value is None:
         return Greedy()
     if not isinstance(value, (Sampler, BeamSearch)):
         raise TypeError(f"sampler must be a kvwire sampler (kw.Greedy(), kw.TopP(0.9), ...), got {value!r:.80}")
+    if isinstance(value, BeamSearch) and not beams:
+        raise RequestError("the engine samples each row on its own (kw.Greedy, kw.TopP, ...); beam search runs "
+                           "through generate", "sampler")
     return value
+
+
+def top_logprobs(value, param="top_logprobs"):
+    """How many alternatives to record per token: an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise RequestError(f"{param} must be an int >= 0, got {value!r}", param)
+    return int(value)
 
 
 def temperature_sampler(temperature=None, top_p=None):
@@ -249,6 +269,18 @@ def _integer_dtype(dtype):
     if isinstance(dtype, torch.dtype):
         return not dtype.is_floating_point and not dtype.is_complex
     return np.issubdtype(dtype, np.integer)
+
+
+def _as_float(value):
+    """value as a Python float if it is a real number (int, float, NumPy scalar, 0-d real tensor),
+    not a bool; else None."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.dim() == 0 and not value.is_complex() else None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)
+    return None
 
 
 def _as_int(value):

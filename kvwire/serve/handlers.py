@@ -8,6 +8,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..generate import request as checks
 from . import options
 from .errors import APIError
 from .render import ChoiceText, chat_logprobs, completion_logprobs, usage
@@ -65,6 +66,7 @@ class Handlers:
 
     async def _answer(self, kind, prefix, body, rows, stop_ids, logprobs, top, request):
         n = options.choices(body, len(rows))
+        seed = checks.seed(body.seed, rows=n)  # choice j draws from seed + j: every one must fit
         sampler, stops = options.sampler(body), options.stop_strings(body)
         inputs = options.steer_inputs(body, self.names)
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -77,7 +79,7 @@ class Handlers:
             new = options.budget(body, len(ids), self.bridge.engine.max_length)
             for j in range(n):  # choice j of a prompt draws from seed + j, as generate's rows
                 submits.append(dict(prompt=ids, max_new_tokens=new, sampler=sampler, stop_ids=stop_ids,
-                                    seed=None if body.seed is None else body.seed + j, stop_strings=stops,
+                                    seed=None if seed is None else seed + j, stop_strings=stops,
                                     inputs=inputs, logprobs=logprobs, top_logprobs=top,
                                     label=f"{rid} choice {len(submits)}"))
         run = self.bridge.run(submits)

@@ -26,9 +26,10 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 from typing import Union
 
+from ..generate.request import RequestError
 from ..steer import ControlVector
 from ..steer.vector import METHODS, _check_pairs, parse_layers
-from .errors import APIError
+from .errors import APIError, from_request_error
 
 log = logging.getLogger("kvwire.serve")
 STATIC = Path(__file__).parent / "static"
@@ -215,6 +216,8 @@ def _sweep(served, body):
     try:
         result = sweep(served.lm, served.vectors[body.vector], body.strengths, probe=WordGap(**words),
                        max_new_tokens=body.max_tokens, **options)
+    except RequestError as e:
+        raise from_request_error(e) from None
     except ValueError as e:
         raise APIError(str(e), code="invalid_value") from None
     return {"vector": body.vector, **result.to_dict()}
