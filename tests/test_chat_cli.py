@@ -108,3 +108,35 @@ def test_serve_refuses_a_name_given_twice(capsys):
     assert cli.main(["serve", "--model", "/nonexistent", "--control-vector", "a=x.gguf", "--control-vector",
                      "a=y.gguf"]) == 2
     assert "'a' is given twice" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_a_reply_keeps_the_conversation_and_quits_cleanly_at_the_prompt(folder, monkeypatch, capsys):
+    """Ctrl-C during a reply ends that reply (what was shown stays in the conversation); at the
+    prompt it leaves with exit code 0 and no traceback."""
+    seen = []
+    real_chat = kw.CausalLM.chat
+
+    def chat(self, messages, *args, **kwargs):
+        seen.append([dict(m) for m in messages])
+        pieces = real_chat(self, messages, *args, **kwargs)
+        if len(seen) == 1:  # the first reply is interrupted after its first piece
+            def interrupted():
+                yield next(pieces)
+                raise KeyboardInterrupt
+            return interrupted()
+        return pieces
+
+    lines = iter(["Hello", "More"])
+
+    def prompt(_=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+    monkeypatch.setattr(kw.CausalLM, "chat", chat)
+    monkeypatch.setattr("builtins.input", prompt)
+    code = cli.main(["chat", "--model", str(folder), "--max-new-tokens", "6"])
+    err = capsys.readouterr().err
+    assert code == 0 and "(reply stopped)" in err and "(bye)" in err and "Traceback" not in err
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]  # the stopped turn was kept
+    assert seen[1][1]["content"] and seen[1][2]["content"] == "More"

@@ -42,6 +42,9 @@ def run(args):
             line = input("> " if interactive else "")
         except EOFError:
             break
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: leave cleanly, not with a traceback
+            print("\n(bye)", file=sys.stderr)
+            break
         command = line.strip()
         if command == "/exit":
             break
@@ -52,11 +55,15 @@ def run(args):
         if not command:
             continue
         messages.append({"role": "user", "content": line})
+        pieces = []
         try:
-            reply = "".join(echo(lm.chat(messages, stream=True, **options)))
+            for piece in echo(lm.chat(messages, stream=True, **options)):
+                pieces.append(piece)
         except ValueError as e:  # the conversation outgrew the context, the template refused it, ...
             messages.pop()
             print(f"\nkvwire: error: {e} (/reset starts over)", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # Ctrl-C during a reply: stop it, keep what was shown and the conversation
+            print("\n(reply stopped)", file=sys.stderr, end="")
         print(flush=True)
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": "".join(pieces)})

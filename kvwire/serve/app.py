@@ -42,9 +42,12 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
     """
     if lm.tokenizer is None:
         raise ValueError("the served model has no tokenizer; the API takes text")
+    context = lm.max_context
     if max_length is None:
-        context = lm.max_context
         max_length = DEFAULT_MAX_LENGTH if context is None else min(context, DEFAULT_MAX_LENGTH)
+    elif context is not None and max_length > context:  # positions past it have no embedding or rotary range
+        raise ValueError(f"max_length (--max-length) is {max_length}, more than the model's context of {context} "
+                         f"tokens; expected at most {context}")
     served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length),
                            prefix_bytes=prefix_bytes)
     bridge = served.bridge

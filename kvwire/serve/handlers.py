@@ -41,7 +41,8 @@ class Handlers:
             raise APIError(str(e), param="messages", code="invalid_value") from None
         stop_ids = tuple(self.lm.eos_token_ids) + tuple(self.tokenizer.end_of_turn_ids)
         top = body.top_logprobs or 0
-        return await self._answer("chat.completion", "chatcmpl", body, [ids], stop_ids, body.logprobs, top, request)
+        return await self._answer("chat.completion", "chatcmpl", body, [ids], stop_ids, bool(body.logprobs), top,
+                                  request)
 
     async def complete(self, body, request: Request):
         self._check(body)

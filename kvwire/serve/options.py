@@ -59,7 +59,7 @@ def steer_inputs(request, names):
 
 
 def choices(request, prompts):
-    n = checks.positive_int(request.n, "n")
+    n = 1 if request.n is None else checks.positive_int(request.n, "n")
     if n * prompts > MAX_CHOICES:
         raise APIError(f"n x prompts must be at most {MAX_CHOICES}; got n={n} for {prompts} "
                        f"prompt(s)", param="n", code="invalid_value")

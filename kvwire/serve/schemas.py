@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI endpoints kvwire serves, as pydantic models.
 
 Types are strict (a "0.5" string is not a number, true is not an int), so a wrong type is a 400
-naming the field rather than a guess. Fields OpenAI has and kvwire does not use are ignored,
-except those that would change the answer (`tools`, `response_format`, penalties), which
-`unsupported` refuses. kvwire's own addition: `steer`, {control-vector name: strength}.
+naming the field rather than a guess; null is taken wherever OpenAI's spec allows it (the field's
+default). Fields OpenAI has and kvwire does not use are ignored, except those that would change the
+answer (`tools`, `response_format`, penalties, `echo`, `suffix`, `best_of`), which `unsupported`
+refuses. kvwire's own addition: `steer`, {control-vector name: strength}.
 """
 from typing import Any, Union
 
@@ -27,8 +28,8 @@ class _Sampling(BaseModel):
     max_tokens: StrictInt | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    n: StrictInt = 1
-    stream: bool = False
+    n: StrictInt | None = None  # null: 1, as OpenAI's spec allows
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     steer: dict[str, Number] | None = None
     frequency_penalty: Number | None = None
@@ -41,7 +42,7 @@ class ChatRequest(_Sampling):
 
     messages: list[dict[str, Any]]
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -52,7 +53,9 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str]
     logprobs: StrictInt | None = None
-    echo: bool = False
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: StrictInt | None = None
 
 
 def unsupported(request):
@@ -69,4 +72,8 @@ def unsupported(request):
         return "response_format", f"response_format {fmt.get('type')!r} is not supported (only 'text')"
     if getattr(request, "echo", False):
         return "echo", "echo is not supported"
+    if getattr(request, "suffix", None):
+        return "suffix", "suffix (insertion) is not supported"
+    if getattr(request, "best_of", None) not in (None, 1):
+        return "best_of", f"best_of is not supported (only 1), got {request.best_of}; ask for n choices instead"
     return None

@@ -1,0 +1,74 @@
+"""The HTTP API against OpenAI's spec where clients lean on it: nulls where the spec allows them,
+fields kvwire cannot honour refused (never ignored), 405 answers naming the allowed methods, and a
+`--max-length` past the model's context refused at start-up."""
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from kvwire.serve import create_app  # noqa: E402
+
+from .serve_fixtures import Server, tiny_chat_lm  # noqa: E402
+
+HELLO = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_chat_lm()
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    s = Server(create_app(lm, "tiny", max_batch=2, max_length=128))
+    yield s
+    s.close()
+
+
+def _post(server, path, body):
+    return httpx.post(f"{server.url}/v1/{path}", json=body)
+
+
+def test_nulls_allowed_by_openais_spec_take_the_defaults(server):
+    base = {"messages": HELLO, "max_tokens": 4, "temperature": 0}
+    plain = _post(server, "chat/completions", base)
+    nulls = _post(server, "chat/completions", {**base, "n": None, "stream": None, "logprobs": None,
+                                                 "top_logprobs": None, "stop": None, "seed": None})
+    assert plain.status_code == nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    assert len(nulls.json()["choices"]) == 1 and nulls.json()["choices"][0]["logprobs"] is None
+    done = _post(server, "completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "n": None,
+                                         "echo": None, "suffix": None, "best_of": None, "logprobs": None})
+    assert done.status_code == 200, done.text
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("suffix", "and then", "suffix (insertion) is not supported"),
+    ("best_of", 3, "best_of is not supported (only 1), got 3"),
+    ("echo", True, "echo is not supported"),
+])
+def test_completion_fields_kvwire_cannot_honour_are_refused_not_ignored(server, field, value, message):
+    response = _post(server, "completions", {"prompt": "Hello", "max_tokens": 4, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and message in error["message"]
+
+
+def test_best_of_one_is_the_plain_answer(server):
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert _post(server, "completions", {**body, "best_of": 1}).json()["choices"][0]["text"] == \
+        _post(server, "completions", body).json()["choices"][0]["text"]
+
+
+def test_a_wrong_method_answers_405_with_allow(server):
+    response = httpx.get(f"{server.url}/v1/chat/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json()["error"]["message"].startswith("GET /v1/chat/completions:")
+
+
+def test_max_length_past_the_models_context_is_refused_at_start(lm):
+    with pytest.raises(ValueError, match=r"max_length \(--max-length\) is 100000, more than the model's context of "
+                                         r"256 tokens; expected at most 256"):
+        create_app(lm, "tiny", max_length=100000)
