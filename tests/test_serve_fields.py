@@ -72,3 +72,34 @@ def test_max_length_past_the_models_context_is_refused_at_start(lm):
     with pytest.raises(ValueError, match=r"max_length \(--max-length\) is 100000, more than the model's context of "
                                          r"256 tokens; expected at most 256"):
         create_app(lm, "tiny", max_length=100000)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("completions", '{"prompt": "\\ud800 hi", "max_tokens": 2}', "prompt"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+     "messages[0].content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_where_it_is(server, path, body, param):
+    response = httpx.post(f"{server.url}/v1/{path}", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone surrogate U+D800" in error["message"]
+
+
+def test_the_python_api_refuses_a_lone_surrogate_with_the_same_message(lm):
+    from kvwire.generate.request import RequestError
+
+    with pytest.raises(RequestError, match=r"^prompt holds a lone surrogate U\+D800 at character 0; expected valid"):
+        lm.generate("\ud800 hi", max_new_tokens=2)
+    with pytest.raises(RequestError, match=r"^messages\[0\]\.content holds a lone surrogate U\+D800 at character 1"):
+        lm.chat([{"role": "user", "content": "a\ud800"}], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_valid_json_is_read_whatever_the_content_type(server, content_type):
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = '{"prompt": "Hello", "max_tokens": 3, "temperature": 0}'
+    response = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers)
+    assert response.status_code == 200, response.text
+    want = _post(server, "completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert response.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]

@@ -110,6 +110,7 @@ class GenerationMethods:
         if isinstance(options.get("sampler"), BeamSearch):
             raise request.RequestError("chat samples (kw.Greedy, kw.TopP, ...); beam search runs through generate",
                                        "sampler")
+        request.message_texts(messages)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         request.checked_vocab(ids, self.vocab_size, "the chat template's tokens reach id {}")
         run = self._start([ids], max_new_tokens, max_length, text=True, **options,

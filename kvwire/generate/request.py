@@ -320,6 +320,32 @@ def is_id_row(p):
     return isinstance(p, torch.Tensor) and p.dim() == 1
 
 
+def unicode_text(text, param="prompt"):
+    """`text` if it is valid Unicode: JSON can carry a lone surrogate ("\\ud800"), which no
+    tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{param} holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}; "
+                           f"expected valid Unicode text", param) from None
+    return text
+
+
+def message_texts(messages, param="messages"):
+    """Check every string inside chat messages (contents, names, text parts) with `unicode_text`."""
+    def walk(value, where):
+        if isinstance(value, str):
+            unicode_text(value, where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}.{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+    walk(messages, param)
+    return messages
+
+
 def encoded(tokenizer, text, vocab_size):
     """`text`'s token ids, checked against the model's vocabulary."""
     if tokenizer is None:
@@ -328,6 +354,7 @@ def encoded(tokenizer, text, vocab_size):
         raise TypeError(f"expected a str to encode, got {type(text).__name__}")
     if not text:
         raise RequestError("the prompt is empty; expected at least one character", "prompt")
+    unicode_text(text)
     return checked_vocab(tokenizer.encode(text), vocab_size, "the tokenizer gave token id {} for " + f"{text!r:.40}")
 
 

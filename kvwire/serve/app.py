@@ -64,6 +64,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
             bridge.stop()
 
     app = FastAPI(title="kvwire", summary=f"OpenAI-compatible API over kvwire ({model_name})", lifespan=lifespan)
+    app.add_middleware(JSONBodies)
     app.state.bridge, app.state.served = bridge, served
     errors.install(app)
     if playground:
@@ -101,6 +102,20 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
                 "running": sum(r is not None for r in engine.rows)}
 
     return app
+
+
+class JSONBodies:
+    """The API's POST bodies are JSON whatever Content-Type says: `curl -d` sends form encoding and
+    some clients send none, and valid JSON must not be refused as "not a JSON object"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 def serve(app, host="127.0.0.1", port=8000, log_level="info"):

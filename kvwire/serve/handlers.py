@@ -35,6 +35,7 @@ class Handlers:
                            f"top_logprobs={body.top_logprobs}, logprobs={body.logprobs}", param="top_logprobs")
         if not body.messages:
             raise APIError("messages is empty; expected at least one message", param="messages", code="invalid_value")
+        checks.message_texts(body.messages)
         try:
             ids = self.tokenizer.apply_chat_template([_flatten(m) for m in body.messages], tokenize=True)
         except (ValueError, TypeError) as e:  # the template's (or its message checks') refusal
@@ -52,7 +53,7 @@ class Handlers:
         if not prompts or any(not p for p in prompts):
             raise APIError(f"prompt must be a non-empty str or a non-empty list of them, got {body.prompt!r:.80}",
                            param="prompt", code="invalid_value")
-        rows = [self.tokenizer.encode(p) for p in prompts]
+        rows = [self.tokenizer.encode(checks.unicode_text(p, "prompt")) for p in prompts]
         want = body.logprobs is not None
         return await self._answer("text_completion", "cmpl", body, rows, tuple(self.lm.eos_token_ids), want,
                                   body.logprobs or 0, request)
