@@ -117,3 +117,30 @@ def test_quantised_modules_declare_their_cpu_only_kernels():
     assert QuantizedLinear.exportable is False and GGMLLinear.exportable is False
     for ordinary in (nn.Linear, Linear):
         assert getattr(ordinary, "cpu_only", None) is None and getattr(ordinary, "exportable", True)
+
+
+def test_threads_switch_and_option_size_torchs_pool(monkeypatch, capsys, tmp_path):
+    """--threads (or KVWIRE_THREADS) sets torch's CPU pool before the command runs; bad values are
+    refused naming what was received."""
+    import torch
+
+    from kvwire import cli
+
+    before = torch.get_num_threads()
+    want = 2 if before != 2 else 3
+    try:
+        # a command that fails after the pool is sized: a model file that does not exist
+        missing = str(tmp_path / "missing.gguf")
+        assert cli.main(["score", str(tmp_path / "t.txt"), "--model", missing, "--threads", str(want)]) == 2
+        assert torch.get_num_threads() == want
+        monkeypatch.setenv("KVWIRE_THREADS", "1")
+        assert cli.main(["score", str(tmp_path / "t.txt"), "--model", missing]) == 2
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("KVWIRE_THREADS", "many")
+        assert cli.main(["score", str(tmp_path / "t.txt"), "--model", missing]) == 2
+        assert "KVWIRE_THREADS='many'; expected a positive int" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "hi", "--threads", "0"])
+    assert "expected a positive int, got '0'" in capsys.readouterr().err

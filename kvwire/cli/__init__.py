@@ -7,7 +7,7 @@ import sys
 import torch
 
 from . import chat, export, generate, info, plot, score, serve, steer
-from .options import SAMPLERS, make_sampler
+from .options import SAMPLERS, make_sampler, use_threads
 from .steer import read_pairs
 
 __all__ = ["SAMPLERS", "main", "make_sampler", "parser", "read_pairs"]
@@ -26,6 +26,7 @@ def parser():
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
+        use_threads(args)
         with torch.no_grad():  # restored on return: main(argv) called in a process leaves its grad mode as it was
             code = args.run(args)
     except (ValueError, TypeError, OSError, RuntimeError, FloatingPointError) as e:

@@ -1,6 +1,10 @@
 """What the commands share: samplers from options, model loading, option groups, terminal output."""
+import argparse
 import sys
 
+import torch
+
+from ..kernels import switches
 from ..quant import SCHEMES
 
 SAMPLERS = ("greedy", "random", "top-k", "top-p", "min-p", "beam")
@@ -87,6 +91,20 @@ def echo(pieces):
         yield piece
 
 
+def positive(text):
+    """argparse type: an int >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return int(text)
+
+
+def use_threads(args):
+    """Size torch's CPU thread pool as --threads (or KVWIRE_THREADS) asks, before any model work."""
+    n = getattr(args, "threads", None) or switches.threads()
+    if n is not None:
+        torch.set_num_threads(n)
+
+
 def sampling_options(p, max_new_tokens=None):
     shown = 32 if max_new_tokens is None else max_new_tokens  # None: generate's own default
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
@@ -122,4 +140,7 @@ def quantize_option(p):
 
 def model_options(p):
     p.add_argument("--model", default="gemma3-270m", help="preset name, GGUF file or HF folder (default: %(default)s)")
+    p.add_argument("--threads", type=positive, default=None, metavar="N",
+                   help="threads of torch's CPU pool (default: $KVWIRE_THREADS, else one per core); 1 is often "
+                        "faster on a machine busy with other work")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")

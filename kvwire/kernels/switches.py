@@ -40,6 +40,8 @@ TABLE = {s.name: s for s in (
            "x16: kvwire's kernel on repacked blocks (the default with AVX-512 VNNI); ggml: ggml's own"),
     Switch("KVWIRE_CACHE", None, str(Path("~") / ".cache" / "kvwire"), "where converted models and built kernels go",
            "a folder; created when first written"),
+    Switch("KVWIRE_THREADS", None, "torch's default (one per core)", "the threads of torch's CPU pool in kvwire's "
+           "commands", "a positive int; a command's --threads wins over it"),
 )}
 
 
@@ -59,6 +61,16 @@ def get(name):
     if value not in switch.choices:
         raise ValueError(f"{name}={value!r}; expected one of {', '.join(switch.choices)}")
     return value
+
+
+def threads():
+    """The thread count `KVWIRE_THREADS` asks for, or None while unset."""
+    raw = get("KVWIRE_THREADS")
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"KVWIRE_THREADS={raw!r}; expected a positive int (threads of torch's CPU pool)")
+    return int(raw)
 
 
 def cache_root():
