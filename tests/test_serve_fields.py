@@ -103,3 +103,19 @@ def test_valid_json_is_read_whatever_the_content_type(server, content_type):
     assert response.status_code == 200, response.text
     want = _post(server, "completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
     assert response.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+
+
+def test_the_openapi_schema_documents_the_errors_the_server_sends(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    error = spec["components"]["schemas"]["Error"]
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (method, path)  # never sent: refusals are 400s
+            assert responses["default"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
+    assert "400" in spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+    sent = _post(server, "chat/completions", {"messages": HELLO, "max_tokens": 0})
+    body = sent.json()
+    assert sent.status_code == 400 and set(body) == set(error["required"])
+    assert set(body["error"]) == set(error["properties"]["error"]["required"])

@@ -61,8 +61,42 @@ def _type_name(part):
 _TYPES = {"str", "int", "float", "bool", "list", "dict", "none", "StrictInt", "StrictFloat"}
 
 
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def document_errors(app: FastAPI):
+    """Make the OpenAPI schema say what the server sends: a refused request is a 400 in OpenAI's
+    error shape (FastAPI documents its own 422, which this server never sends), and any other
+    status (404, 405, 409, 500, 503) has the same shape."""
+    make = app.openapi
+
+    def openapi():
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = make()
+        spec.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+        for name in ("HTTPValidationError", "ValidationError"):
+            spec["components"]["schemas"].pop(name, None)
+        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for operations in spec.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = {"description": "the request was refused; the message says why", **error}
+                responses["default"] = {"description": "an error in OpenAI's shape", **error}
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi
+
+
 def install(app: FastAPI):
-    """Answer every refusal (ours, pydantic's, routing's 404/405) in OpenAI's error shape."""
+    """Answer every refusal (ours, pydantic's, routing's 404/405) in OpenAI's error shape, and say
+    so in the OpenAPI schema."""
+    document_errors(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
