@@ -119,3 +119,36 @@ def test_the_openapi_schema_documents_the_errors_the_server_sends(server):
     body = sent.json()
     assert sent.status_code == 400 and set(body) == set(error["required"])
     assert set(body["error"]) == set(error["properties"]["error"]["required"])
+
+
+@pytest.mark.parametrize("messages, param, message", [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.org/a.png"}}]}],
+     "messages[0].content", r"only text parts are supported \(the model reads text\); got parts of type \['image_url'\]"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+     "messages[1]", "tool calls and tool results are not supported"),
+    ([{"role": "tool", "content": "42", "tool_call_id": "1"}], "messages[0]", "tool calls and tool results"),
+])
+def test_what_a_text_template_cannot_take_is_refused_naming_the_message(server, messages, param, message):
+    import re
+
+    response = _post(server, "chat/completions", {"messages": messages, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and re.search(message, error["message"]), error
+
+
+def test_a_template_refusal_does_not_show_where_the_template_was_read_from(tmp_path):
+    from kvwire.io.chat_template import ChatTemplate
+
+    origin = str(tmp_path / "secret" / "kvwire_chat.json")
+    lm = tiny_chat_lm()  # its own model: the module's keeps its template
+    lm.tokenizer.chat_template = ChatTemplate("{{ messages[0].missing.deeper }}", origin)
+    s = Server(create_app(lm, "tiny", max_batch=1, max_length=128))
+    try:
+        response = _post(s, "chat/completions", {"messages": HELLO, "max_tokens": 2})
+    finally:
+        s.close()
+    assert response.status_code == 400
+    text = response.json()["error"]["message"]
+    assert str(tmp_path) not in text and text.startswith("the model's chat template: rendering failed"), text

@@ -36,10 +36,11 @@ class Handlers:
         if not body.messages:
             raise APIError("messages is empty; expected at least one message", param="messages", code="invalid_value")
         checks.message_texts(body.messages)
+        _text_only(body.messages)
         try:
             ids = self.tokenizer.apply_chat_template([_flatten(m) for m in body.messages], tokenize=True)
         except (ValueError, TypeError) as e:  # the template's (or its message checks') refusal
-            raise APIError(str(e), param="messages", code="invalid_value") from None
+            raise APIError(self._without_origin(str(e)), param="messages", code="invalid_value") from None
         stop_ids = tuple(self.lm.eos_token_ids) + tuple(self.tokenizer.end_of_turn_ids)
         top = body.top_logprobs or 0
         return await self._answer("chat.completion", "chatcmpl", body, [ids], stop_ids, bool(body.logprobs), top,
@@ -57,6 +58,11 @@ class Handlers:
         want = body.logprobs is not None
         return await self._answer("text_completion", "cmpl", body, rows, tuple(self.lm.eos_token_ids), want,
                                   body.logprobs or 0, request)
+
+    def _without_origin(self, message):
+        """A template's refusal without where the template was read from (a path on this machine)."""
+        origin = getattr(self.tokenizer.chat_template, "origin", None)
+        return message.replace(origin, "the model's chat template") if origin else message
 
     def _check(self, body):
         if body.model is not None and body.model != self.model_name:
@@ -184,6 +190,21 @@ class _Reply:
 
 def _sse(obj):
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _text_only(messages):
+    """Refuse, naming the message, what a text-only chat template cannot take: non-text content
+    parts (images, audio), tool calls and tool results."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"})
+            if kinds:
+                raise APIError(f"messages[{i}].content: only text parts are supported (the model reads text); got "
+                               f"parts of type {kinds}", param=f"messages[{i}].content", code="unsupported")
+        if m.get("tool_calls") or m.get("role") in ("tool", "function"):
+            raise APIError(f"messages[{i}]: tool calls and tool results are not supported (this server takes no "
+                           f"tools)", param=f"messages[{i}]", code="unsupported")
 
 
 def _flatten(message):
