@@ -182,9 +182,9 @@ def seed(value, rows=1, param="seed"):
     the seeds of `rows` rows, value + i, all lie in [-2**63, 2**64)."""
     if value is None:
         return None
-    number = _as_int(value)
-    if number is None and isinstance(_as_float(value), float) and _as_float(value).is_integer():
-        number = int(_as_float(value))
+    number, real = _as_int(value), _as_float(value)
+    if number is None and real is not None and real.is_integer():  # 7.0 is seed 7
+        number = int(real)
     high = SEED_RANGE[1] - rows + 1
     if number is None or not SEED_RANGE[0] <= number < high:
         limit = "2**64" if rows == 1 else f"2**64 - {rows - 1} (row i draws from seed + i, {rows} rows)"
@@ -250,7 +250,8 @@ def runtime_values(inputs, known, param=None):
 
 
 def batch_inputs(inputs, known, batch_size):
-    """generate's `inputs` ({name: (B,) tensor}) as one checked {name: value} per row."""
+    """generate's `inputs` ({name: (B,) tensor}) as one {name: value} per row: names, dtypes and
+    shapes checked here, each row's values by `runtime_values` when `Engine.submit` takes it."""
     inputs = dict(inputs or {})
     runtime_values({name: 0 for name in inputs}, known)  # unknown names first
     for name, value in inputs.items():
@@ -259,10 +260,7 @@ def batch_inputs(inputs, known, batch_size):
                 else type(value).__name__
             raise TypeError(f"runtime input {name!r} must be a {known[name]} tensor of shape ({batch_size},); "
                             f"got {got}")
-    rows = [{name: value[i] for name, value in inputs.items()} for i in range(batch_size)]
-    for row in rows:
-        runtime_values(row, known)
-    return rows
+    return [{name: value[i] for name, value in inputs.items()} for i in range(batch_size)]
 
 
 def _integer_dtype(dtype):
