@@ -8,6 +8,7 @@ from tokenizers import Tokenizer as Backend
 
 from .chat_template import (ChatTemplate, template_end_of_turn_ids, template_from_gguf, template_from_hf_folder,
                             token_strings)
+from .content_text import ContentText
 from .gguf_header import Strings
 from .tokenizer_gguf import PRE_TOKENIZER_SPLITS, add_special_tokens, byte_level_bpe, sentencepiece_bpe
 
@@ -50,6 +51,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._token_strings = dict(special_tokens or {})
         self.eot_token_id = eot_token_id
+        self._content_text = None
 
     @property
     def special_tokens(self):
@@ -74,6 +76,10 @@ class Tokenizer:
         Args:
             messages: a non-empty list of {"role": str, "content": str or a list of parts}.
             tokenize: return token ids instead of text; BOS is not added again (the template writes it).
+                Special-token strings inside a message's content are tokenised as text (a user who
+                types `<|im_end|>` gets the characters, not the control token); the template's own
+                markup becomes control tokens. transformers parses both: this is where kvwire departs
+                from it (the text form, `tokenize=False`, cannot carry the difference).
             variables: passed to the template (`tools`, `documents`, custom flags); they override the
                 special token strings.
 
@@ -85,8 +91,13 @@ class Tokenizer:
             raise ValueError("this model has no chat template (no GGUF tokenizer.chat_template, no chat_template.jinja "
                              "or tokenizer_config.json chat_template); encode a plain prompt instead, or set "
                              "tokenizer.chat_template = kvwire.io.chat_template.ChatTemplate(source)")
-        text = self.chat_template.render(messages, add_generation_prompt, **{**self.special_tokens, **variables})
-        return self.encode(text, add_bos=False) if tokenize else text
+        variables = {**self.special_tokens, **variables}
+        if not tokenize:
+            return self.chat_template.render(messages, add_generation_prompt, **variables)
+        if self._content_text is None or self._content_text.backend is not self.backend:
+            self._content_text = ContentText(self.backend)
+        messages, hidden = self._content_text.hide(messages, self.chat_template.source, variables)
+        return self._content_text.encode(self.chat_template.render(messages, add_generation_prompt, **variables), hidden)
 
     @property
     def vocab_size(self):
@@ -96,7 +107,9 @@ class Tokenizer:
         """text -> list of token ids (BOS first when `add_bos`)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a long text on a server's worker thread
+        # does not stop its event loop
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.add_bos if add_bos is None else add_bos
         return [self.bos_token_id] + ids if bos else ids
 
