@@ -515,3 +515,54 @@ def test_submit_reads_no_parameter_while_another_thread_traces():
     for _ in engine.run([seq]):
         pass
     assert seq.tokens == lm.generate(torch.tensor([3, 17, 42]), max_new_tokens=4, ignore_eos=True).tolist()
+
+
+@pytest.mark.parametrize("family", KINDS)
+def test_a_growing_timeline_equals_single_runs(family, monkeypatch):
+    """grow=True: the rows' timeline starts short and doubles while rows decode and others join
+    (keys/values copied into the longer cache, rings kept); every row equals its single run, and
+    the emptied engine goes back to the short timeline."""
+    from kvwire.generate import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "GROW_FROM", 8)
+    lm = tiny(family)
+    rows = prompts(5, seed=5, low=4, high=12)
+    budgets = [20, 3, 30, 6, 9]
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(lm, max_batch=3, max_length=64, prefill_chunk=4, grow=True, prefix_store=store)
+    assert engine.length == 8
+    first = engine.submit(rows[0], budgets[0])
+    drive(engine, [first], steps=3)
+    assert engine.length == 32  # the first prompt + its budget
+    later = [engine.submit(r, n) for r, n in zip(rows[1:3], budgets[1:3])]
+    drive(engine, [first], steps=2)
+    waiting = [engine.submit(r, n) for r, n in zip(rows[3:], budgets[3:])]
+    seqs = [first, *later, *waiting]
+    drive(engine, seqs)
+    assert engine.stats["timeline_grown"] == 2 and engine.stats["per_row_steps"] > 5
+    for seq, row, n in zip(seqs, rows, budgets):
+        tokens, logprobs = single(lm, row, n)
+        assert seq.tokens == tokens, (seq, row)
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+    engine.step()
+    assert engine.idle and engine.length == 8 and engine.cache is None
+    # a next turn restores its prefix into the short timeline, which grows for it
+    turn2 = rows[2] + seqs[2].tokens + [5, 6, 7]
+    again = engine.submit(turn2, 4)
+    drive(engine, [again])
+    assert again.cached_tokens > 0 and again.tokens == single(lm, turn2, 4)[0]
+
+
+def test_a_growing_engine_never_passes_max_length(monkeypatch):
+    from kvwire.generate import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "GROW_FROM", 16)
+    lm = tiny("llama")
+    engine = Engine(lm, max_batch=2, max_length=40, grow=True)
+    seq = engine.submit(prompts(1, seed=6, low=10, high=11)[0], 29)
+    slots = set()
+    for _ in engine.run([seq]):
+        slots |= {k.shape[2] for k, _ in engine.cache or ()}
+    assert slots == {40} and engine.stats["timeline_grown"] == 1 and seq.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_length"):
+        engine.submit([5] * 30, 11)

@@ -2,6 +2,7 @@
 import argparse
 import sys
 
+from ..serve import limits
 from .options import load_model, model_options, named_files, quantize_option
 
 
@@ -16,10 +17,12 @@ def add(commands):
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--control-vector", action="append", default=None, metavar="NAME=FILE",
                    help="a control vector requests may steer with as \"steer\": {NAME: strength} (repeatable)")
-    s.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoding at once (default 8); "
-                   "more requests wait")
+    s.add_argument("--max-batch", type=int, default=None, metavar="N", help="sequences decoding at once (default 8, "
+                   "fewer when memory is short); more requests wait")
     s.add_argument("--max-length", type=int, default=None, metavar="N",
-                   help="prompt + completion per request (default: the model's context, at most 4096)")
+                   help="prompt + completion per request (default: the model's context, at most 4096, less when "
+                   "memory is short); --max-batch x --max-length rows of keys/values must fit the memory available")
+    limits.add_arguments(s)
     s.set_defaults(run=run)
 
 
@@ -30,10 +33,12 @@ def run(args):
     from ..steer import ControlVector
 
     named = named_files(args.control_vector or [])  # refuse bad NAME=FILE before loading anything
+    bounds = limits.from_args(args)
     vectors = {name: ControlVector.load(path) for name, path in named.items()}
     lm = load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
-    app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors,
+                     limits=bounds)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}); playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)

@@ -16,6 +16,12 @@ runs at most 512 prompt tokens, all rows together, or the model's `prefill_call_
 in lockstep: a batch is admitted only when the engine is empty, and its rows step together until
 the last finishes.
 
+With `grow`, the rows' timeline starts at 256 positions and doubles (up to max_length) when a
+sequence needs more, copying the keys/values into the longer one; when the engine empties it goes
+back to 256. Memory then follows the work (a server of 8 rows x 4096 positions does not hold them
+all from its first request), and decode steps, which attend over every slot, are shorter while
+the sequences are. Powers of two keep the shapes few.
+
 A free row inside the decode batch is fed a dummy token that writes into its own (free) row
 only. Rows keep one shared index while they can (a batch admitted together), which keeps the
 graph on the one-index path `torch.compile`d decode steps were built for.
@@ -43,6 +49,7 @@ from .sequence import Sequence
 from .session import decode_step
 
 _numbers = itertools.count(1)
+GROW_FROM = 256  # a growing engine's first timeline
 
 
 class Engine:
@@ -57,6 +64,9 @@ class Engine:
         prefix_store: a `PrefixStore` to reuse prompts' keys/values from (and store finished
             sequences into), or None.
         cache: caches for (max_batch, max_length) to reuse, as `init_cache` makes them.
+        grow: start the timeline short and double it as sequences need (see the module docstring);
+            for graphs that take a write index per row, uncompiled, without `cache`. Else every row
+            holds max_length positions from the first sequence on.
 
     Single-threaded use: `submit` sequences, then `run(seqs)` (yields after every step) or `step()`.
     From other threads (a server): `submit` and `Sequence.cancel` are thread-safe while one thread
@@ -72,7 +82,7 @@ class Engine:
     """
 
     def __init__(self, lm, max_batch=8, max_length=None, *, prefill_chunk=256, prefix_store=None, cache=None,
-                 multiple=1):
+                 multiple=1, grow=False):
         runner = lm.runner() if hasattr(lm, "runner") else lm
         positive_int(max_batch, "max_batch")
         positive_int(prefill_chunk, "prefill_chunk")
@@ -90,9 +100,11 @@ class Engine:
         self.prefill_chunk, self.prefix_store = prefill_chunk, prefix_store
         self.per_row = bool(getattr(self.cached, "row_index", False))
         self.cache = cache
+        self.grow = bool(grow) and self.per_row and self.decode is None and cache is None
+        self.length = min(GROW_FROM, max_length) if self.grow else max_length  # the rows' timeline now
         self.rows = [None] * max_batch  # the Sequence in each row (or None)
         self.index, self.pads = [0] * max_batch, [0] * max_batch
-        self.mask = torch.zeros(max_batch, max_length, dtype=torch.bool, device=self.device)
+        self.mask = torch.zeros(max_batch, self.length, dtype=torch.bool, device=self.device)
         self.inputs = None  # {name: (max_batch,) tensor}, made with the first row
         self.waiting, self.jobs = deque(), []
         self._inbox = queue.SimpleQueue()
@@ -215,6 +227,9 @@ class Engine:
             self._decode()
             self.decode_seconds += time.perf_counter() - start
             self.decode_steps += 1
+        if self.grow and self.length > GROW_FROM and not self.jobs and all(s is None for s in self.rows):
+            self.cache, self.length = None, min(GROW_FROM, self.max_length)  # empty: back to the short timeline
+            self.mask = torch.zeros(self.capacity, self.length, dtype=torch.bool, device=self.device)
 
     # -- admission and prefill --------------------------------------------------------------------
 
@@ -248,12 +263,42 @@ class Engine:
             free = self._free_rows()
             hit = self._lookup(self.waiting[0])
             if hit[0] is not None:
+                seq = self.waiting[0]
+                if not self._fit(len(seq.prompt) + seq.max_new_tokens):
+                    return
                 self._start_job([self.waiting.popleft()], direct=False, prefix=hit, rows=free[:1])
             else:
                 group = self._group(len(free))
+                longest = max(len(s.prompt) for s in group)
+                if not self._fit(-(-longest // self.multiple) * self.multiple + max(s.max_new_tokens for s in group)):
+                    self.waiting.extendleft(reversed(group))
+                    return
                 direct = not busy and len(self.jobs) == 0
                 self._start_job(group, direct=direct, rows=free[:len(group)])
             busy = True
+
+    def _fit(self, end):
+        """Make the timeline hold positions [0, end) (a growing engine doubles it, up to max_length,
+        copying the rows' keys/values); False while a direct prefill holds views of the rows."""
+        if end <= self.length:
+            return True
+        if any(job.direct for job in self.jobs):
+            return False
+        length = self.length
+        while length < end:
+            length *= 2
+        length = min(length, self.max_length)
+        if self.cache is not None:
+            longer = self.cached.init_cache(self.capacity, length)
+            for old, new in zip(self.cache, longer):
+                for a, b in zip(old, new):  # each into the start of its longer copy (rings of a
+                    b[tuple(slice(0, n) for n in a.shape)].copy_(a)  # window fit both and keep their size)
+            self.cache = longer
+        self.length = length
+        pads = torch.tensor(self.pads, device=self.device)
+        self.mask = torch.arange(length, device=self.device)[None] >= pads[:, None]
+        self.stats["timeline_grown"] += 1
+        return True
 
     def _group(self, room):
         """Waiting sequences (FIFO) that can be left-padded into one prefill: up to `room`, each
@@ -315,14 +360,14 @@ class Engine:
 
     def _main_cache(self):
         if self.cache is None:
-            self.cache = self.cached.init_cache(self.capacity, self.max_length)
+            self.cache = self.cached.init_cache(self.capacity, self.length)
         return self.cache
 
     def _place(self, seq, row, pad, index, inputs):
         """Seat a prefilled sequence in `row`: its timeline starts at `pad`, continues at `index`."""
         self.rows[row], seq.row = seq, row
         self.pads[row], self.index[row] = pad, index
-        self.mask[row] = torch.arange(self.max_length, device=self.device) >= pad
+        self.mask[row] = torch.arange(self.length, device=self.device) >= pad
         if self.inputs is None:
             self.inputs = {name: torch.zeros((self.capacity,), dtype=dtype, device=self.device)
                            for name, dtype in self.cached.runtime_inputs.items()}
@@ -361,7 +406,7 @@ class Engine:
                 k[:span].copy_(nk)
                 v[:span].copy_(nv)
         for r in range(span):
-            self.index[r] = min(self.index[r] + 1, self.max_length - 1) if self.rows[r] is None or \
+            self.index[r] = min(self.index[r] + 1, self.length - 1) if self.rows[r] is None or \
                 self.rows[r].done else self.index[r] + 1
         live = [(r, s) for r, s in enumerate(rows) if s is not None and not s.done and s.pending is not None]
         for _, s in live:

@@ -31,7 +31,7 @@ class Prefill:
             r0 = rows[0]
             self.cache = tuple((k[r0:r0 + len(seqs)], v[r0:r0 + len(seqs)]) for k, v in engine._main_cache())
             self.mask = engine.mask[r0:r0 + len(seqs)]
-            self.mask.copy_(torch.arange(engine.max_length, device=device)[None] >= pads[:, None])
+            self.mask.copy_(torch.arange(engine.length, device=device)[None] >= pads[:, None])
         else:
             self.cache = engine.cached.init_cache(len(seqs), length)
             self.mask = torch.arange(length, device=device)[None] >= pads[:, None]

@@ -5,18 +5,21 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from . import errors
+from . import errors, memory
 from .errors import APIError
 from .handlers import Handlers
+from .body_limit import BodyLimit
+from .limits import FLAGS as LIMIT_FLAGS, Limits
 from .playground import install_playground
 from .schemas import ChatRequest, CompletionRequest
 from .vectors import ServedVectors
 
 DEFAULT_MAX_LENGTH = 4096  # per-row timeline when not given: decode attends over all of it, so not 32k
+DEFAULT_MAX_BATCH = 8
 
 
-def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control_vectors=None,
-               prefix_bytes=512 << 20, playground=True):
+def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
+               prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health. The engine's thread runs while the app does (its lifespan).
     With `playground`, also the steering page at / and its JSON endpoints under /kvwire/
@@ -25,9 +28,11 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
     Args:
         lm: a `CausalLM` with a tokenizer (chat needs its chat template).
         model_name: the id clients pass as `model` (others are refused).
-        max_batch: sequences decoding at once; more requests wait in the engine's queue.
+        max_batch: sequences decoding at once (default 8); more requests wait in the engine's queue.
         max_length: each sequence's prompt + completion at most (default the model's context, at
-            most 4096).
+            most 4096). Rows hold keys/values for what their sequences reach (the timeline grows in
+            powers of two), but max_batch x max_length must fit `memory_budget`: values given are
+            refused when they cannot, defaults are lowered (see `kvwire.serve.memory`).
         control_vectors: {name: kw.ControlVector}; a request's `"steer": {name: strength}` sets each
             strength for its own sequences (absent names: 0), so differently steered requests share
             a batch.
@@ -35,6 +40,9 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
         playground: serve the page and /kvwire/ endpoints (list, train, download vectors; graph; sweep).
             A vector trained there joins the served model (the engine swaps models once the running
             requests are done; new requests wait for that).
+        limits: a `Limits` (request body bytes, prompt tokens, max_tokens); default `Limits()`.
+        memory_budget: bytes the caches (and the prefix store) may take; default 80% of what the
+            machine and this process's cgroup have available at start-up.
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec})
@@ -42,16 +50,12 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
     """
     if lm.tokenizer is None:
         raise ValueError("the served model has no tokenizer; the API takes text")
-    context = lm.max_context
-    if max_length is None:
-        max_length = DEFAULT_MAX_LENGTH if context is None else min(context, DEFAULT_MAX_LENGTH)
-    elif context is not None and max_length > context:  # positions past it have no embedding or rotary range
-        raise ValueError(f"max_length (--max-length) is {max_length}, more than the model's context of {context} "
-                         f"tokens; expected at most {context}")
-    served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length),
+    limits = Limits() if limits is None else limits
+    max_batch, max_length = _sizes(lm, max_batch, max_length, limits, prefix_bytes, memory_budget)
+    served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length, grow=True),
                            prefix_bytes=prefix_bytes)
     bridge = served.bridge
-    handlers = Handlers(served.model, model_name, bridge, served.names)
+    handlers = Handlers(served.model, model_name, bridge, served.names, limits)
     served.listeners.append(handlers.use)
     created = int(time.time())
 
@@ -65,6 +69,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
 
     app = FastAPI(title="kvwire", summary=f"OpenAI-compatible API over kvwire ({model_name})", lifespan=lifespan)
     app.add_middleware(JSONBodies)
+    app.add_middleware(BodyLimit, limit=limits.body_bytes)  # outermost: before anything reads the body
     app.state.bridge, app.state.served = bridge, served
     errors.install(app)
     if playground:
@@ -102,6 +107,27 @@ def create_app(lm, model_name="kvwire", *, max_batch=8, max_length=None, control
                 "running": sum(r is not None for r in engine.rows)}
 
     return app
+
+
+def _sizes(lm, max_batch, max_length, limits, prefix_bytes, budget):
+    """(max_batch, max_length) checked against the model's context, the limits and the memory."""
+    context = lm.max_context
+    length_given, batch_given = max_length is not None, max_batch is not None
+    if max_length is None:
+        max_length = DEFAULT_MAX_LENGTH if context is None else min(context, DEFAULT_MAX_LENGTH)
+    elif context is not None and max_length > context:  # positions past it have no embedding or rotary range
+        raise ValueError(f"max_length (--max-length) is {max_length}, more than the model's context of {context} "
+                         f"tokens; expected at most {context}")
+    max_batch = DEFAULT_MAX_BATCH if max_batch is None else max_batch
+    graph = getattr(lm, "cached", None)
+    if getattr(graph, "slots", None) is not None:
+        max_batch, max_length = memory.plan(graph, max_batch, max_length, batch_given=batch_given,
+                                            length_given=length_given, budget=budget, reserved=prefix_bytes)
+    for name, value in (("prompt_tokens", limits.prompt_tokens), ("max_tokens", limits.max_tokens)):
+        if value is not None and value >= max_length:  # a request needs a prompt token and a new one
+            raise ValueError(f"{LIMIT_FLAGS[name]} is {value}; with max_length {max_length} (--max-length) it "
+                             f"must be below {max_length}")
+    return max_batch, max_length
 
 
 class JSONBodies:

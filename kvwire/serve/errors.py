@@ -113,6 +113,7 @@ def install(app: FastAPI):
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        response = APIError(message, status=exc.status_code, code=str(exc.status_code)).response()
+        code = getattr(exc, "code", None) or str(exc.status_code)
+        response = APIError(message, status=exc.status_code, code=code).response()
         response.headers.update(exc.headers or {})  # 405's Allow: the methods the path takes
         return response

@@ -1,5 +1,6 @@
 """What the two generation endpoints do: check and translate a request into engine sequences, wait
 for them (or stream them as server-sent events), and answer in OpenAI's shapes."""
+import asyncio
 import json
 import logging
 import time
@@ -20,9 +21,9 @@ log = logging.getLogger("kvwire.serve")
 class Handlers:
     """The endpoints' logic over one served model and its engine thread (see `create_app`)."""
 
-    def __init__(self, lm, model_name, bridge, names):
+    def __init__(self, lm, model_name, bridge, names, limits):
         self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
-        self.tokenizer = lm.tokenizer
+        self.tokenizer, self.limits = lm.tokenizer, limits
 
     def use(self, lm, names):
         """Serve a new steered model of the same base (a control vector was added); on the loop."""
@@ -35,12 +36,11 @@ class Handlers:
                            f"top_logprobs={body.top_logprobs}, logprobs={body.logprobs}", param="top_logprobs")
         if not body.messages:
             raise APIError("messages is empty; expected at least one message", param="messages", code="invalid_value")
-        checks.message_texts(body.messages)
         _text_only(body.messages)
-        try:
-            ids = self.tokenizer.apply_chat_template([_flatten(m) for m in body.messages], tokenize=True)
-        except (ValueError, TypeError) as e:  # the template's (or its message checks') refusal
-            raise APIError(self._without_origin(str(e)), param="messages", code="invalid_value") from None
+        # rendering and tokenising take time in proportion to the text: on a worker thread, so
+        # other clients' streams go on meanwhile (tokenizers releases the GIL while it encodes)
+        ids = await asyncio.to_thread(self._chat_ids, body.messages)
+        self.limits.check_prompt(len(ids), "messages")
         stop_ids = tuple(self.lm.eos_token_ids) + tuple(self.tokenizer.end_of_turn_ids)
         top = body.top_logprobs or 0
         return await self._answer("chat.completion", "chatcmpl", body, [ids], stop_ids, bool(body.logprobs), top,
@@ -54,10 +54,22 @@ class Handlers:
         if not prompts or any(not p for p in prompts):
             raise APIError(f"prompt must be a non-empty str or a non-empty list of them, got {body.prompt!r:.80}",
                            param="prompt", code="invalid_value")
-        rows = [self.tokenizer.encode(checks.unicode_text(p, "prompt")) for p in prompts]
+        rows = await asyncio.to_thread(lambda: [self.tokenizer.encode(checks.unicode_text(p, "prompt"))
+                                                for p in prompts])
+        for ids in rows:
+            self.limits.check_prompt(len(ids), "prompt")
         want = body.logprobs is not None
         return await self._answer("text_completion", "cmpl", body, rows, tuple(self.lm.eos_token_ids), want,
                                   body.logprobs or 0, request)
+
+    def _chat_ids(self, messages):
+        """A conversation's prompt ids: its content as text, the template's markup as control tokens
+        (see `Tokenizer.apply_chat_template`)."""
+        checks.message_texts(messages)
+        try:
+            return self.tokenizer.apply_chat_template([_flatten(m) for m in messages], tokenize=True)
+        except (ValueError, TypeError) as e:  # the template's (or its message checks') refusal
+            raise APIError(self._without_origin(str(e)), param="messages", code="invalid_value") from None
 
     def _without_origin(self, message):
         """A template's refusal without where the template was read from (a path on this machine)."""
@@ -84,7 +96,7 @@ class Handlers:
             if ids and max(ids) >= vocab:
                 raise APIError(f"the tokenizer gave id {max(ids)} but the model has {vocab} tokens",
                                status=500, type="server_error")
-            new = options.budget(body, len(ids), self.bridge.engine.max_length)
+            new = options.budget(body, len(ids), self.bridge.engine.max_length, self.limits)
             for j in range(n):  # choice j of a prompt draws from seed + j, as generate's rows
                 submits.append(dict(prompt=ids, max_new_tokens=new, sampler=sampler, stop_ids=stop_ids,
                                     seed=None if seed is None else seed + j, stop_strings=stops,

@@ -66,12 +66,15 @@ def choices(request, prompts):
     return n
 
 
-def budget(request, prompt_length, max_length):
+def budget(request, prompt_length, max_length, limits):
     """New tokens for a prompt: max_tokens (chat: max_completion_tokens too), by default what is left
-    of the context; refused when it or the prompt does not fit."""
+    of the context (at most `limits.max_tokens`); refused when it or the prompt does not fit, or it
+    asks for more than `limits` allow."""
     asked = getattr(request, "max_completion_tokens", None)
     field = "max_completion_tokens" if asked is not None else "max_tokens"
     asked = request.max_tokens if asked is None else asked
-    return checks.new_tokens(prompt_length, asked, context=max_length, context_name="this server's context",
-                             default=None, param=field, prompt_param="messages" if hasattr(request, "messages")
-                             else "prompt")
+    cap = limits.check_new_tokens(asked, field)
+    prompt_param = "messages" if hasattr(request, "messages") else "prompt"
+    new = checks.new_tokens(prompt_length, asked, context=max_length, context_name="this server's context",
+                            default=None, param=field, prompt_param=prompt_param)
+    return new if asked is not None or cap is None else min(new, cap)
