@@ -1,6 +1,7 @@
 """The steering playground in headless Chromium (Selenium): the page served by `kvwire serve` at /,
 on a tiny random chat model with two control vectors. Compare mode's streams equal the API's
 replies; a vector trained from the page joins the served model; bad input reads as messages."""
+import inspect
 import json
 
 import pytest
@@ -243,3 +244,166 @@ def test_server_gone_mid_stream_then_back(browser, server, api):
         assert text_of(browser, "#raw-output .completion") == api_reply(api, {"happy": 0.0, "formal": 0.0}, "raw")
     finally:
         proxy.stop()
+
+
+RECORD = """window.sent = [];
+const send = window.fetch;
+window.fetch = (url, options) => {
+  if (options && options.body) window.sent.push({url: String(url), body: JSON.parse(options.body)});
+  return send(url, options);
+};"""
+
+
+def record_requests(browser):
+    """From now on, window.sent lists the page's request bodies: [{url, body}]."""
+    browser.execute_script(RECORD)
+
+
+def sent(browser):
+    return browser.execute_script("return window.sent")
+
+
+def finish_send(browser):
+    by_id(browser, "send").click()
+    wait_for(lambda: by_id(browser, "regenerate").is_enabled(), timeout=60, what="the reply to finish")
+
+
+def test_open_code_and_compare_columns_fit_the_window(browser, server):
+    browser.set_window_size(1280, 1000)
+    try:
+        open_page(browser, server.url)
+        by_id(browser, "compare").click()
+        type_into(browser, "prompt", " ".join([PROMPT] * 8))  # long lines in the code
+        finish_send(browser)
+        browser.find_element("css selector", "#snippets summary").click()
+        assert by_id(browser, "snippet-curl").is_displayed()
+        width = browser.execute_script("return window.innerWidth")
+        assert width <= 1280
+        assert browser.execute_script("return document.documentElement.scrollWidth") <= width
+        rights = browser.execute_script("return [...document.querySelectorAll("
+                                        "'#compare-output .column, #snippets pre')]"
+                                        ".map(e => e.getBoundingClientRect().right)")
+        assert len(rights) == 5 and max(rights) <= width, rights
+        # the code scrolls inside its own box
+        assert browser.execute_script("const p = document.getElementById('snippet-curl'); "
+                                      "return p.scrollWidth > p.clientWidth")
+    finally:
+        browser.set_window_size(1400, 1000)
+
+
+def test_compare_panel_hides_when_compare_is_off(browser, server):
+    open_page(browser, server.url)
+    panel = by_id(browser, "compare-output")
+    display = "return getComputedStyle(document.getElementById('compare-output')).display"
+    assert not panel.is_displayed() and browser.execute_script(display) == "none"
+    by_id(browser, "compare").click()
+    assert browser.execute_script(display) == "grid"
+    by_id(browser, "compare").click()
+    assert browser.execute_script(display) == "none"
+    assert browser.execute_script("return document.getElementById('chat-log').hidden") is False
+
+
+def test_vectors_the_server_forgot_leave_the_page(browser, server, lm, api):
+    """A restarted server (here: another app behind the same address) no longer has a vector the
+    page lists: the refused send re-reads the list, drops the name and says so; the next send works."""
+    vectors = control_vectors(lm)
+    before = Server(create_app(lm, "tiny", max_batch=2, max_length=256,
+                               control_vectors={**vectors, "calm": vectors["happy"]}))
+    proxy = Proxy(int(before.url.rsplit(":", 1)[1]))
+    try:
+        open_page(browser, proxy.url)
+        assert vector_names(browser) == ["happy", "formal", "calm"]
+        type_into(browser, "strength-box-happy", "0.5")
+        proxy.stop()  # the restart: same address, a server without "calm"
+        before.close()
+        proxy.target = int(server.url.rsplit(":", 1)[1])
+        proxy.start()
+        type_into(browser, "prompt", PROMPT)
+        by_id(browser, "send").click()
+        wait_for(lambda: "calm" in message(browser), what="the refusal")
+        names = list(server.app.state.served.names)  # happy, formal (and one trained by an earlier test)
+        assert vector_names(browser) == names
+        assert message(browser).startswith("message error: The server no longer has the control vector \"calm\"")
+        assert by_id(browser, "strength-box-happy").get_attribute("value") == "0.5"
+        assert by_id(browser, "prompt").get_attribute("value") == PROMPT  # ready to send again
+        assert browser.find_elements("css selector", "#chat-log .msg") == []
+        record_requests(browser)
+        finish_send(browser)
+        assert message(browser) == ""
+        assert [r["body"]["steer"] for r in sent(browser)] == [{**dict.fromkeys(names, 0.0), "happy": 0.5}]
+        assert text_of(browser, "#chat-log .msg.assistant") == api_reply(api, {"happy": 0.5, "formal": 0.0})
+    finally:
+        proxy.stop()
+        before.close()
+
+
+def test_train_tab_defaults_to_the_librarys_method(browser, server):
+    default = inspect.signature(kw.ControlVector.train).parameters["method"].default
+    open_page(browser, server.url)
+    by_id(browser, "tabs").find_element("css selector", "[data-tab=train]").click()
+    assert by_id(browser, "train-method").get_attribute("value") == default
+
+
+def test_compare_sends_only_the_prompt_not_the_hidden_chat(browser, server):
+    open_page(browser, server.url)
+    type_into(browser, "prompt", PROMPT)
+    finish_send(browser)
+    reply = text_of(browser, "#chat-log .msg.assistant")
+    record_requests(browser)
+    by_id(browser, "compare").click()
+    type_into(browser, "compare-strengths", "-1, 1")
+    type_into(browser, "prompt", "And then?")
+    finish_send(browser)
+    assert [r["body"]["messages"] for r in sent(browser)] == [[{"role": "user", "content": "And then?"}]] * 2
+    # the chat goes on from its own history
+    by_id(browser, "compare").click()
+    browser.execute_script("window.sent = []")
+    type_into(browser, "prompt", "Why?")
+    finish_send(browser)
+    assert [r["body"]["messages"] for r in sent(browser)] == [[
+        {"role": "user", "content": PROMPT}, {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Why?"}]]
+
+
+def test_stop_reports_stopped(browser, server):
+    proxy = Proxy(int(server.url.rsplit(":", 1)[1]), delay=0.03)  # a slow stream, so Stop comes first
+    try:
+        open_page(browser, proxy.url, max_tokens=200)
+        by_id(browser, "mode-raw").click()
+        type_into(browser, "prompt", PROMPT)
+        by_id(browser, "send").click()
+        wait_for(lambda: len(text_of(browser, "#raw-output .completion")) >= 3, what="the stream to start")
+        by_id(browser, "stop").click()
+        wait_for(lambda: by_id(browser, "send").is_enabled(), what="the stop")
+        status = by_id(browser, "play-status").text
+        assert status.startswith("stopped") and "done" not in status, status
+        assert message(browser) == ""
+        assert by_id(browser, "connection").text == "connected"
+    finally:
+        proxy.stop()
+
+
+def test_top_p_zero_is_refused_on_the_page(browser, server):
+    open_page(browser, server.url)
+    record_requests(browser)
+    type_into(browser, "top-p", "0")
+    type_into(browser, "prompt", PROMPT)
+    by_id(browser, "send").click()
+    assert message(browser) == "message error: top_p must lie in (0, 1], got 0"
+    assert "invalid" in by_id(browser, "top-p").get_attribute("class")
+    assert sent(browser) == [] and browser.find_elements("css selector", "#chat-log .msg") == []
+    assert by_id(browser, "prompt").get_attribute("value") == PROMPT
+    type_into(browser, "top-p", "1")
+    finish_send(browser)
+    assert "invalid" not in by_id(browser, "top-p").get_attribute("class")
+    assert len(sent(browser)) == 1
+
+
+def test_api_docs_page_renders_offline(browser, server):
+    browser.get(server.url + "/docs")
+    paths = wait_for(lambda: browser.execute_script(
+        "return [...document.querySelectorAll('.swagger-ui .opblock-summary-path')].map(e => e.textContent)"),
+        what="Swagger UI's operations")
+    assert "/v1/chat/completions" in paths and "/v1/completions" in paths
+    requested = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert requested and all(url.startswith(server.url) for url in requested), requested

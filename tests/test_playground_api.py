@@ -1,6 +1,7 @@
 """The playground's /kvwire/ endpoints over httpx (tiny chat model): a vector trained while a stream
 runs joins the served model without touching that stream (the engine drains, then swaps), and
 refusals come in OpenAI's error shape."""
+import inspect
 import json
 import threading
 import time
@@ -14,6 +15,7 @@ pytest.importorskip("uvicorn")
 import kvwire as kw  # noqa: E402
 from kvwire.graph.trace import LayerTracer  # noqa: E402
 from kvwire.serve import create_app  # noqa: E402
+from kvwire.serve.playground import TrainRequest  # noqa: E402
 
 from .serve_fixtures import Server, control_vectors, tiny_chat_lm  # noqa: E402
 
@@ -136,3 +138,10 @@ def test_requests_trace_only_while_the_engine_is_held(server, api, monkeypatch):
     assert job["state"] == "done", job
     assert api.get("/kvwire/graph").status_code == 200
     assert unguarded == []
+
+
+def test_training_defaults_to_the_librarys_method(api):
+    default = inspect.signature(kw.ControlVector.train).parameters["method"].default
+    info = api.get("/kvwire/info").json()
+    assert info["default_method"] == default and default in info["methods"]
+    assert TrainRequest(name="x", **PAIRS).method == default

@@ -1,7 +1,7 @@
 """The steering playground: the page at / (plain files in kvwire/serve/static/, no build step, no
 network) and kvwire's own JSON endpoints under /kvwire/ that it uses:
 
-    GET  /kvwire/info                 model, context, blocks, training methods, vectors
+    GET  /kvwire/info                 model, context, blocks, training methods (and the default), vectors
     GET  /kvwire/vectors              the loaded control vectors
     GET  /kvwire/vectors/NAME.gguf    one of them as a llama.cpp control-vector GGUF
     POST /kvwire/train                {name, positive, negative, layers?, method?} -> a job (202)
@@ -14,6 +14,7 @@ steps (`EngineThread.gate`: torch.fx tracing must not overlap a forward on anoth
 Errors have OpenAI's shape ({"error": {"message", ...}}), as the API's, so the page shows
 `error.message`."""
 import asyncio
+import inspect
 import logging
 import tempfile
 import time
@@ -36,6 +37,7 @@ STATIC = Path(__file__).parent / "static"
 Number = Union[StrictInt, StrictFloat]
 MAX_SWEEP = 41  # strengths in one sweep request
 MAX_PROMPTS = 4096  # training prompts per side in one request
+DEFAULT_METHOD = inspect.signature(ControlVector.train).parameters["method"].default  # the Python API's
 
 
 class TrainRequest(BaseModel):
@@ -44,7 +46,7 @@ class TrainRequest(BaseModel):
     positive: list[str]
     negative: list[str]
     layers: str | list[StrictInt] | None = None
-    method: str = "pca_center"
+    method: str = DEFAULT_METHOD
 
 
 class SweepRequest(BaseModel):
@@ -136,8 +138,8 @@ def install_playground(app, served, model_name):
     @app.get("/kvwire/info")
     async def info():
         return {"model": model_name, "max_length": served.max_length, "blocks": sorted(served.blocks()),
-                "methods": list(METHODS), "vectors": [served.describe(n) for n in served.names],
-                "version": served.version}
+                "methods": list(METHODS), "default_method": DEFAULT_METHOD,
+                "vectors": [served.describe(n) for n in served.names], "version": served.version}
 
     @app.get("/kvwire/vectors")
     async def vectors():

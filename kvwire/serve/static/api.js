@@ -4,14 +4,17 @@ export const $ = (id) => document.getElementById(id);
 
 export class ServerGone extends Error {}
 
-// A message for the user from a failed response: OpenAI's error shape ({error: {message}}) or text.
+// A message for the user from a failed response: OpenAI's error shape ({error: {message, param}})
+// or text. The Error keeps the status and the field the server named (error.param).
 async function failure(response) {
   let text = await response.text();
+  let param = null;
   try {
     const body = JSON.parse(text);
-    if (body && body.error && body.error.message) text = body.error.message;
+    if (body && body.error && body.error.message) ({ message: text, param = null } = body.error);
   } catch (e) { /* not JSON: keep the text */ }
-  return new Error(`${text || response.statusText} (HTTP ${response.status})`);
+  return Object.assign(new Error(`${text || response.statusText} (HTTP ${response.status})`),
+    { status: response.status, param });
 }
 
 async function call(path, options = {}) {
@@ -19,6 +22,7 @@ async function call(path, options = {}) {
   try {
     response = await fetch(path, options);
   } catch (e) {
+    if (options.signal && options.signal.aborted) throw e;  // Stop before the reply began: not a lost server
     lost(e);
     throw new ServerGone(`cannot reach the server (${e.message})`);
   }
@@ -104,14 +108,18 @@ function lost(error) {
 
 const NUMBER = /^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$/;
 
-// A number typed in a box, or an Error saying what was expected.
-export function parseNumber(text, what, { integer = false, min = -Infinity, max = Infinity } = {}) {
+// A number typed in a box, or an Error saying what was expected. `above`: an exclusive lower bound
+// (the range reads "(above, max]", as the server's messages do).
+export function parseNumber(text, what, { integer = false, min = -Infinity, max = Infinity, above = null } = {}) {
   const t = String(text).trim();
   if (!NUMBER.test(t) || !Number.isFinite(Number(t))) {
     throw new Error(`${what} must be a number${integer ? " (a whole one)" : " like 0.5 or -1"}, got "${t}"`);
   }
   const value = Number(t);
   if (integer && !Number.isInteger(value)) throw new Error(`${what} must be a whole number, got "${t}"`);
+  if (above !== null && !(value > above && value <= max)) {
+    throw new Error(`${what} must lie in (${above}, ${max}], got ${value}`);
+  }
   if (value < min || value > max) throw new Error(`${what} must lie in [${min}, ${max}], got ${value}`);
   return value;
 }

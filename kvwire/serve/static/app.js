@@ -71,9 +71,13 @@ export function blocks(layers) {
   return contiguous && layers.length > 2 ? `${layers[0]}-${layers[layers.length - 1]}` : layers.join(", ");
 }
 
-// (Re)load the model's description and draw the vector list and the vector pickers.
+// (Re)load the model's description and draw the vector list and the vector pickers. Returns the
+// names listed before that the server no longer has (a restarted server forgets trained vectors).
 export async function refresh() {
+  const before = state.info ? state.info.vectors.map((v) => v.name) : [];
   state.info = await getJSON("/kvwire/info");
+  const gone = before.filter((n) => !state.info.vectors.some((v) => v.name === n));
+  gone.forEach((n) => delete state.strengths[n]);
   $("model-name").textContent = `${state.info.model} · context ${state.info.max_length}`;
   const list = $("vector-list");
   list.replaceChildren(...state.info.vectors.map(vectorItem));
@@ -87,7 +91,18 @@ export async function refresh() {
     if (options.includes(keep)) select.value = keep;
   }
   const method = $("train-method");
-  if (!method.options.length) method.replaceChildren(...state.info.methods.map((m) => new Option(m, m)));
+  if (!method.options.length) {
+    method.replaceChildren(...state.info.methods.map((m) => new Option(m, m)));
+    method.value = state.info.default_method;  // ControlVector.train's default, as the CLI's
+  }
+  return gone;
+}
+
+// What the page says of vectors the server no longer has.
+export function forgotten(gone) {
+  const names = gone.map((n) => `"${n}"`).join(", ");
+  return `The server no longer has the control vector${gone.length > 1 ? "s" : ""} ${names} (it may have ` +
+    `restarted): removed from the list.`;
 }
 
 async function main() {
@@ -96,7 +111,9 @@ async function main() {
   setupTrain(state);
   setupGraph(state);
   setupSweep(state);
-  onBack(() => refresh().catch((e) => show(e.message, "error")));
+  onBack(() => refresh().then((gone) => {
+    if (gone.length) show(`The server is back. ${forgotten(gone)} Press Regenerate to run the request again.`);
+  }).catch((e) => show(e.message, "error")));
   try {
     await refresh();
     document.body.dataset.ready = "1";

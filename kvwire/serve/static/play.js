@@ -1,7 +1,7 @@
 // Chat and raw completion, one stream or several strengths side by side (compare mode: concurrent
 // requests, so the engine runs them in one batch); stop, regenerate, the request as code.
 import { $, parseList, parseNumber, show, stream, ServerGone } from "./api.js";
-import { strengths } from "./app.js";
+import { forgotten, refresh, strengths } from "./app.js";
 import { snippets } from "./snippet.js";
 
 let history = [];   // chat turns so far [{role, content}]
@@ -10,26 +10,43 @@ let controllers = [];
 
 function mode() { return $("mode-raw").checked ? "raw" : "chat"; }
 
-// The sampling fields of a request, checked (throws an Error naming the box).
+const SAMPLING = ["temperature", "top-p", "max-tokens", "seed"];
+
+// The number in box `id` (parseNumber's options); the box is marked while it holds a bad value.
+function field(id, what, options) {
+  const box = $(id);
+  try {
+    const value = parseNumber(box.value, what, options);
+    box.classList.remove("invalid");
+    return value;
+  } catch (e) {
+    box.classList.add("invalid");
+    throw e;
+  }
+}
+
+// The sampling fields of a request, checked as the server checks them (throws an Error naming the box).
 function sampling() {
   const body = {
-    temperature: parseNumber($("temperature").value, "temperature", { min: 0 }),
-    max_tokens: parseNumber($("max-tokens").value, "max tokens", { integer: true, min: 1 }),
+    temperature: field("temperature", "temperature", { min: 0 }),
+    max_tokens: field("max-tokens", "max tokens", { integer: true, min: 1 }),
   };
-  const topP = parseNumber($("top-p").value, "top_p", { min: 0, max: 1 });
+  const topP = field("top-p", "top_p", { above: 0, max: 1 });
   if (topP < 1) body.top_p = topP;
-  if ($("seed").value.trim()) body.seed = parseNumber($("seed").value, "seed", { integer: true });
+  if ($("seed").value.trim()) body.seed = field("seed", "seed", { integer: true });
   const stops = $("stop-strings").value.split(",").map((s) => s.trim()).filter((s) => s);
   if (stops.length) body.stop = stops;
   return body;
 }
 
-// The requests of a run: [{label, strength, path, body}], one per column.
+// The requests of a run: [{label, strength, path, body}], one per column. Compare mode hides the
+// chat, so its requests carry the prompt alone, not the chat's history.
 function requests(run, state) {
   const base = { model: state.info.model, ...sampling() };
   const steer = strengths();
+  const messages = [...(run.compare ? [] : run.history), { role: "user", content: run.prompt }];
   const content = (steerAt) => (run.mode === "chat"
-    ? { path: "/v1/chat/completions", body: { ...base, messages: [...run.history, { role: "user", content: run.prompt }], steer: steerAt } }
+    ? { path: "/v1/chat/completions", body: { ...base, messages, steer: steerAt } }
     : { path: "/v1/completions", body: { ...base, prompt: run.prompt, steer: steerAt } });
   if (!run.compare) return [{ label: "", ...content(steer) }];
   const name = $("compare-vector").value;
@@ -132,9 +149,12 @@ async function execute(run, reqs, state) {
   const started = performance.now();
   const results = await Promise.all(reqs.map((r, i) => runOne(r, outs[i], controllers[i].signal)));
   controllers = [];
-  busy(false);
   const failed = results.find((r) => !r.ok);
-  $("play-status").textContent = failed ? "" : `done in ${((performance.now() - started) / 1000).toFixed(1)} s`;
+  if (failed && failed.error.param === "steer" && await forget(run)) return;
+  busy(false);
+  const seconds = ((performance.now() - started) / 1000).toFixed(1);
+  const stopped = results.some((r) => r.stopped);
+  $("play-status").textContent = failed ? "" : stopped ? `stopped after ${seconds} s` : `done in ${seconds} s`;
   if (failed) {
     show(failed.error.message + (failed.error instanceof ServerGone ? ". Waiting for it to come back…" : ""), "error");
     if (run.mode === "chat" && !run.compare) $("chat-log").lastChild.classList.add("failed");
@@ -143,6 +163,28 @@ async function execute(run, reqs, state) {
   if (run.mode === "chat" && !run.compare) {
     history = [...run.history, { role: "user", content: run.prompt }, { role: "assistant", content: results[0].text }];
   }
+}
+
+// A run refused for its steering: when the server no longer has vectors the page lists (it restarted
+// without them), re-read its list, take the run back (its prompt returns to the box) and say so.
+// Returns whether it did.
+async function forget(run) {
+  let gone;
+  try {
+    gone = await refresh();
+  } catch (e) {
+    return false;
+  }
+  if (!gone.length) return false;
+  if (run.compare) $("compare-output").replaceChildren();
+  else if (run.mode === "raw") $("raw-output").textContent = "";
+  else [1, 2].forEach(() => $("chat-log").lastChild.remove());  // this run's question and reply
+  if (!$("prompt").value) $("prompt").value = run.prompt;
+  last = null;
+  busy(false);
+  $("play-status").textContent = "";
+  show(`${forgotten(gone)} Send again to run without ${gone.length > 1 ? "them" : "it"}.`, "error");
+  return true;
 }
 
 export function setupPlay(state) {
@@ -184,6 +226,7 @@ export function setupPlay(state) {
     $("compare-output").replaceChildren();
     busy(false);
   });
+  for (const id of SAMPLING) $(id).addEventListener("input", () => $(id).classList.remove("invalid"));
   for (const id of ["mode-chat", "mode-raw", "compare"]) {
     $(id).addEventListener("change", () => {
       const compare = $("compare").checked;
