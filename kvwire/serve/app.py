@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from . import errors, memory
+from .api_docs import install_api_docs
 from .errors import APIError
 from .handlers import Handlers
 from .body_limit import BodyLimit
@@ -67,11 +68,13 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         finally:
             bridge.stop()
 
-    app = FastAPI(title="kvwire", summary=f"OpenAI-compatible API over kvwire ({model_name})", lifespan=lifespan)
+    app = FastAPI(title="kvwire", summary=f"OpenAI-compatible API over kvwire ({model_name})", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # served from packaged files instead (no CDN)
     app.add_middleware(JSONBodies)
     app.add_middleware(BodyLimit, limit=limits.body_bytes)  # outermost: before anything reads the body
     app.state.bridge, app.state.served = bridge, served
     errors.install(app)
+    install_api_docs(app)
     if playground:
         install_playground(app, served, model_name)
 
