@@ -1,6 +1,7 @@
 """`kvwire steer train` and `kvwire steer sweep`: train control vectors and sweep their strength."""
 import sys
 
+from ..steer.vector import DEFAULT_METHOD, METHODS
 from .options import model_options
 
 
@@ -13,7 +14,7 @@ def add(commands):
     t.add_argument("--positive", required=True, metavar="FILE", help="prompts showing the concept")
     t.add_argument("--negative", required=True, metavar="FILE", help="paired prompts showing its opposite")
     t.add_argument("--layers", default=None, metavar="A-B", help="blocks to steer (default: 1 to the last)")
-    t.add_argument("--method", default="pca_center", choices=["pca_center", "pca_diff", "mean_diff"])
+    t.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS)
     t.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward (default 8)")
     t.add_argument("-o", "--output", required=True, metavar="VEC.gguf", help="where to write the vector")
     model_options(t)

@@ -14,7 +14,6 @@ steps (`EngineThread.gate`: torch.fx tracing must not overlap a forward on anoth
 Errors have OpenAI's shape ({"error": {"message", ...}}), as the API's, so the page shows
 `error.message`."""
 import asyncio
-import inspect
 import logging
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import Union
 
 from ..generate.request import RequestError
 from ..steer import ControlVector
-from ..steer.vector import METHODS, _check_pairs, parse_layers
+from ..steer.vector import DEFAULT_METHOD, METHODS, _check_pairs, parse_layers
 from .errors import APIError, from_request_error
 
 log = logging.getLogger("kvwire.serve")
@@ -37,7 +36,7 @@ STATIC = Path(__file__).parent / "static"
 Number = Union[StrictInt, StrictFloat]
 MAX_SWEEP = 41  # strengths in one sweep request
 MAX_PROMPTS = 4096  # training prompts per side in one request
-DEFAULT_METHOD = inspect.signature(ControlVector.train).parameters["method"].default  # the Python API's
+
 
 
 class TrainRequest(BaseModel):

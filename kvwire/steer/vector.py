@@ -10,6 +10,7 @@ from ..graph.edit import summarize_indices
 from .gguf_io import load_control_vector, save_control_vector
 
 METHODS = ("pca_diff", "pca_center", "mean_diff")
+DEFAULT_METHOD = "pca_center"  # what train, `kvwire steer train` and the playground use unless told
 
 
 @dataclass(eq=False)
@@ -64,7 +65,7 @@ class ControlVector:
     __rmul__ = __mul__
 
     @classmethod
-    def train(cls, lm, positive, negative, layers=None, method="pca_center", batch_size=8, progress=True):
+    def train(cls, lm, positive, negative, layers=None, method=DEFAULT_METHOD, batch_size=8, progress=True):
         """Train from paired prompts: positive[i] and negative[i] differ in the concept only.
 
         Each prompt's hidden state after every chosen block, at its last token, is read in a
