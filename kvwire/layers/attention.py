@@ -23,7 +23,102 @@ _compiled_in_place = False  # see in_place_cache_writes
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-class Attention(Layer):
+class AttentionMath:
+    """What cached attention does once queries, keys and values exist: attend to the cache as it was
+    before the chunk plus the chunk itself, then write the chunk into the cache (a ring for a
+    sliding window). Shared by `Attention` and by attention computed in other modules (the generic
+    path's transformers attention). Needs the attributes num_kv_heads, scale, softcap, sliding_window.
+    """
+
+    def cache_slots(self, max_length):
+        """Cache length: a ring of window - 1 past tokens (the current one comes from the chunk)."""
+        if self.sliding_window is None:
+            return max_length
+        return max(1, min(self.sliding_window - 1, max_length))
+
+    def attend_cached(self, q, k, v, cache, cache_index, attention_mask, dtype=torch.float32):
+        """q (B, H, T, hd), k (B, Hkv, T, hd), v (B, Hkv, T, hd_v) (positions already applied),
+        cache (key, value) each (B, Hkv, slots, hd|hd_v), cache_index () or (B,), attention_mask
+        (B, max_length) -> (out (B, H, T, hd_v) float32, next cache). Writes in place (functionally
+        while compiled or exported, but for compiled steps that write in place)."""
+        k_cache, v_cache = cache
+        T, slots = q.shape[2], k_cache.shape[2]
+        # layers with the same window share masks (and index maps) within one cached-graph call
+        old = shared(slot_mask, cache_index, T, slots, self.sliding_window, attention_mask)
+        new = shared(chunk_mask, cache_index, T, self.sliding_window, attention_mask)
+        out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)], dtype)
+        if torch.compiler.is_compiling() and not _writes_in_place():  # exporters and other compilers:
+            # a functional, shape-free update (it reads and writes every slot of the cache)
+            source, take = shared(ring_sources, cache_index, T, slots)
+            k_cache, v_cache = _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
+        else:
+            # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
+            k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
+            index = shared(ring_indices, cache_index, T, k_tail.shape[2], slots)
+            _write(k_cache, index, k_tail)
+            _write(v_cache, index, v_tail)
+        return out, (k_cache, v_cache)
+
+    def _attend(self, q, blocks, dtype=torch.float32):
+        """q (B, H, T, hd) of any float dtype; blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd),
+        mask (B|1, T, S_i) -> (B, H, T, hd) float32 (bf16 from a bf16 flash kernel's single block);
+        `dtype`: the layer input's. Query heads are grouped per key/value head so no cache is repeated.
+
+        Eager CPU calls with many query rows use the fused flash kernel once per block and merge the
+        blocks by their log-sum-exp (a 512-token prefill chunk: 22 ms against 58 ms per layer);
+        compilers and exporters, soft-capping and decode steps take the dense path."""
+        rows = q.shape[1] * q.shape[2] // self.num_kv_heads
+        if not torch.compiler.is_compiling() and self.softcap is None and rows >= FLASH_ROWS \
+                and q.device.type == "cpu":
+            return self._attend_flash(q, blocks, dtype)
+        B, H, T, hd = q.shape
+        groups = H // self.num_kv_heads
+        qg = as_float32(q).reshape(B, self.num_kv_heads, groups * T, hd)
+        # a compiled decode step (one query row a head): products and sums, which Inductor fuses with
+        # the softmax into a few loops; a batched-matmul call there costs more than its arithmetic
+        fused = T == 1 and torch.compiler.is_dynamo_compiling()
+        matmul = _broadcast_matmul if fused else torch.matmul
+        scores = torch.cat([matmul(qg, as_float32(k).transpose(-1, -2)) for k, _, _ in blocks], dim=-1) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
+        sizes = [k.shape[2] for k, _, _ in blocks]
+        scores = scores.view(B, self.num_kv_heads, groups, T, sum(sizes))
+        scores = scores.masked_fill(torch.logical_not(mask[:, None, None]), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, sum(sizes))
+        parts = torch.split(probs, sizes, dim=-1)
+        out = sum(matmul(p, as_float32(v)) for p, (_, v, _) in zip(parts, blocks))
+        return out.view(B, H, T, -1)  # hd of the values
+
+    def _attend_flash(self, q, blocks, dtype):
+        B, H, T, hd = q.shape
+        # A bfloat16 model on a CPU with bf16 units (`cpu.bf16_gemm()`) runs the kernel in bf16, as
+        # transformers does: the default model's 512-token prefill 0.36 -> 0.30 s on an AMX Xeon.
+        # Queries, keys and values are rounded to bf16 for it (a cache block is copied to bf16 whole,
+        # every slot, as the kernel reads every slot anyway); the log-sum-exp merge and the caches
+        # stay float32, and a single block's bf16 output goes to `_output` as it is.
+        kernel = torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm() != "upcast" else torch.float32
+        qg = _dense(q, kernel).view(B, self.num_kv_heads, -1, hd)
+        outs, lses = [], []
+        for k, v, mask in blocks:
+            bias, seen = shared(_flash_bias, mask, H // self.num_kv_heads, kernel)
+            if bias is None:  # e.g. the empty cache of a prompt's first chunk: nothing to attend
+                continue
+            # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
+            k, v = _dense(k, kernel), _dense(v, kernel)
+            out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
+            if seen is not None:  # rows that see no key of this block take no part in the merge
+                out, lse = out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) == 1:  # in the kernel's dtype: `_output` casts it with its transpose, in one pass
+            return outs[0].view(B, H, T, -1)
+        total = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(as_float32(o) * torch.exp(lse - total)[..., None] for o, lse in zip(outs, lses))
+        return out.view(B, H, T, -1)  # hd of the values
+
+
+class Attention(AttentionMath, Layer):
     """Multi-head attention with grouped key/value heads, optional rotary, QK-norm, window, soft-cap.
 
     Args:
@@ -71,12 +166,6 @@ class Attention(Layer):
         self.q_norm = qk_norm(num_heads * head_dim if full else head_dim) if qk_norm else None
         self.k_norm = qk_norm(num_kv_heads * head_dim if full else head_dim) if qk_norm else None
 
-    def cache_slots(self, max_length):
-        """Cache length: a ring of window - 1 past tokens (the current one comes from the chunk)."""
-        if self.sliding_window is None:
-            return max_length
-        return max(1, min(self.sliding_window - 1, max_length))
-
     def cache_spec(self, batch_size, max_length, dtype):
         shape = (batch_size, self.num_kv_heads, self.cache_slots(max_length), self.head_dim)
         return (shape, shape)
@@ -94,24 +183,9 @@ class Attention(Layer):
         (out (B, T, D), next cache). Writes the chunk into the cache in place (functionally,
         returning new tensors, while being exported or compiled, but for generation's compiled
         steps and short prompts: see `in_place_cache_writes`)."""
-        k_cache, v_cache = cache
-        T, slots = x.shape[1], k_cache.shape[2]
         q, k, v = self._project(x, positions)
-        # layers with the same window share masks (and index maps) within one cached-graph call
-        old = shared(slot_mask, cache_index, T, slots, self.sliding_window, attention_mask)
-        new = shared(chunk_mask, cache_index, T, self.sliding_window, attention_mask)
-        out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)], x.dtype)
-        if torch.compiler.is_compiling() and not _writes_in_place():  # exporters and other compilers:
-            # a functional, shape-free update (it reads and writes every slot of the cache)
-            source, take = shared(ring_sources, cache_index, T, slots)
-            k_cache, v_cache = _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
-        else:
-            # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
-            k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
-            index = shared(ring_indices, cache_index, T, k_tail.shape[2], slots)
-            _write(k_cache, index, k_tail)
-            _write(v_cache, index, v_tail)
-        return self._output(out, x.dtype), (k_cache, v_cache)
+        out, cache = self.attend_cached(q, k, v, cache, cache_index, attention_mask, x.dtype)
+        return self._output(out, x.dtype), cache
 
     def _project(self, x, positions):
         B, T, _ = x.shape
@@ -136,64 +210,6 @@ class Attention(Layer):
             cos, sin = self.rotary.tables(positions, q.dtype)
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         return q, as_float32(k), as_float32(v)
-
-    def _attend(self, q, blocks, dtype=torch.float32):
-        """q (B, H, T, hd) of any float dtype; blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd),
-        mask (B|1, T, S_i) -> (B, H, T, hd) float32 (bf16 from a bf16 flash kernel's single block);
-        `dtype`: the layer input's. Query heads are grouped per key/value head so no cache is repeated.
-
-        Eager CPU calls with many query rows use the fused flash kernel once per block and merge the
-        blocks by their log-sum-exp (a 512-token prefill chunk: 22 ms against 58 ms per layer);
-        compilers and exporters, soft-capping and decode steps take the dense path."""
-        rows = q.shape[1] * q.shape[2] // self.num_kv_heads
-        if not torch.compiler.is_compiling() and self.softcap is None and rows >= FLASH_ROWS \
-                and q.device.type == "cpu":
-            return self._attend_flash(q, blocks, dtype)
-        B, H, T, hd = q.shape
-        groups = H // self.num_kv_heads
-        qg = as_float32(q).reshape(B, self.num_kv_heads, groups * T, hd)
-        # a compiled decode step (one query row a head): products and sums, which Inductor fuses with
-        # the softmax into a few loops; a batched-matmul call there costs more than its arithmetic
-        fused = T == 1 and torch.compiler.is_dynamo_compiling()
-        matmul = _broadcast_matmul if fused else torch.matmul
-        scores = torch.cat([matmul(qg, as_float32(k).transpose(-1, -2)) for k, _, _ in blocks], dim=-1) * self.scale
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        mask = torch.cat([m for _, _, m in blocks], dim=-1)  # (B|1, T, S)
-        sizes = [k.shape[2] for k, _, _ in blocks]
-        scores = scores.view(B, self.num_kv_heads, groups, T, sum(sizes))
-        scores = scores.masked_fill(torch.logical_not(mask[:, None, None]), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(B, self.num_kv_heads, groups * T, sum(sizes))
-        parts = torch.split(probs, sizes, dim=-1)
-        out = sum(matmul(p, as_float32(v)) for p, (_, v, _) in zip(parts, blocks))
-        return out.view(B, H, T, hd)
-
-    def _attend_flash(self, q, blocks, dtype):
-        B, H, T, hd = q.shape
-        # A bfloat16 model on a CPU with bf16 units (`cpu.bf16_gemm()`) runs the kernel in bf16, as
-        # transformers does: the default model's 512-token prefill 0.36 -> 0.30 s on an AMX Xeon.
-        # Queries, keys and values are rounded to bf16 for it (a cache block is copied to bf16 whole,
-        # every slot, as the kernel reads every slot anyway); the log-sum-exp merge and the caches
-        # stay float32, and a single block's bf16 output goes to `_output` as it is.
-        kernel = torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm() != "upcast" else torch.float32
-        qg = _dense(q, kernel).view(B, self.num_kv_heads, -1, hd)
-        outs, lses = [], []
-        for k, v, mask in blocks:
-            bias, seen = shared(_flash_bias, mask, H // self.num_kv_heads, kernel)
-            if bias is None:  # e.g. the empty cache of a prompt's first chunk: nothing to attend
-                continue
-            # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
-            k, v = _dense(k, kernel), _dense(v, kernel)
-            out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
-            if seen is not None:  # rows that see no key of this block take no part in the merge
-                out, lse = out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
-            outs.append(out)
-            lses.append(lse)
-        if len(outs) == 1:  # in the kernel's dtype: `_output` casts it with its transpose, in one pass
-            return outs[0].view(B, H, T, hd)
-        total = torch.logsumexp(torch.stack(lses), dim=0)
-        out = sum(as_float32(o) * torch.exp(lse - total)[..., None] for o, lse in zip(outs, lses))
-        return out.view(B, H, T, hd)
 
     def _output(self, out, dtype):
         B, H, T, hd = out.shape
