@@ -6,6 +6,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -27,7 +28,8 @@ from .quant.ggml import qtype_of, use_gguf_blocks
 from .quant.ggml.linear import QUANTIZE_TYPES
 
 
-def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu", head=None):
+def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu", head=None,
+         generic=False, trust_remote_code=False):
     """Load a model: a preset name, a GGUF file or a Hugging Face checkpoint folder.
 
     Args:
@@ -46,6 +48,11 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         head: with quantize="gguf", a ggml type ("q5_0", ...) the logits head is re-quantised to
             straight from the file's blocks (the head is most of a decode step's bytes; the file's own
             head is never held whole). None: the file's own head.
+        generic: load a Hugging Face folder through the generic path (transformers' own modules,
+            `kvwire.models.generic`) even when its model type has a native kvwire family. A folder
+            of a type kvwire has no family for takes the generic path anyway.
+        trust_remote_code: let transformers run the folder's own model code (a type transformers
+            does not ship); refused without it.
 
     Returns a `CausalLM`.
 
@@ -75,7 +82,7 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
                          f"file (use a ggml type such as 'q8_0' to quantise other weights)")
     # a GGUF's cache entry (a digest of the file: ~14 ms), found once for the load and the kept head
     entry = weights_cache.entry_for(source) if quantize == "gguf" and head is not None else None
-    lm = _load(source, dtype, progress, entry).to(device)
+    lm = _load(source, dtype, progress, entry, generic, trust_remote_code).to(device)
     if quantize == "gguf":
         lm = use_gguf_blocks(lm, source, head, entry if entry is not None and weights_cache.is_complete(entry) else None)
         if getattr(lm.head, "quantized", None) is not None:  # else a float head reads the whole table each step
@@ -95,10 +102,10 @@ def _is_ggml_type(name):
     return True
 
 
-def _load(name_or_path, dtype, progress, entry=None):
+def _load(name_or_path, dtype, progress, entry=None, generic=False, trust_remote_code=False):
     path = Path(name_or_path)
     if path.is_dir():
-        return load_hf_folder(path, dtype)
+        return load_hf_folder(path, dtype, generic, trust_remote_code)
     if path.is_file():
         return load_gguf(path, dtype, progress, entry)
     raise ValueError(f"unknown model {str(name_or_path)!r}: not a preset ({sorted(PRESETS)}), "
@@ -219,10 +226,13 @@ def _save_entry(entry, family, config, state, tokenizer, dtype=torch.float32):
     weights_cache.mark_complete(entry)
 
 
-def load_hf_folder(folder, dtype=torch.float32):
-    """Load a Hugging Face checkpoint folder: config.json, safetensors (single or sharded), tokenizer."""
+def load_hf_folder(folder, dtype=torch.float32, generic=False, trust_remote_code=False):
+    """Load a Hugging Face checkpoint folder: config.json, safetensors (single or sharded), tokenizer.
+    A model type kvwire has no family for (or `generic`) goes through the generic path."""
     with _about(Path(folder) / "config.json"):
         hf_config = read_config(folder)
+        if generic or not _mapped(hf_config.get("model_type")):
+            return _generic_folder(Path(folder), hf_config, dtype, trust_remote_code)
         family = by_hf_model_type(hf_config.get("model_type"))
         config = family.config_from_hf(hf_config)
     with _about(folder):
@@ -251,7 +261,7 @@ def _check_finite(state):
             raise ValueError(f"tensor {key!r} holds NaN or infinite values")
 
 
-def from_hf(model, tokenizer=None, dtype=None, device=None):
+def from_hf(model, tokenizer=None, dtype=None, device=None, generic=False):
     """A kvwire CausalLM from a transformers model object (weights converted, not re-downloaded).
 
     Args:
@@ -259,12 +269,19 @@ def from_hf(model, tokenizer=None, dtype=None, device=None):
         tokenizer: optional transformers tokenizer (its fast backend is reused).
         dtype: weights dtype, a torch dtype or its name (default: the model's).
         device: where the weights go, a torch.device or its name (default: the model's).
+        generic: build it from transformers' own modules (`kvwire.models.generic`) even when its
+            model type has a native kvwire family (to compare the two). A type without one takes
+            the generic path anyway. The generic model shares the transformers model's weights
+            (a dtype or device given converts that model in place) and sets its attention
+            implementation to kvwire's, which outside kvwire runs transformers' eager attention.
 
     Example:
         >>> lm = kw.from_hf(transformers.AutoModelForCausalLM.from_pretrained(folder))
     """
     device = next(model.parameters()).device if device is None else weights_device(device)
     hf_config = model.config.to_dict()
+    if generic or not _mapped(hf_config.get("model_type")):
+        return _generic(model, tokenizer, dtype, device)
     family = by_hf_model_type(hf_config.get("model_type"))
     config = family.config_from_hf(hf_config)
     state = {k: v.detach() for k, v in family.state_from_hf(model.state_dict(), config).items()}
@@ -275,3 +292,41 @@ def from_hf(model, tokenizer=None, dtype=None, device=None):
                             getattr(tokenizer, "add_bos_token", False), template_from_transformers(tokenizer),
                             getattr(tokenizer, "special_tokens_map", None))
     return build(family, config, state, wrapped, dtype).to(device)
+
+
+def _mapped(model_type):
+    return any(model_type in family.hf_model_types for family in FAMILIES.values())
+
+
+def _generic(model, tokenizer=None, dtype=None, device=None, folder_tokenizer=None):
+    """The generic path's CausalLM over a transformers model object (weights shared)."""
+    from .models.generic import from_transformers
+
+    if dtype is not None:
+        model.to(weights_dtype(dtype))
+    if device is not None:
+        model.to(device)
+    backbone, head, config = from_transformers(model)
+    wrapped = folder_tokenizer
+    if tokenizer is not None:
+        wrapped = Tokenizer(tokenizer.backend_tokenizer, getattr(config, "bos_token_id", None),
+                            eos_list(getattr(config, "eos_token_id", None)), getattr(tokenizer, "add_bos_token", False),
+                            template_from_transformers(tokenizer), getattr(tokenizer, "special_tokens_map", None))
+    return CausalLM(backbone, head, wrapped, config, family="generic")
+
+
+def _generic_folder(folder, hf_config, dtype, trust_remote_code):
+    """A Hugging Face folder through the generic path: transformers builds the model, kvwire wraps it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"{folder}: model type {hf_config.get('model_type')!r} has no native kvwire family; the "
+                         f"generic path runs it with transformers: pip install 'kvwire[generic]'") from None
+    if hf_config.get("auto_map") and not trust_remote_code:
+        raise ValueError(f"{folder}: the model's code comes with the folder (config.json auto_map); loading it runs "
+                         f"that code. Pass trust_remote_code=True if you trust it")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    text = model.config.get_text_config()
+    ids = SimpleNamespace(bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None))
+    tokenizer = tokenizer_from_hf_folder(folder, ids) if (folder / "tokenizer.json").is_file() else None
+    return _generic(model, folder_tokenizer=tokenizer)

@@ -47,17 +47,7 @@ class AttentionMath:
         old = shared(slot_mask, cache_index, T, slots, self.sliding_window, attention_mask)
         new = shared(chunk_mask, cache_index, T, self.sliding_window, attention_mask)
         out = self._attend(q, [(k_cache, v_cache, old), (k, v, new)], dtype)
-        if torch.compiler.is_compiling() and not _writes_in_place():  # exporters and other compilers:
-            # a functional, shape-free update (it reads and writes every slot of the cache)
-            source, take = shared(ring_sources, cache_index, T, slots)
-            k_cache, v_cache = _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
-        else:
-            # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
-            k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
-            index = shared(ring_indices, cache_index, T, k_tail.shape[2], slots)
-            _write(k_cache, index, k_tail)
-            _write(v_cache, index, v_tail)
-        return out, (k_cache, v_cache)
+        return out, write_chunk(cache, k, v, cache_index)
 
     def _attend(self, q, blocks, dtype=torch.float32):
         """q (B, H, T, hd) of any float dtype; blocks: [(k, v, mask)] with k, v (B, Hkv, S_i, hd),
@@ -217,6 +207,24 @@ class Attention(AttentionMath, Layer):
             out = out.transpose(1, 2).reshape(B, T, H * hd)
             return self.o_proj(out if out.dtype == dtype else out.to(dtype))
         return self.o_proj(_dense(out.transpose(1, 2), dtype).view(B, T, H * hd))
+
+
+def write_chunk(cache, k, v, cache_index):
+    """The cache (key, value), each (B, Hkv, slots, hd), with the chunk's k, v (B, Hkv, T, hd)
+    written at cache_index () or (B,) (a ring of `slots` positions): in place, or functionally while
+    compiled or exported (but for compiled steps that write in place)."""
+    k_cache, v_cache = cache
+    T, slots = k.shape[2], k_cache.shape[2]
+    if torch.compiler.is_compiling() and not _writes_in_place():  # exporters and other compilers:
+        # a functional, shape-free update (it reads and writes every slot of the cache)
+        source, take = shared(ring_sources, cache_index, T, slots)
+        return _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
+    # Only the last `slots` tokens of the chunk can still be needed; older ones are overwritten.
+    k_tail, v_tail = k[:, :, -slots:], v[:, :, -slots:]
+    index = shared(ring_indices, cache_index, T, k_tail.shape[2], slots)
+    _write(k_cache, index, k_tail)
+    _write(v_cache, index, v_tail)
+    return k_cache, v_cache
 
 
 @contextmanager

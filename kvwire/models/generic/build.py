@@ -1,0 +1,148 @@
+"""Build the generic path's backbone and head from a transformers causal LM, by probing it once.
+
+Nothing here is keyed by model type: the base model, its decoder layers, its attention modules,
+what runs after the layers and how logits are made are all found by running the model's own
+forward on a short probe and watching which modules it calls. The result is checked against the
+model's own logits on that probe, so a model the split does not fit is refused, not run wrong.
+"""
+import torch
+from torch import nn
+
+from . import seam
+from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail
+
+PROBE_TOKENS = 12
+TOLERANCE = 1e-4  # relative to the logits' scale, float32
+
+
+def from_transformers(model):
+    """(backbone, head, config) of the generic path for a transformers causal LM (weights shared).
+
+    Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention, a
+    decoder layer whose attention transformers' interface never sees, or a forward the split does
+    not reproduce.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; kvwire runs decoder-only language models")
+    seam.register()
+    _use_kvwire_attention(model)
+    base_name, base = _base(model)
+    layers_name, layers = _decoder_layers(base, config, name)
+    probe = _probe_ids(config, model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            seen = _watch(model, base, layers, probe)
+    finally:
+        model.train(was_training)
+    parts = []
+    for i, layer in enumerate(layers):
+        calls = seen["attention"][i]
+        if len(calls) != 1:
+            what = "no attention that transformers' attention interface sees" if not calls else \
+                f"{len(calls)} attention calls"
+            raise ValueError(f"{name}: decoder layer {i} ({type(layer).__name__}) has {what}; the generic path "
+                             f"caches layers with one attention call each (recurrent and state-space layers "
+                             f"are not supported yet)")
+        module, kv_heads, key_size, value_size, window = calls[0]
+        if not getattr(module, "is_causal", True):
+            raise ValueError(f"{name}: decoder layer {i}'s attention ({type(module).__name__}) is bidirectional; "
+                             f"kvwire runs causal language models")
+        parts.append(DecoderLayer(layer, i, module, kv_heads, key_size, value_size, window))
+    tail_names = seen["tail"]
+    stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
+    backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"]), parts,
+                               Tail([getattr(base, n) for n in tail_names]), stem)
+    head = Head(model, base_name, plain=True)
+    with torch.no_grad():
+        hidden = backbone(probe)
+        if not _close(head(hidden), seen["logits"]):
+            head = Head(model, base_name, plain=False)
+        logits = head(hidden)
+    if not _close(logits, seen["logits"]):
+        diff = (logits - seen["logits"]).abs().max().item()
+        raise ValueError(f"{name}: the generic path does not reproduce the model's own logits on a probe "
+                         f"(max difference {diff:.3g}); its forward does more than prelude, decoder layers and "
+                         f"final modules")
+    return backbone, head, config
+
+
+def _use_kvwire_attention(model):
+    try:
+        model.set_attn_implementation(seam.NAME)
+    except (ValueError, AttributeError, TypeError):
+        for sub in model.modules():
+            cfg = getattr(sub, "config", None)
+            if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                cfg._attn_implementation = seam.NAME
+
+
+def _base(model):
+    """(attribute name, module) of the base model inside a causal LM."""
+    getter = getattr(model, "get_decoder", None)
+    base = getter() if callable(getter) else None
+    if base is None:
+        base = getattr(model, "base_model", None)
+    for name, child in model.named_children():
+        if child is base:
+            return name, base
+    raise ValueError(f"{type(model).__name__}: cannot find its base model (get_decoder / base_model) among its "
+                     f"children; expected a transformers ...ForCausalLM")
+
+
+def _decoder_layers(base, config, name):
+    n = getattr(config, "num_hidden_layers", None)
+    lists = [(k, v) for k, v in base.named_children() if isinstance(v, nn.ModuleList) and len(v) == n]
+    if len(lists) != 1:
+        raise ValueError(f"{name}: expected one list of {n} decoder layers (num_hidden_layers) in "
+                         f"{type(base).__name__}; found {[k for k, _ in lists] or 'none'}")
+    return lists[0]
+
+
+def _probe_ids(config, model):
+    vocab = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    return torch.randint(min(3, vocab - 1), vocab, (2, PROBE_TOKENS), generator=g).to(device)
+
+
+def _watch(model, base, layers, probe):
+    """Run the model on the probe, recording: its logits, the order of the base model's children,
+    each decoder layer's attention calls and whether the layers return tuples."""
+    order, owner, attention = [], {}, [[] for _ in layers]
+    for i, layer in enumerate(layers):
+        for m in layer.modules():
+            owner.setdefault(id(m), i)
+    returns_tuple, marker = [], _name_of(base, layers)
+    hooks = [child.register_forward_hook(lambda m, a, o, n=n: order.append(n)) for n, child in base.named_children()
+             if child is not layers]
+    hooks += [layer.register_forward_hook(lambda m, a, o: order.append(marker)) for layer in layers]
+    hooks.append(layers[0].register_forward_hook(lambda m, a, o: returns_tuple.append(isinstance(o, tuple))))
+
+    def seen(module, key, value, window):
+        i = owner.get(id(module))
+        if i is not None:
+            attention[i].append((module, key.shape[1], key.shape[-1], value.shape[-1], window))
+
+    try:
+        with seam.watching(seen):
+            logits = model(input_ids=probe, use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    layers_at = [k for k, n in enumerate(order) if n == marker]
+    tail = [n for n in order[layers_at[-1] + 1:]] if layers_at else []
+    return {"logits": logits.float(), "attention": attention, "tail": list(dict.fromkeys(tail)),
+            "returns_tuple": bool(returns_tuple and returns_tuple[0])}
+
+
+def _name_of(base, layers):
+    return next(n for n, c in base.named_children() if c is layers)
+
+
+def _close(a, b):
+    a, b = a.float(), b.float()
+    return a.shape == b.shape and bool(((a - b).abs().max() <= TOLERANCE * max(1.0, b.abs().max().item())).item())

@@ -1,0 +1,179 @@
+"""A transformers decoder as kvwire layers: its own modules, split at its decoder layers.
+
+    token_ids -> Prelude -> layers.0 ... layers.N-1 -> Tail -> hidden      (Head: hidden -> logits)
+
+`Prelude` runs the model's own forward with every decoder layer swapped for a recorder: whatever
+the family computes before and between its layers (embeddings and their scaling, rotary tables
+for the given positions, per-layer inputs) happens as transformers writes it, and the recorders
+keep the arguments each layer was called with. Each `DecoderLayer` then calls its transformers
+layer with its recorded arguments. `Tail` is what the forward applies after the last layer (the
+final norm). The arguments travel from the prelude to the layers through a per-call context, so
+the layer graph between them stays plain tensors: insert, tap, steer and cache it as any other.
+"""
+import contextvars
+
+import torch
+from torch import nn
+
+from ...layers.base import Layer
+from . import seam
+
+_calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer `index` during the prelude: keeps its input and arguments, returns
+    its input."""
+
+    def __init__(self, index, returns_tuple, store):
+        super().__init__()
+        self.index, self.returns_tuple, self.store = index, returns_tuple, store
+
+    def forward(self, *args, **kwargs):
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+        self.store[self.index] = (hidden, args, kwargs)
+        return (hidden,) if self.returns_tuple else hidden
+
+
+class Prelude(Layer):
+    """token_ids (B, T) -> the hidden states (B, T, D) the first decoder layer takes, running the
+    model's forward with recorders in place of its layers (see the module docstring).
+
+    Args:
+        base: the transformers base model (its forward takes input_ids and position_ids).
+        layers_name: the attribute of `base` holding its decoder layers (a ModuleList).
+        returns_tuple: whether the layers return tuples (older families) rather than tensors.
+    """
+
+    uses_positions = True
+
+    def __init__(self, base, layers_name, returns_tuple):
+        super().__init__()
+        self.__dict__["base"] = base  # not a submodule: its weights belong to the backbone's parts
+        self.layers_name, self.returns_tuple = layers_name, returns_tuple
+
+    def forward(self, token_ids):
+        B, T = token_ids.shape
+        positions = torch.arange(T, device=token_ids.device)[None].expand(B, T)
+        return self.forward_cached(token_ids, positions=positions)
+
+    def forward_cached(self, token_ids, *, positions):
+        layers = getattr(self.base, self.layers_name)
+        store = [None] * len(layers)
+        recorders = nn.ModuleList(_Recorder(i, self.returns_tuple, store) for i in range(len(layers)))
+        setattr(self.base, self.layers_name, recorders)
+        try:
+            self.base(input_ids=token_ids, position_ids=positions, use_cache=False)
+        finally:
+            setattr(self.base, self.layers_name, layers)
+        missing = [i for i, call in enumerate(store) if call is None]
+        if missing:
+            raise RuntimeError(f"{type(self.base).__name__}'s forward did not call decoder layers {missing[:8]}")
+        _calls.set(store)
+        return store[0][0]
+
+
+class DecoderLayer(Layer):
+    """transformers' decoder layer `index`, called with the arguments the prelude recorded.
+
+    Its attention (found by the build's probe) reads and writes this layer's cache in the cached
+    graph: `cache_spec` gives (B, key heads, slots, key size) and (..., value size), slots the
+    window - 1 of a sliding layer or max_length.
+    """
+
+    def __init__(self, layer, index, attention=None, kv_heads=None, key_size=None, value_size=None, window=None):
+        super().__init__()
+        self.block, self.index = layer, index
+        self.__dict__["attention"] = attention  # the transformers attention module (a submodule of block)
+        self.kv_heads, self.key_size, self.value_size, self.window = kv_heads, key_size, value_size, window
+
+    def forward(self, x):
+        calls = _calls.get()
+        if calls is None:
+            raise RuntimeError("a generic decoder layer runs after its model's Prelude (it takes the layer's "
+                               "arguments from it); call the whole backbone")
+        _, args, kwargs = calls[self.index]
+        out = self.block(x, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def cache_spec(self, batch_size, max_length, dtype):
+        if self.attention is None:
+            return None
+        slots = max_length if self.window is None else max(1, min(self.window - 1, max_length))
+        return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
+
+    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
+        state = seam.Attending(self.attention, self.window, cache, cache_index, attention_mask)
+        with seam.attending(state):
+            out = self.forward(x)
+        if state.calls != 1:
+            raise RuntimeError(f"decoder layer {self.index} called its attention {state.calls} times in one step; "
+                               f"the generic cache expects one call")
+        return out, state.cache
+
+
+class Tail(Layer):
+    """What the model's forward applies after its last decoder layer (the final norm): the base
+    model's children the build's probe saw called after the layers, in order."""
+
+    def __init__(self, modules):
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, x):
+        for part in self.parts:
+            x = part(x)
+        return x
+
+
+class Head(Layer):
+    """hidden (B, T, D) -> logits (B, T, V) as the transformers model computes them: its output
+    embedding, then whatever its forward does after it (soft-caps, scales), found by running its
+    forward on the given hidden states in place of its base model's."""
+
+    def __init__(self, model, base_name, plain):
+        super().__init__()
+        self.output = model.get_output_embeddings()
+        self.__dict__["model"] = model
+        self.base_name, self.plain = base_name, plain
+
+    @property
+    def weight(self):
+        return self.output.weight
+
+    def forward(self, hidden):
+        if self.plain:
+            return self.output(hidden)
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        rows = hidden.dim() == 2  # (B, D): the last position of each row
+        steps = hidden[:, None] if rows else hidden
+        base = getattr(self.model, self.base_name)
+        base.forward = lambda *a, **k: BaseModelOutputWithPast(last_hidden_state=steps)
+        try:
+            ids = torch.zeros(steps.shape[:2], dtype=torch.long, device=hidden.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits
+        finally:
+            del base.forward
+        return logits[:, 0] if rows else logits
+
+
+class GenericBackbone(nn.Module):
+    """token_ids (B, T) -> hidden (B, T, D): Prelude, `layers.N` (`DecoderLayer`), Tail.
+
+    `stem` holds the base model's other children (embeddings, rotary tables, norms) so moves and
+    casts reach them; the prelude and tail call them through the base model.
+    """
+
+    def __init__(self, prelude, layers, tail, stem):
+        super().__init__()
+        self.prelude, self.layers, self.tail, self.stem = prelude, nn.ModuleList(layers), tail, nn.ModuleDict(stem)
+
+    def forward(self, token_ids):
+        x = self.prelude(token_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.tail(x)

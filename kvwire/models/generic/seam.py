@@ -1,0 +1,110 @@
+"""Where kvwire's cache meets transformers' attention: an attention implementation registered with
+transformers' `AttentionInterface` under the name "kvwire".
+
+transformers' attention modules compute queries, keys and values (rotary, QK-norm, latent
+projections: whatever the family does) and hand them to the configured attention function. Ours:
+- outside a kvwire cached call it is the module's own eager attention, with transformers' mask;
+- inside one (`attending`), for the module being called, it writes the chunk's keys/values into
+  kvwire's cache for that layer at each row's `cache_index` and calls the same eager attention
+  over the cache as it was plus the chunk, with kvwire's mask (per-row positions, left padding,
+  sliding window). The module's own function keeps its extras (sinks, soft-caps, scaling).
+"""
+import contextvars
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ...layers.attention import write_chunk
+from ...layers.masks import chunk_mask, slot_mask
+from ...layers.shared import shared
+
+NAME = "kvwire"
+_active = contextvars.ContextVar("kvwire_generic_attention", default=None)
+_watcher = contextvars.ContextVar("kvwire_generic_watcher", default=None)
+_registered = []
+
+
+@dataclass
+class Attending:
+    """One cached call of one block: its attention module, cache pair and the call's inputs."""
+
+    module: torch.nn.Module
+    window: int
+    cache: tuple
+    cache_index: torch.Tensor
+    attention_mask: torch.Tensor
+    calls: int = 0
+
+
+@contextmanager
+def attending(state):
+    """Inside: `state.module`'s attention reads and writes `state.cache`."""
+    token = _active.set(state)
+    try:
+        yield state
+    finally:
+        _active.reset(token)
+
+
+@contextmanager
+def watching(fn):
+    """Inside: every plain attention call also calls fn(module, key, value, window) (the build's probe)."""
+    token = _watcher.set(fn)
+    try:
+        yield
+    finally:
+        _watcher.reset(token)
+
+
+def register():
+    """Register "kvwire" with transformers' attention and mask interfaces (once)."""
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, eager_mask)  # plain calls get the eager function's mask
+    _registered.append(True)
+
+
+def eager_function(module):
+    """The eager attention of the module's own modeling file (every transformers modeling file
+    defines `eager_attention_forward`), or None."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention-interface signature: query (B, H, T, d), key (B, Hkv, T, d), value
+    (B, Hkv, T, d_v) -> (output (B, T, H, d_v), weights or None)."""
+    eager = eager_function(module)
+    state = _active.get()
+    if state is None or state.module is not module:
+        watcher = _watcher.get()
+        if watcher is not None:
+            window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+            watcher(module, key, value, window)
+        return eager(module, query, key, value, attention_mask, **kwargs)
+    window = state.window
+    state.calls += 1
+    k_cache, v_cache = state.cache
+    T, slots = query.shape[2], k_cache.shape[2]
+    old = shared(slot_mask, state.cache_index, T, slots, window, state.attention_mask)
+    new = shared(chunk_mask, state.cache_index, T, window, state.attention_mask)
+    dtype = query.dtype
+    bias = shared(_bias, old, new, dtype)  # (B|1, 1, T, slots + T), once per call for equal windows
+    keys = torch.cat([k_cache.to(dtype), key], dim=2)
+    values = torch.cat([v_cache.to(dtype), value], dim=2)
+    out = eager(module, query, keys, values, bias, **kwargs)
+    state.cache = write_chunk(state.cache, key.float(), value.float(), state.cache_index)
+    return out
+
+
+def _bias(old, new, dtype):
+    allowed = torch.cat([old, new], dim=-1)[:, None]
+    # the additive mask transformers' eager functions take; its smallest value (not -inf) keeps a
+    # row that sees nothing (a left pad) finite, as transformers' own masks do
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)

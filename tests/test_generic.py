@@ -1,0 +1,72 @@
+"""The generic path: transformers' own modules as a kvwire layer graph, cached by the cache pass.
+The arbiter is transformers' uncached forward on the same weights."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvwire as kw
+
+from .conftest import FAMILIES
+
+transformers = pytest.importorskip("transformers")
+
+# every native family, forced through the generic path: rings (gemma2/3, mistral, phi3, qwen2's
+# window layers), learned positions (gpt2), soft-caps (gemma2), QK-norm (gemma3, qwen3, olmo2)
+NATIVE = sorted(FAMILIES)
+
+
+def rollout(hf, ids, steps):
+    """transformers' uncached greedy argmax rollout (the ground truth)."""
+    x = ids
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.cat([x, hf(x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x[:, ids.shape[1]:]
+
+
+@pytest.fixture(scope="module", params=NATIVE)
+def pair(request):
+    hf = FAMILIES[request.param]().eval()
+    return request.param, hf, kw.from_hf(hf, generic=True)
+
+
+def test_logits_equal_transformers(pair):
+    _, hf, lm = pair
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_greedy_equals_the_uncached_rollout(pair):
+    _, hf, lm = pair
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(2))
+    out = lm.generate(ids, max_new_tokens=14, ignore_eos=True)
+    assert [o.tolist() for o in out] == rollout(hf, ids, 14).tolist()
+
+
+def test_left_padded_rows_equal_each_alone(pair):
+    _, _, lm = pair
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 90, (n,), generator=g) for n in (4, 12, 7)]
+    batch = lm.generate(rows, max_new_tokens=10, ignore_eos=True, return_logprobs=True)
+    for i, row in enumerate(rows):
+        alone = lm.generate(row, max_new_tokens=10, ignore_eos=True, return_logprobs=True)
+        assert batch.tokens[i] == alone.tokens[0]
+        torch.testing.assert_close(torch.tensor(batch.logprobs[i]), torch.tensor(alone.logprobs[0]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_the_native_path_stays_for_mapped_families():
+    assert kw.from_hf(FAMILIES["llama"]().eval()).family == "llama"
+
+
+def test_no_table_keyed_by_model_type():
+    # the generic path finds everything by probing the model; a per-family table would show up as
+    # model_type (or a family's name) in its source
+    source = "\n".join(p.read_text() for p in Path(kw.__file__).parent.joinpath("models/generic").glob("*.py"))
+    assert "model_type" not in source
+    types = set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
+    quoted = set(re.findall(r"""["']([a-z0-9_]+)["']""", source))
+    assert not (quoted & types), sorted(quoted & types)
