@@ -68,13 +68,15 @@ class _Pool:
     a model whose layers share one layout (every family kvwire has); each further layout (an
     edited-in cache of another shape) has a pool of its own."""
 
-    def __init__(self, like, budget, page_tokens):
+    def __init__(self, like, budget, page_tokens, values_like=None):
+        values_like = like if values_like is None else values_like  # values may have their own head size
         _, kv_heads, _, head_dim = like.shape
+        value_dim = values_like.shape[3]
         self.page_tokens = page_tokens
-        self.page_bytes = 2 * page_tokens * kv_heads * head_dim * like.element_size()
+        self.page_bytes = page_tokens * kv_heads * (head_dim + value_dim) * like.element_size()
         capacity = budget // self.page_bytes
         self.keys = torch.empty(capacity * page_tokens, kv_heads, head_dim, dtype=like.dtype, device=like.device)
-        self.values = torch.empty_like(self.keys)
+        self.values = torch.empty(capacity * page_tokens, kv_heads, value_dim, dtype=like.dtype, device=like.device)
         self.free = list(range(capacity))  # a heap: the lowest free id first
         heapq.heapify(self.free)
 
@@ -123,7 +125,7 @@ class PrefixStore:
             raise ValueError(f"page_tokens must be an int >= 1, got {page_tokens!r}")
         self.max_bytes, self.min_tokens, self.page_tokens = max_bytes, min_tokens, page_tokens
         self.entries = OrderedDict()  # (tokens, inputs) -> Prefix, least recently used first
-        self.pools = {}  # (kv_heads, head_dim, dtype, device) -> _Pool
+        self.pools = {}  # (kv_heads, key head_dim, value head_dim, dtype, device) -> _Pool
         self._warned = False
         self.nbytes = 0
         self.hits = self.lookups = 0
@@ -153,7 +155,7 @@ class PrefixStore:
         for key in [k for k in self.entries if k[1] == inputs and tokens[:len(k[0])] == k[0]]:
             self._drop(key)  # a conversation's earlier turns: covered now
         try:
-            pools = [self._pool(k) for k, _ in cache]
+            pools = [self._pool(k, v) for k, v in cache]
         except (RuntimeError, MemoryError) as e:  # no memory for the buffers: serve on, without reuse
             if not self._warned:
                 warnings.warn(f"the prefix store could not allocate its {self.max_bytes} bytes ({e}); "
@@ -187,11 +189,12 @@ class PrefixStore:
         self.entries[(tokens, inputs)] = Prefix(tokens, inputs, layers)
         self.nbytes += need
 
-    def _pool(self, k):
-        """The pool of layers shaped like cache keys `k` (batch, kv_heads, slots, head_dim), made on first use."""
-        key = (k.shape[1], k.shape[3], k.dtype, k.device)
+    def _pool(self, k, v):
+        """The pool of layers shaped like cache keys `k` (batch, kv_heads, slots, head_dim) and values
+        `v` (..., value head_dim), made on first use."""
+        key = (k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
         if key not in self.pools:
-            self.pools[key] = _Pool(k, self.max_bytes, self.page_tokens)
+            self.pools[key] = _Pool(k, self.max_bytes, self.page_tokens, v)
         return self.pools[key]
 
     def _drop(self, key):

@@ -232,10 +232,11 @@ def _check_inputs(cached, token_ids, positions, cache_index, attention_mask, cac
     if len(cache) != len(cached.slots):
         raise ValueError(f"cache has {len(cache)} layer entries; this graph has {len(cached.slots)} cached layers")
     for slot, pair in zip(cached.slots, cache):
-        k_shape, _ = slot.module.cache_spec(B, max_length, None)
-        if len(pair) != 2 or tuple(pair[0].shape) != tuple(k_shape) or pair[0].shape != pair[1].shape:
+        k_shape, v_shape = slot.module.cache_spec(B, max_length, None)
+        if len(pair) != 2 or tuple(pair[0].shape) != tuple(k_shape) or tuple(pair[1].shape) != tuple(v_shape):
             got = [tuple(t.shape) for t in pair]
-            raise ValueError(f"cache of {slot.name!r} must be (key, value) of shape {tuple(k_shape)}; got {got}")
+            want = tuple(k_shape) if tuple(k_shape) == tuple(v_shape) else f"{tuple(k_shape)} and {tuple(v_shape)}"
+            raise ValueError(f"cache of {slot.name!r} must be (key, value) of shape {want}; got {got}")
         if any(t.dtype != CACHE_DTYPE for t in pair):
             raise TypeError(f"cache of {slot.name!r} must be {CACHE_DTYPE}; got {[t.dtype for t in pair]} "
                             f"(make caches with init_cache)")
