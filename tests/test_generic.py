@@ -70,3 +70,19 @@ def test_no_table_keyed_by_model_type():
     types = set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
     quoted = set(re.findall(r"""["']([a-z0-9_]+)["']""", source))
     assert not (quoted & types), sorted(quoted & types)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_steering_a_generic_model_equals_the_native_path(family):
+    hf = FAMILIES[family]().eval()
+    native, generic = kw.from_hf(hf), kw.from_hf(hf, generic=True)
+    width = native.head.weight.shape[1]
+    vec = kw.ControlVector({2: 4 * torch.randn(width, generator=torch.Generator().manual_seed(0))})
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(2))
+    steered = generic.steer(vec, 1.0)
+    assert steered.cached.names == [f"layers.{i}" for i in range(len(generic.backbone.layers))]
+    ours = steered.generate(ids, max_new_tokens=10, ignore_eos=True, return_logprobs=True)
+    theirs = native.steer(vec, 1.0).generate(ids, max_new_tokens=10, ignore_eos=True, return_logprobs=True)
+    assert ours.tokens == theirs.tokens
+    torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=1e-4)
+    assert ours.tokens != generic.generate(ids, max_new_tokens=10, ignore_eos=True, return_logprobs=True).tokens

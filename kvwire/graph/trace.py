@@ -26,7 +26,7 @@ class LayerTracer(fx.Tracer):
 
     def is_leaf_module(self, m, qualname):
         if isinstance(m, Layer):
-            return self.depth == "block" or not isinstance(m, Block)
+            return self.depth == "block" or not isinstance(m, Block) or m.opaque
         if speaks_protocol(m):  # a plain module asking for positions, caches or runtime inputs
             return True
         if not self._registered(m):

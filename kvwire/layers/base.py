@@ -37,4 +37,7 @@ class Layer(nn.Module):
 
 
 class Block(Layer):
-    """A layer made of layers (a decoder block): one node at "block" depth, opened at "layer" depth."""
+    """A layer made of layers (a decoder block): one node at "block" depth, opened at "layer" depth.
+    An `opaque` block (one made of another library's modules) stays one node at every depth."""
+
+    opaque = False

@@ -15,7 +15,7 @@ import contextvars
 import torch
 from torch import nn
 
-from ...layers.base import Layer
+from ...layers.base import Block, Layer
 from . import seam
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
@@ -76,8 +76,9 @@ class Prelude(Layer):
         return store[0][0]
 
 
-class DecoderLayer(Layer):
-    """transformers' decoder layer `index`, called with the arguments the prelude recorded.
+class DecoderLayer(Block):
+    """transformers' decoder layer `index`, called with the arguments the prelude recorded: a block
+    (control vectors and `layers.N` selectors count it) that is one node at every depth.
 
     Its attention (found by the build's probe) reads and writes this layer's cache in the cached
     graph: `cache_spec` gives (B, key heads, slots, key size) and (..., value size), slots the
@@ -90,6 +91,7 @@ class DecoderLayer(Layer):
         self.__dict__["attention"] = attention  # the transformers attention module (a submodule of block)
         self.kv_heads, self.key_size, self.value_size, self.window = kv_heads, key_size, value_size, window
 
+    opaque = True
     def forward(self, x):
         calls = _calls.get()
         if calls is None:
