@@ -122,3 +122,19 @@ def test_float16_generates_the_float32_tokens(ours):
     full = torch.cat([ids, torch.tensor([want.tokens[0]])], dim=1)
     scores = torch.log_softmax(half(full).float()[0, :-1], -1).gather(1, full[0, 1:, None])[ids.shape[1] - 1:, 0]
     assert abs(float(scores.mean()) - sum(want.logprobs[0]) / 16) < 0.01  # measured 0.0005
+
+
+def test_the_generic_path_equals_the_native_path_and_transformers(ours, gguf_path):
+    """Gemma 3 forced through the generic path (transformers' own modules, kvwire's cache pass; its
+    sliding layers as rings) gives the native decoder's greedy tokens, past the 512-token window
+    too. A transformers model of its own: the generic path sets the attention implementation of
+    the model it wraps."""
+    model, tokenizer = transformers_gguf(gguf_path.parent, gguf_path.name)
+    generic = kw.from_hf(model, generic=True)
+    assert generic.family == "generic"
+    assert {layer.window for layer in generic.backbone.layers} == {512, None}
+    for text in PROMPTS:
+        ids = torch.tensor(tokenizer(text)["input_ids"])
+        assert generic.generate(ids, max_new_tokens=32).tolist() == ours.generate(ids, max_new_tokens=32).tolist()
+    long = torch.tensor(ours.tokenizer.encode("The history of the city: " * 110))[:530]  # past the window
+    assert generic.generate(long, max_new_tokens=8).tolist() == ours.generate(long, max_new_tokens=8).tolist()

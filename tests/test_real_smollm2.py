@@ -265,3 +265,14 @@ def test_chat_stops_at_the_end_of_turn_and_the_next_turn_reuses_the_first(lm, hf
     again = lm.chat(turn2, max_new_tokens=24)
     assert store.hits == hits + 1
     assert again == lm.chat(turn2, max_new_tokens=24, reuse_prefix=False)
+
+
+def test_the_generic_path_equals_the_native_path_and_transformers(lm, hf_folder, prompts, hf_greedy):
+    """SmolLM2 forced through the generic path (transformers' own modules, kvwire's cache pass) gives
+    transformers' greedy tokens, as the native decoder does. A model of its own: the generic path
+    sets the attention implementation of the model it wraps."""
+    generic = kw.from_hf(transformers_gguf(hf_folder, "model.gguf")[0], generic=True)
+    assert generic.family == "generic" and lm.family != "generic"
+    for text in prompts:
+        ids = torch.tensor(lm.tokenizer.encode(text))
+        assert generic.generate(ids, max_new_tokens=32, ignore_eos=True).tolist() == hf_greedy[text], text
