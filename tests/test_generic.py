@@ -86,3 +86,19 @@ def test_steering_a_generic_model_equals_the_native_path(family):
     assert ours.tokens == theirs.tokens
     torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=1e-4)
     assert ours.tokens != generic.generate(ids, max_new_tokens=10, ignore_eos=True, return_logprobs=True).tokens
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_the_modules_own_eager_attention_serves_cached_calls_too(family):
+    """Layers whose attention kvwire's math does not reproduce (sinks, say) run the module's own eager
+    function over cache + chunk: forced here on rings and soft-caps, it equals the rollout too."""
+    hf = FAMILIES[family]().eval()
+    lm = kw.from_hf(hf, generic=True)
+    assert all(layer.plain_math for layer in lm.backbone.layers)  # the probe found kvwire's math fits
+    for layer in lm.backbone.layers:
+        layer.plain_math = False
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(3, 90, (n,), generator=g) for n in (5, 11)]
+    out = lm.generate(rows, max_new_tokens=12, ignore_eos=True)
+    for row, got in zip(rows, out):
+        assert got.tolist() == rollout(hf, row[None], 12)[0].tolist()

@@ -47,11 +47,11 @@ def from_transformers(model):
             raise ValueError(f"{name}: decoder layer {i} ({type(layer).__name__}) has {what}; the generic path "
                              f"caches layers with one attention call each (recurrent and state-space layers "
                              f"are not supported yet)")
-        module, kv_heads, key_size, value_size, window = calls[0]
+        module, kv_heads, key_size, value_size, window, plain_math = calls[0]
         if not getattr(module, "is_causal", True):
             raise ValueError(f"{name}: decoder layer {i}'s attention ({type(module).__name__}) is bidirectional; "
                              f"kvwire runs causal language models")
-        parts.append(DecoderLayer(layer, i, module, kv_heads, key_size, value_size, window))
+        parts.append(DecoderLayer(layer, i, module, kv_heads, key_size, value_size, window, plain_math))
     tail_names = seen["tail"]
     stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
     backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"]), parts,
@@ -122,10 +122,10 @@ def _watch(model, base, layers, probe):
     hooks += [layer.register_forward_hook(lambda m, a, o: order.append(marker)) for layer in layers]
     hooks.append(layers[0].register_forward_hook(lambda m, a, o: returns_tuple.append(isinstance(o, tuple))))
 
-    def seen(module, key, value, window):
+    def seen(module, key, value, window, plain_math):
         i = owner.get(id(module))
         if i is not None:
-            attention[i].append((module, key.shape[1], key.shape[-1], value.shape[-1], window))
+            attention[i].append((module, key.shape[1], key.shape[-1], value.shape[-1], window, plain_math))
 
     try:
         with seam.watching(seen):

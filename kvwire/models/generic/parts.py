@@ -85,11 +85,13 @@ class DecoderLayer(Block):
     window - 1 of a sliding layer or max_length.
     """
 
-    def __init__(self, layer, index, attention=None, kv_heads=None, key_size=None, value_size=None, window=None):
+    def __init__(self, layer, index, attention=None, kv_heads=None, key_size=None, value_size=None, window=None,
+                 plain_math=False):
         super().__init__()
         self.block, self.index = layer, index
         self.__dict__["attention"] = attention  # the transformers attention module (a submodule of block)
         self.kv_heads, self.key_size, self.value_size, self.window = kv_heads, key_size, value_size, window
+        self.plain_math = plain_math  # cached calls may use kvwire's attention math (the probe checked it)
 
     opaque = True
     def forward(self, x):
@@ -108,7 +110,7 @@ class DecoderLayer(Block):
         return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
 
     def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
-        state = seam.Attending(self.attention, self.window, cache, cache_index, attention_mask)
+        state = seam.Attending(self.attention, self.window, cache, cache_index, attention_mask, self.plain_math)
         with seam.attending(state):
             out = self.forward(x)
         if state.calls != 1:

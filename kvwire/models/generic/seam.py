@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...layers.attention import write_chunk
+from ...layers.attention import AttentionMath, write_chunk
 from ...layers.masks import chunk_mask, slot_mask
 from ...layers.shared import shared
 
@@ -35,6 +35,7 @@ class Attending:
     cache: tuple
     cache_index: torch.Tensor
     attention_mask: torch.Tensor
+    plain_math: bool = False  # the probe found kvwire's attention math equal to the module's
     calls: int = 0
 
 
@@ -50,7 +51,8 @@ def attending(state):
 
 @contextmanager
 def watching(fn):
-    """Inside: every plain attention call also calls fn(module, key, value, window) (the build's probe)."""
+    """Inside: every plain attention call also calls fn(module, key, value, window, plain_math_fits)
+    (the build's probe)."""
     token = _watcher.set(fn)
     try:
         yield
@@ -82,13 +84,19 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     eager = eager_function(module)
     state = _active.get()
     if state is None or state.module is not module:
+        out = eager(module, query, key, value, attention_mask, **kwargs)
         watcher = _watcher.get()
         if watcher is not None:
             window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-            watcher(module, key, value, window)
-        return eager(module, query, key, value, attention_mask, **kwargs)
+            watcher(module, key, value, window, _plain_math_fits(module, query, key, value, window, kwargs, out[0]))
+        return out
     window = state.window
     state.calls += 1
+    if state.plain_math:  # kvwire's grouped attention: no repeated or concatenated keys and values
+        core = _Core(key.shape[1], kwargs.get("scaling"), kwargs.get("softcap"), window)
+        out, state.cache = core.attend_cached(query, key.float(), value.float(), state.cache, state.cache_index,
+                                              state.attention_mask, query.dtype)
+        return out.transpose(1, 2).to(query.dtype).contiguous(), None
     k_cache, v_cache = state.cache
     T, slots = query.shape[2], k_cache.shape[2]
     old = shared(slot_mask, state.cache_index, T, slots, window, state.attention_mask)
@@ -100,6 +108,27 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     out = eager(module, query, keys, values, bias, **kwargs)
     state.cache = write_chunk(state.cache, key.float(), value.float(), state.cache_index)
     return out
+
+
+class _Core(AttentionMath):
+    def __init__(self, num_kv_heads, scale, softcap, sliding_window):
+        self.num_kv_heads, self.scale, self.softcap, self.sliding_window = num_kv_heads, scale, softcap, sliding_window
+
+
+def _plain_math_fits(module, query, key, value, window, kwargs, expected):
+    """Whether kvwire's own attention math (grouped heads, scaling, soft-cap, window) gives what the
+    module's eager attention gave on this call: then cached calls may use it. A module with more
+    (sinks, biases, an unusual mask) keeps its eager function."""
+    if kwargs.get("scaling") is None or query.shape[1] % key.shape[1]:
+        return False
+    B, T = query.shape[0], query.shape[2]
+    start = torch.zeros((), dtype=torch.long, device=query.device)
+    mask = chunk_mask(start, T, window, torch.ones(B, T, dtype=torch.bool, device=query.device))
+    core = _Core(key.shape[1], kwargs["scaling"], kwargs.get("softcap"), window)
+    with torch.no_grad():
+        ours = core._attend(query, [(key.float(), value.float(), mask)], query.dtype).transpose(1, 2)
+    theirs = expected.float()
+    return ours.shape == theirs.shape and bool(((ours - theirs).abs().max() <= 1e-5 * max(1.0, theirs.abs().max())).item())
 
 
 def _bias(old, new, dtype):
