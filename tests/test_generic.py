@@ -102,3 +102,38 @@ def test_the_modules_own_eager_attention_serves_cached_calls_too(family):
     out = lm.generate(rows, max_new_tokens=12, ignore_eos=True)
     for row, got in zip(rows, out):
         assert got.tolist() == rollout(hf, row[None], 12)[0].tolist()
+
+
+def tiny_starcoder2():
+    config = transformers.AutoConfig.for_model(
+        "starcoder2", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128, sliding_window=5, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_folder_of_a_type_kvwire_has_no_family_for_takes_the_generic_path(tmp_path):
+    hf = tiny_starcoder2()
+    hf.save_pretrained(tmp_path)
+    lm = kw.load(str(tmp_path))
+    assert lm.family == "generic" and lm.max_context == 128
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(5))
+    assert lm.generate(ids, max_new_tokens=10, ignore_eos=True)[0].tolist() == rollout(hf, ids, 10)[0].tolist()
+
+
+def test_a_folder_with_its_own_code_needs_trust_remote_code(tmp_path):
+    tiny_starcoder2().save_pretrained(tmp_path)
+    config = (tmp_path / "config.json")
+    data = config.read_text().replace('"model_type"', '"auto_map": {"AutoModelForCausalLM": "x.Model"}, "model_type"')
+    config.write_text(data)
+    with pytest.raises(ValueError, match=r"the model's code comes with the folder .*trust_remote_code=True"):
+        kw.load(str(tmp_path))
+
+
+def test_encoder_decoders_are_refused_by_name():
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder model; kvwire runs "
+                                         "decoder-only language models"):
+        kw.from_hf(model)
