@@ -137,3 +137,15 @@ def test_encoder_decoders_are_refused_by_name():
     with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder model; kvwire runs "
                                          "decoder-only language models"):
         kw.from_hf(model)
+
+
+def test_a_generic_model_exports_to_onnx_and_runs_the_same_tokens(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from kvwire.export import load_exported
+
+    hf = FAMILIES["gemma3"]().eval()  # GQA, rings of sliding layers, QK-norm
+    lm = kw.from_hf(hf, generic=True)
+    kw.export(lm, tmp_path / "m.onnx", max_length=48)
+    ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(6))
+    expected = rollout(hf, ids, 12)[0].tolist()
+    assert load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist() == expected
