@@ -12,6 +12,7 @@ sys.path.insert(0, BENCH)
 import common  # noqa: E402
 import context  # noqa: E402
 import generate  # noqa: E402
+import threads  # noqa: E402
 
 PEER = """
 import json, os, signal, sys
@@ -242,3 +243,21 @@ def test_decode_rate_counts_the_tokens_after_the_first_arrival():
     assert context.decode_rate([(1, 10.0), (2, 10.5), (4, 11.0)]) == pytest.approx(3.0)
     with pytest.raises(ValueError, match="more tokens at a later time"):
         context.decode_rate([(3, 10.0), (3, 11.0)])
+
+
+def test_threads_bench_times_each_count_in_a_pool_of_that_size(capsys):
+    """bench/threads.py on a tiny model: a row per thread count (1 and torch's default), each worker's
+    pool the size asked for (a mismatch or a failed worker prints a line), the default's ratio 1.00x;
+    spinners stop when their block ends."""
+    threads.main(["--model", "tiny", "--threads", "1", "--new-tokens", "3", "--repeat", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = lines[lines.index(next(line for line in lines if line.startswith("threads"))) + 1:]
+    counts = [row.split()[0] for row in rows]
+    assert counts[0] == "1" and all(c.isdigit() for c in counts) and len(rows) == len({*counts}) <= 2
+    for row in rows:
+        rate, ratio = row.split()[-2:]
+        assert float(rate) > 0 and ratio.endswith("x")
+    assert [row.split()[-1] for row in rows if "(default)" in row] == ["1.00x"]
+    with threads.spinners(2) as procs:
+        assert [p.poll() for p in procs] == [None, None]
+    assert all(p.returncode is not None for p in procs)
