@@ -252,3 +252,11 @@ def test_interleaved_streams_do_not_share_caches(chat):
         texts[0] += pa
         texts[1] += pb
     assert texts == alone
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-45])
+def test_a_temperature_float32_rounds_to_zero_samples_the_greedy_token(temperature):
+    # float32 turns 5e-324 into 0: dividing by it made the maximum 0 / 0 = NaN and the row failed
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
+    for sampler in (kw.Random(temperature), kw.TopP(0.9, temperature=temperature)):
+        assert sampler.sample_rows(logits, [torch.Generator().manual_seed(0)]).tolist() == [1]

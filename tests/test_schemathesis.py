@@ -2,16 +2,13 @@
 every operation, each answer checked for no 5xx, a documented status, content type and body shape.
 A schema-valid request may rightly be refused (a prompt past the context); that is not a failure.
 Tiny random chat model, a 96-token context so every accepted request generates a few tokens."""
-import numpy as np
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from hypothesis import HealthCheck, Phase, assume, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 from schemathesis import checks  # noqa: E402
-from schemathesis.core.failures import ServerError  # noqa: E402
-from schemathesis.openapi.checks import UndefinedContentType  # noqa: E402
 
 from kvwire.serve import create_app  # noqa: E402
 
@@ -62,19 +59,12 @@ def schema(client):
     return schemathesis.openapi.from_dict(client.get("/openapi.json").json())
 
 
-# What schemathesis finds: answers the schema does not allow. Each has a test of its own below,
-# marked xfail(strict) until fixed; the fuzz test steers around the 5xx, so that it still fails on
-# any other.
-TINY = ("a positive temperature that float32 rounds to 0 (1e-300, 5e-324) answers 500 'generation failed: "
-        "probability tensor contains either `inf`, `nan` or element < 0' (not_a_server_error)")
-STREAMED = ("streamed answers of POST /v1/chat/completions and /v1/completions are text/event-stream; the OpenAPI "
-            "schema documents their 200 as application/json only (content_type_conformance)")
-DOWNLOAD = ("GET /kvwire/vectors/NAME.gguf answers a GGUF file as application/octet-stream; the OpenAPI schema "
-            "documents its 200 as application/json only (content_type_conformance)")
+# Once found by this test, now fixed, each kept as a case of its own: a positive temperature that
+# float32 rounds to 0 (1e-300, 5e-324) answered 500; streamed answers (text/event-stream) and the
+# GGUF download (application/octet-stream) were missing from the schema.
 
 
-@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, raises=UndefinedContentType, reason=STREAMED))])
+@pytest.mark.parametrize("stream", [False, True])
 @settings(max_examples=EXAMPLES // 2, deadline=None, derandomize=True, database=None,
           phases=[Phase.explicit, Phase.generate, Phase.shrink],  # no explain phase: hundreds more requests
           suppress_health_check=[HealthCheck.too_slow])
@@ -89,25 +79,17 @@ def test_schema_valid_requests_get_documented_answers(schema, client, stream, da
         elif body.get("stream"):  # schemathesis' true becomes false; its null or no field stays
             body["stream"] = False
         case.body = body
-        assume(not tiny(body.get("temperature")))  # TINY: its own test below
     answered(case, client)
 
 
-@pytest.mark.xfail(strict=True, raises=ServerError, reason=TINY)
 def test_tiny_temperature_is_not_a_server_error(schema, client):
     body = {"prompt": "Once upon", "temperature": 1e-300, "max_tokens": 4}
     answered(schema["/v1/completions"]["POST"].Case(body=body, media_type="application/json"), client)
 
 
-@pytest.mark.xfail(strict=True, raises=UndefinedContentType, reason=DOWNLOAD)
 def test_vector_download_is_documented(schema, client):
     # a served vector's name: random path parameters never hit one
     answered(schema["/kvwire/vectors/{file}"]["GET"].Case(path_parameters={"file": "happy.gguf"}), client)
-
-
-def tiny(temperature):
-    """A positive temperature that float32 rounds to 0."""
-    return isinstance(temperature, float) and temperature > 0 and np.float32(temperature) == 0
 
 
 def answered(case, client):

@@ -43,9 +43,11 @@ def _draw(logits, generator):
 
 def _tempered(logits, temperature):
     """logits / temperature, shifted so each row's maximum is 0: a tiny temperature gives -inf
-    (probability 0) to everything below the maximum instead of inf - inf = NaN in the softmax."""
+    (probability 0) to everything below the maximum instead of inf - inf = NaN in the softmax. A
+    temperature below float32's smallest normal number (which float32 would round to 0, making the
+    maximum 0 / 0 = NaN) divides as that number: the same limit, the greedy choice among ties."""
     logits = logits.float()
-    return (logits - logits.max(-1, keepdim=True).values) / temperature
+    return (logits - logits.max(-1, keepdim=True).values) / max(temperature, torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)

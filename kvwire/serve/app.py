@@ -17,6 +17,10 @@ from .vectors import ServedVectors
 
 DEFAULT_MAX_LENGTH = 4096  # per-row timeline when not given: decode attends over all of it, so not 32k
 DEFAULT_MAX_BATCH = 8
+# one server-sent event (OpenAPI before 3.2 describes a stream by its events): data is a JSON chunk
+# or "[DONE]"
+_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
@@ -78,11 +82,15 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     if playground:
         install_playground(app, served, model_name)
 
-    @app.post("/v1/chat/completions")
+    # a request with "stream": true is answered as server-sent events (the schema says both)
+    streamed = {200: {"description": "the answer: JSON, or server-sent events of chunks with \"stream\": true",
+                      "content": {"text/event-stream": {"schema": _EVENT}}}}
+
+    @app.post("/v1/chat/completions", responses=streamed)
     async def chat_completions(body: ChatRequest, request: Request):
         return await handlers.chat(body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=streamed)
     async def completions(body: CompletionRequest, request: Request):
         return await handlers.complete(body, request)
 

@@ -45,6 +45,9 @@ class EngineThread:
         return self._thread is not None and self._thread.is_alive() and self.failure is None
 
     def start(self):
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("the engine thread is already running: two threads would step one engine (an app's "
+                               "lifespan entered twice?)")
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name="kvwire-engine", daemon=True)
         self._thread.start()

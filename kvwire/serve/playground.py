@@ -144,7 +144,9 @@ def install_playground(app, served, model_name):
     async def vectors():
         return {"data": [served.describe(n) for n in served.names]}
 
-    @app.get("/kvwire/vectors/{file}")
+    @app.get("/kvwire/vectors/{file}", response_class=Response, responses={200: {
+        "description": "the control vector as a llama.cpp GGUF file",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
     async def download(file: str):
         name = file[:-len(".gguf")] if file.endswith(".gguf") else file
         if name not in served.vectors:
