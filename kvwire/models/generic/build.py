@@ -8,6 +8,7 @@ model's own logits on that probe, so a model the split does not fit is refused, 
 import torch
 from torch import nn
 
+from ...graph import with_cache
 from . import seam
 from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail
 
@@ -28,7 +29,7 @@ def from_transformers(model):
         raise ValueError(f"{name} is an encoder-decoder model; kvwire runs decoder-only language models")
     seam.register()
     _use_kvwire_attention(model)
-    base_name, base = _base(model)
+    base_name, base = _base(model, config)
     layers_name, layers = _decoder_layers(base, config, name)
     probe = _probe_ids(config, model)
     was_training = model.training
@@ -67,7 +68,37 @@ def from_transformers(model):
         raise ValueError(f"{name}: the generic path does not reproduce the model's own logits on a probe "
                          f"(max difference {diff:.3g}); its forward does more than prelude, decoder layers and "
                          f"final modules")
+    _check_cached(name, backbone, head, probe, seen["logits"])
     return backbone, head, config
+
+
+def _check_cached(name, backbone, head, probe, expected, steps=4):
+    """Prefill the probe but its last `steps` tokens through the cached graph, then decode those one
+    at a time: each position's logits must be the model's own. A layer that reads more than its
+    keys and values from past positions (transformers' cache object, a position count) is refused
+    here rather than decoding wrong tokens."""
+    cached = with_cache(backbone)
+    B, T = probe.shape
+    device = probe.device
+    cache = cached.init_cache(B, T)
+    mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    positions = torch.arange(T, device=device)[None].expand(B, T)
+    start = T - steps
+    got = []
+    with torch.no_grad():
+        hidden, cache = cached(probe[:, :start], positions[:, :start], 0, mask, cache)
+        got.append(head(hidden))
+        for t in range(start, T):
+            hidden, cache = cached(probe[:, t:t + 1], positions[:, t:t + 1], t, mask, cache)
+            got.append(head(hidden))
+    got = torch.cat(got, dim=1)
+    if not _close(got, expected):
+        at = int(((got - expected).abs().amax(dim=(0, 2)) > TOLERANCE * max(1.0, expected.abs().max().item()))
+                 .nonzero()[0])
+        raise ValueError(f"{name}: cached decoding does not reproduce the model's own logits (first at position {at} "
+                         f"of a {T}-token probe, prefilled to {start}); its layers depend on more than their keys "
+                         f"and values (positions read from transformers' cache object, chunked attention), which "
+                         f"the generic path does not carry yet")
 
 
 def _use_kvwire_attention(model):
@@ -80,17 +111,20 @@ def _use_kvwire_attention(model):
                 cfg._attn_implementation = seam.NAME
 
 
-def _base(model):
-    """(attribute name, module) of the base model inside a causal LM."""
+def _base(model, config):
+    """(dotted path, module) of the base model inside a causal LM: the module holding its list of
+    num_hidden_layers decoder layers (`get_decoder()` where that is it)."""
+    n = getattr(config, "num_hidden_layers", None)
     getter = getattr(model, "get_decoder", None)
-    base = getter() if callable(getter) else None
-    if base is None:
-        base = getattr(model, "base_model", None)
-    for name, child in model.named_children():
-        if child is base:
-            return name, base
-    raise ValueError(f"{type(model).__name__}: cannot find its base model (get_decoder / base_model) among its "
-                     f"children; expected a transformers ...ForCausalLM")
+    candidates = [getter()] if callable(getter) else []
+    candidates += [m for _, m in model.named_modules()
+                   if any(isinstance(c, nn.ModuleList) and len(c) == n for c in m.children())]
+    for base in candidates:
+        path = next((p for p, m in model.named_modules() if m is base and p), None)
+        if path is not None and any(isinstance(c, nn.ModuleList) and len(c) == n for c in base.children()):
+            return path, base
+    raise ValueError(f"{type(model).__name__}: cannot find its base model (the module holding its {n} decoder "
+                     f"layers, num_hidden_layers); expected a transformers ...ForCausalLM")
 
 
 def _decoder_layers(base, config, name):

@@ -155,7 +155,7 @@ class Head(Layer):
 
         rows = hidden.dim() == 2  # (B, D): the last position of each row
         steps = hidden[:, None] if rows else hidden
-        base = getattr(self.model, self.base_name)
+        base = self.model.get_submodule(self.base_name)
         base.forward = lambda *a, **k: BaseModelOutputWithPast(last_hidden_state=steps)
         try:
             ids = torch.zeros(steps.shape[:2], dtype=torch.long, device=hidden.device)

@@ -87,7 +87,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         out = eager(module, query, key, value, attention_mask, **kwargs)
         watcher = _watcher.get()
         if watcher is not None:
-            window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+            # the window the module passes for this call (None on full layers whose module still
+            # keeps the config's window), else the module's own
+            window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
             watcher(module, key, value, window, _plain_math_fits(module, query, key, value, window, kwargs, out[0]))
         return out
     window = state.window
