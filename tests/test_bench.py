@@ -261,3 +261,17 @@ def test_threads_bench_times_each_count_in_a_pool_of_that_size(capsys):
     with threads.spinners(2) as procs:
         assert [p.poll() for p in procs] == [None, None]
     assert all(p.returncode is not None for p in procs)
+
+
+def test_generic_sweep_rows_and_page(tmp_path, capsys):
+    """bench/generic_sweep.py on two types: a row each (llama passes, bloom's ALiBi attention is
+    refused with kvwire's reason) and the docs page with the counts."""
+    import generic_sweep
+
+    page = tmp_path / "generic-models.md"
+    rows = generic_sweep.main(["--types", "llama,bloom", "--write", str(page)])
+    assert [(t, result) for t, result, _ in rows] == [("llama", "pass"), ("bloom", "refused by kvwire")]
+    assert "has no attention that transformers' attention interface sees" in rows[1][2]
+    text = page.read_text()
+    assert "| tried | 2 |" in text and "| pass | 1 |" in text and "| `bloom` | refused by kvwire |" in text
+    assert "bloom" in capsys.readouterr().out
