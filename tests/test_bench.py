@@ -275,3 +275,16 @@ def test_generic_sweep_rows_and_page(tmp_path, capsys):
     text = page.read_text()
     assert "| tried | 2 |" in text and "| pass | 1 |" in text and "| `bloom` | refused by kvwire |" in text
     assert "bloom" in capsys.readouterr().out
+
+
+def test_generic_speed_table(capsys):
+    """bench/generic.py on a tiny model: the CPU line and one row per case with both ratios."""
+    import generic
+
+    generic.main(["--tiny", "--rounds", "1", "--new", "3", "--threads", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("CPU: ")
+    rows = {line[:12].strip(): line.split()[-5:] for line in out[2:]}
+    assert sorted(rows) == ["decode b1", "decode b4", "prefill 32", "prefill 512"]
+    for values in rows.values():
+        assert all(float(v) > 0 for v in values)

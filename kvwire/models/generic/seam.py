@@ -121,7 +121,7 @@ def _plain_math_fits(module, query, key, value, window, kwargs, expected):
     """Whether kvwire's own attention math (grouped heads, scaling, soft-cap, window) gives what the
     module's eager attention gave on this call: then cached calls may use it. A module with more
     (sinks, biases, an unusual mask) keeps its eager function."""
-    if kwargs.get("scaling") is None or query.shape[1] % key.shape[1]:
+    if kwargs.get("scaling") is None or query.shape[1] % key.shape[1] or key.shape[2] != query.shape[2]:
         return False
     B, T = query.shape[0], query.shape[2]
     start = torch.zeros((), dtype=torch.long, device=query.device)
