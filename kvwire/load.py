@@ -325,7 +325,12 @@ def _generic_folder(folder, hf_config, dtype, trust_remote_code):
     if hf_config.get("auto_map") and not trust_remote_code:
         raise ValueError(f"{folder}: the model's code comes with the folder (config.json auto_map); loading it runs "
                          f"that code. Pass trust_remote_code=True if you trust it")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                                  trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # no weights, an unknown type, a bad config
+        raise ValueError(f"{folder}: model type {hf_config.get('model_type')!r} has no native kvwire family, and "
+                         f"transformers could not load the folder for the generic path: {e}") from None
     text = model.config.get_text_config()
     ids = SimpleNamespace(bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None))
     tokenizer = tokenizer_from_hf_folder(folder, ids) if (folder / "tokenizer.json").is_file() else None

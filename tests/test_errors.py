@@ -12,9 +12,14 @@ def test_unknown_model_name_lists_known_ones():
         kw.load("gemma9")
 
 
-def test_unsupported_hf_model_type(tmp_path):
+def test_a_folder_of_an_unmapped_type_transformers_cannot_load_says_so(tmp_path):
+    # no native family: the generic path asks transformers, which finds no weights here
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
-    with pytest.raises(ValueError, match=r"unsupported Hugging Face model_type 'mamba'; supported: \["):
+    with pytest.raises(ValueError, match=r"model type 'mamba' has no native kvwire family, and transformers could "
+                                         r"not load the folder for the generic path: "):
+        kw.load(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
+    with pytest.raises(ValueError, match=r"model type 'no_such_model' has no native kvwire family"):
         kw.load(tmp_path)
 
 
