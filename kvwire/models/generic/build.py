@@ -58,11 +58,11 @@ def from_transformers(model):
     stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
     backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"]), parts,
                                Tail([getattr(base, n) for n in tail_names]), stem)
-    head = Head(model, base_name, plain=True)
+    head = Head(model, base_name, plain=True, output_class=seen["output_class"])
     with torch.no_grad():
         hidden = backbone(probe)
         if not _close(head(hidden), seen["logits"]):
-            head = Head(model, base_name, plain=False)
+            head = Head(model, base_name, plain=False, output_class=seen["output_class"])
         logits = head(hidden)
     if not _close(logits, seen["logits"]):
         diff = (logits - seen["logits"]).abs().max().item()
@@ -172,6 +172,8 @@ def _watch(model, base, layers, probe):
              if child is not layers]
     hooks += [layer.register_forward_hook(lambda m, a, o: order.append(marker)) for layer in layers]
     hooks.append(layers[0].register_forward_hook(lambda m, a, o: returns_tuple.append(isinstance(o, tuple))))
+    outputs = []
+    hooks.append(base.register_forward_hook(lambda m, a, o: outputs.append(type(o))))
 
     def seen(module, key, value, window, plain_math):
         i = owner.get(id(module))
@@ -187,7 +189,7 @@ def _watch(model, base, layers, probe):
     layers_at = [k for k, n in enumerate(order) if n == marker]
     tail = [n for n in order[layers_at[-1] + 1:]] if layers_at else []
     return {"logits": logits.float(), "attention": attention, "tail": list(dict.fromkeys(tail)),
-            "returns_tuple": bool(returns_tuple and returns_tuple[0])}
+            "returns_tuple": bool(returns_tuple and returns_tuple[0]), "output_class": outputs[0] if outputs else None}
 
 
 def _name_of(base, layers):

@@ -138,11 +138,12 @@ class Head(Layer):
     embedding, then whatever its forward does after it (soft-caps, scales), found by running its
     forward on the given hidden states in place of its base model's."""
 
-    def __init__(self, model, base_name, plain):
+    def __init__(self, model, base_name, plain, output_class=None):
         super().__init__()
         self.output = model.get_output_embeddings()
         self.__dict__["model"] = model
         self.base_name, self.plain = base_name, plain
+        self.output_class = output_class  # what the base model returns (its other fields are left None)
 
     @property
     def weight(self):
@@ -153,10 +154,12 @@ class Head(Layer):
             return self.output(hidden)
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
+        made = self.output_class if self.output_class is not None and hasattr(self.output_class,
+                                                                               "last_hidden_state") else BaseModelOutputWithPast
         rows = hidden.dim() == 2  # (B, D): the last position of each row
         steps = hidden[:, None] if rows else hidden
         base = self.model.get_submodule(self.base_name)
-        base.forward = lambda *a, **k: BaseModelOutputWithPast(last_hidden_state=steps)
+        base.forward = lambda *a, **k: made(last_hidden_state=steps)
         try:
             ids = torch.zeros(steps.shape[:2], dtype=torch.long, device=hidden.device)
             logits = self.model(input_ids=ids, use_cache=False).logits
