@@ -25,16 +25,16 @@ class _Recorder(nn.Module):
     """Stands in for decoder layer `index` during the prelude: keeps its input and arguments, returns
     its input."""
 
-    def __init__(self, index, returns_tuple, store):
+    def __init__(self, index, returns_tuple):
         super().__init__()
-        self.index, self.returns_tuple, self.store = index, returns_tuple, store
+        self.index, self.returns_tuple = index, returns_tuple
 
     def forward(self, *args, **kwargs):
         if args:
             hidden, args = args[0], args[1:]
         else:
             hidden = kwargs.pop("hidden_states")
-        self.store[self.index] = (hidden, args, kwargs)
+        _calls.get()[self.index] = (hidden, args, kwargs)  # the running prelude's store
         return (hidden,) if self.returns_tuple else hidden
 
 
@@ -54,6 +54,9 @@ class Prelude(Layer):
         super().__init__()
         self.__dict__["base"] = base  # not a submodule: its weights belong to the backbone's parts
         self.layers_name, self.returns_tuple = layers_name, returns_tuple
+        # made once: a call only swaps them in (not a submodule: they hold no weights)
+        self.__dict__["recorders"] = nn.ModuleList(_Recorder(i, returns_tuple)
+                                                   for i in range(len(getattr(base, layers_name))))
 
     def forward(self, token_ids):
         B, T = token_ids.shape
@@ -63,8 +66,8 @@ class Prelude(Layer):
     def forward_cached(self, token_ids, *, positions):
         layers = getattr(self.base, self.layers_name)
         store = [None] * len(layers)
-        recorders = nn.ModuleList(_Recorder(i, self.returns_tuple, store) for i in range(len(layers)))
-        setattr(self.base, self.layers_name, recorders)
+        _calls.set(store)  # the recorders fill it; the decoder layers read it
+        setattr(self.base, self.layers_name, self.recorders)
         try:
             self.base(input_ids=token_ids, position_ids=positions, use_cache=False)
         finally:
@@ -72,7 +75,6 @@ class Prelude(Layer):
         missing = [i for i, call in enumerate(store) if call is None]
         if missing:
             raise RuntimeError(f"{type(self.base).__name__}'s forward did not call decoder layers {missing[:8]}")
-        _calls.set(store)
         return store[0][0]
 
 
