@@ -8,7 +8,8 @@ The pass traces the module at "layer" depth and rewrites it:
   and its next cache is collected;
 - every layer with `runtime_inputs` (an inserted steering layer, say) gets them as graph inputs
   placed after `cache`, one per name, shared by the layers that read it;
-- the output becomes `(hidden, next_cache)`.
+- the output becomes `(hidden, next_cache)`;
+- bare block sites (`kvwire.layers.site.Site`, identities) are bypassed.
 Everything else in the graph, including whatever a user inserted, is left as it was.
 """
 import operator
@@ -20,6 +21,7 @@ import torch
 from torch import fx, nn
 
 from ..layers.shared import per_call
+from ..layers.site import Site
 from .release import recompile
 from .trace import trace
 
@@ -39,7 +41,17 @@ def _needs_cache(module):
     return spec is not None and spec(1, 1, torch.float32) is not None
 
 
+def _drop_sites(gm):
+    """Bypass the bare `Site` calls (identities that only name a place in a block): the cached graph
+    pays nothing for them. A tap of a site reads the value that flowed through it."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and type(gm.get_submodule(node.target)) is Site:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
 def _rewire(gm):
+    _drop_sites(gm)
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:

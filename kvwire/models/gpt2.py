@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..layers import MLP, Attention, Block, LayerNorm, PositionEmbedding, TiedHead, TokenEmbedding
+from ..layers.site import add_sites
 from .config import GGUFMetadata, check_fields, read_hf
 from .registry import Family, register
 
@@ -74,7 +75,8 @@ def config_from_hf(d):
 
 
 class GPT2Block(Block):
-    """Pre-norm attention and MLP with residuals. x (B, T, D) -> (B, T, D)."""
+    """Pre-norm attention and MLP with residuals. x (B, T, D) -> (B, T, D); sites as
+    `kvwire.layers.site.SITES`."""
 
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -86,10 +88,12 @@ class GPT2Block(Block):
                               scale=head_dim**-0.5 if c.scale_attn_weights else 1.0)
         self.ln_2 = LayerNorm(c.n_embd, c.layer_norm_epsilon)
         self.mlp = MLP(c.n_embd, c.inner_size, c.activation_function)
+        add_sites(self)
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = self.resid_pre(x)
+        x = self.resid_mid(x + self.attn_out(self.attn(self.ln_1(x))))
+        return self.block_out(x + self.mlp_out(self.mlp(self.ln_2(x))))
 
 
 class GPT2Backbone(nn.Module):

@@ -12,12 +12,13 @@ from functools import partial
 from torch import nn
 
 from ...layers import Attention, Block, GatedMLP, OutputWeight, RMSNorm, Rotary, TiedHead, TokenEmbedding
+from ...layers.site import add_sites
 from .config import NORM_PLACEMENTS
 
 
 class DecoderBlock(Block):
     """Attention and a gated MLP with residuals, norms where the config puts them.
-    x (B, T, D) -> (B, T, D)."""
+    x (B, T, D) -> (B, T, D). Its named sites are `kvwire.layers.site.SITES`."""
 
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -34,11 +35,14 @@ class DecoderBlock(Block):
         for name in NORM_PLACEMENTS[c.norm_placement]:
             setattr(self, name, RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.norm_offset))
         self.residual_multiplier = c.residual_multiplier
+        add_sites(self)
 
     def forward(self, x):
-        x = x + self._scaled(self._norm("post_attention_layernorm", self.self_attn(self._norm("input_layernorm", x))))
+        x = self.resid_pre(x)
+        a = self.self_attn(self._norm("input_layernorm", x))
+        x = self.resid_mid(x + self.attn_out(self._scaled(self._norm("post_attention_layernorm", a))))
         h = self.mlp(self._norm("pre_feedforward_layernorm", x))
-        return x + self._scaled(self._norm("post_feedforward_layernorm", h))
+        return self.block_out(x + self.mlp_out(self._scaled(self._norm("post_feedforward_layernorm", h))))
 
     def _norm(self, name, x):
         norm = getattr(self, name, None)  # a slot this placement leaves empty passes x through
