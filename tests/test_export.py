@@ -49,7 +49,7 @@ def test_graph_has_no_control_flow_and_named_inputs(exported):
     n = len(lm.cached.slots)
     assert names[:4] == ["token_ids", "positions", "cache_index", "attention_mask"]
     assert names[4:4 + 2 * n] == [f"past.{i}.{p}" for i in range(n) for p in ("key", "value")]
-    assert names[4 + 2 * n:] == ["steer_strength", "steer_start"]
+    assert names[4 + 2 * n:] == ["steer_strength", "steer_start", "steer_end"]
     assert [o.name for o in model.graph.output][:3] == ["logits", "present.0.key", "present.0.value"]
 
 
@@ -106,7 +106,8 @@ def test_sidecar_records_signature_and_tokenizer(exported):
     _, _, _, path = exported
     meta = json.loads((path.parent / (path.name + ".kvwire.json")).read_text())
     assert meta["max_length"] == 64
-    assert meta["runtime_defaults"] == {"steer_strength": 0.0, "steer_start": "prompt_length"}
+    assert meta["runtime_defaults"] == {"steer_strength": 0.0, "steer_start": "prompt_length",
+                                        "steer_end": 2**31 - 1}
     assert meta["tokenizer"]["add_bos"] is True
 
 

@@ -86,7 +86,7 @@ def test_training_during_a_stream_swaps_after_it(lm, server, api):
     graph = api.get("/kvwire/graph")
     assert graph.status_code == 200, graph.json()  # 503 names what is missing (Graphviz's `dot`)
     graph = graph.json()
-    assert sorted(n for n, v in graph["steer_nodes"].items() if v == "joy") == ["layers_1__steer_2", "layers_2__steer_1"]
+    assert sorted(n for n, v in graph["steer_nodes"].items() if v == "joy") == ["layers_1_block_out__steer_2", "layers_2_block_out__steer_1"]
     assert graph["svg"].count("#ffb347") == 6  # every Steer layer orange
 
 

@@ -74,7 +74,7 @@ def test_per_row_strengths_follow_beam_expansion(chat):
 def test_strength_is_a_runtime_input_of_the_cached_graph(chat):
     vec = _random_vector(chat, [1, 2])
     cached = chat.steer(vec, 1.0).cached
-    assert list(cached.runtime_inputs) == ["steer_strength", "steer_start"]
+    assert list(cached.runtime_inputs) == ["steer_strength", "steer_start", "steer_end"]
     ids = torch.tensor([chat.tokenizer.encode("Hello")] * 2)
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     mask = torch.ones(2, 16, dtype=torch.bool)

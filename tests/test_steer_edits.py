@@ -21,7 +21,7 @@ def _vector(lm, layers, seed=0):
 def test_stacked_vectors_keep_their_own_strengths(lm):
     v1, v2 = _vector(lm, [1], seed=1), _vector(lm, [2], seed=2)
     both = lm.steer(v1, 0.5).steer(v2, 2.0)
-    assert sorted(both.cached.runtime_inputs) == ["steer2_start", "steer2_strength", "steer_start", "steer_strength"]
+    assert sorted(both.cached.runtime_inputs) == ["steer2_end", "steer2_start", "steer2_strength", "steer_end", "steer_start", "steer_strength"]
     got = both.generate(IDS, max_new_tokens=6, ignore_eos=True, return_logprobs=True)
     assert got.tokens[0] == _rollout(both, IDS, 6)  # cached (v2 at 2.0) == uncached (v2 at 2.0)
     # the same as putting both in by hand, each at its strength
@@ -34,9 +34,9 @@ def test_stacked_vectors_keep_their_own_strengths(lm):
 def test_an_explicit_shared_name_must_agree(lm):
     v1, v2 = _vector(lm, [1], seed=1), _vector(lm, [2], seed=2)
     shared = lm.steer(v1, 0.5).steer(v2, 0.5, name="steer")  # same strength: one input, fine
-    assert sorted(shared.cached.runtime_inputs) == ["steer_start", "steer_strength"]
-    with pytest.raises(ValueError, match=r"already has steering inputs named 'steer' with strength 0.5 "
-                                         r"\(generated_only=False\); layers sharing a name share their inputs"):
+    assert sorted(shared.cached.runtime_inputs) == ["steer_end", "steer_start", "steer_strength"]
+    with pytest.raises(ValueError, match=r"already has runtime inputs named 'steer' \(width=\d+, strength=0.5, "
+                                         r"when='all', name='steer'\); layers sharing a name share their inputs"):
         lm.steer(v1, 0.5).steer(v2, 2.0, name="steer")
 
 
@@ -56,7 +56,7 @@ def test_block_numbers_survive_a_skip(lm):
     v = _vector(lm, [2])
     steered = skipped.steer(v, 1.0)
     inserted = [n for n in steered.backbone.meta["kvwire_inserted"]]
-    assert inserted == [f"{stem}_2__Steer"]  # after block 2 itself, not after the second remaining block
+    assert inserted == [f"{stem}_2_block_out__Steer"]  # after block 2 itself, not after the second remaining block
     by_hand = skipped.edit(kw.insert_after(f"{stem}.2", kw.Steer(v.directions[2], 1.0)))
     torch.testing.assert_close(steered(IDS), by_hand(IDS))
     with pytest.raises(ValueError, match=r"control vector steers blocks \[1\], but this model has blocks 0, 2"):

@@ -15,13 +15,19 @@ from .methods import GenerationMethods
 from .pool import CachePool
 from .runner import Runner
 
-_steering = []  # the one function `kvwire.steer` registers: add a control vector to a model
+_steering = {}  # what `kvwire.steer` registers: {"steer" | "ablate" | "clamp": fn(lm, ...)}
 
 
-def register_steering(fn):
-    """Make `CausalLM.steer` call `fn(lm, vector, strength, generated_only=, name=)` (done by
-    `kvwire.steer` on import, so this layer does not import the one above it)."""
-    _steering[:] = [fn]
+def register_steering(**ops):
+    """Make `CausalLM.steer`/`ablate`/`clamp` call the given functions (done by `kvwire.steer` on
+    import, so this layer does not import the one above it)."""
+    _steering.update(ops)
+
+
+def _steering_op(name):
+    if name not in _steering:
+        raise RuntimeError("steering is provided by kvwire.steer: import kvwire (or kvwire.steer) first")
+    return _steering[name]
 
 
 class CausalLM(GenerationMethods, nn.Module):
@@ -195,14 +201,18 @@ class CausalLM(GenerationMethods, nn.Module):
         edited.prefill_call_tokens = self.prefill_call_tokens  # the same weights: the same memory trade
         return edited
 
-    def steer(self, vector, strength=1.0, *, generated_only=False, name=None):
-        """The same model with `vector` (a `kw.ControlVector`) added after its blocks.
+    def steer(self, vector, strength=1.0, *, site="block_out", when=None, generated_only=False, name=None):
+        """The same model with `vector` (a `kw.ControlVector`) added at a site of its blocks.
 
         Args:
             strength: a number, or a (B,) tensor: one strength per prompt of a batch (0 = unsteered);
                 a (B,) strength then works for batches of B rows only.
                 In cached generation it is a graph input (`<name>_strength`), also of exported models.
-            generated_only: steer only generated tokens, not the prompt (see `kvwire.steer.Steer`).
+            site: where in each block (`kvwire.layers.site.SITES`): "block_out" (the block's output,
+                as llama.cpp), "resid_pre", "attn_out", "resid_mid", "mlp_out".
+            when: the positions steered: "all" (default), "prompt", "generated", a first position k
+                or a range (k0, k1) (see `kvwire.steer.schedule`); graph inputs `<name>_start`/`_end`.
+            generated_only: when="generated" (steer only generated tokens, not the prompt).
             name: runtime-input prefix. None: "steer", or "steer2", "steer3", ... when the model is
                 already steered, so stacked vectors keep their own strengths. An explicit name that
                 is taken shares that input, so its strength must equal the one already there.
@@ -216,11 +226,48 @@ class CausalLM(GenerationMethods, nn.Module):
             >>> happy = lm.steer(vec, 4.0)
             >>> mixed = lm.steer(vec, torch.tensor([4.0, 0.0]))   # row 0 steered, row 1 not
             >>> mixed.generate(["I feel", "I feel"])
-            >>> both = lm.steer(vec, 0.5).steer(formal, 2.0)       # inputs steer_* and steer2_*
+            >>> both = lm.steer(vec, 0.5).steer(formal, 2.0, site="attn_out")  # inputs steer_*, steer2_*
         """
-        if not _steering:
-            raise RuntimeError("steering is provided by kvwire.steer: import kvwire (or kvwire.steer) first")
-        return _steering[0](self, vector, strength, generated_only=generated_only, name=name)
+        return _steering_op("steer")(self, vector, strength, site=site, when=when,
+                                     generated_only=generated_only, name=name)
+
+    def ablate(self, directions, *, layers=None, site="block_out", strength=1.0, when=None, name=None):
+        """The same model with `directions` projected out at a site of its blocks
+        (`x - s * Q^T Q x`, Q an orthonormal basis of their span; see `kvwire.steer.Ablate`).
+
+        Args:
+            directions: a `kw.ControlVector` (its own direction per block), a {block: tensor} dict, or
+                one (D,) or (K, D) tensor used at every block `layers` picks.
+            layers: block indices (a list, range or "A-B"); None: the vector's blocks, or every block.
+            site: as `steer`.
+            strength: 1 removes the component; 0 leaves it; a (B,) tensor gives each row its own.
+            when: as `steer`.
+            name: as `steer` (inputs `<name>_strength`, `_start`, `_end`; default "ablate").
+
+        Example:
+            >>> refusal = vec.directions[12]
+            >>> compliant = lm.ablate(refusal, site="attn_out").ablate(refusal, site="mlp_out")
+        """
+        return _steering_op("ablate")(self, directions, layers=layers, site=site, strength=strength,
+                                      when=when, name=name)
+
+    def clamp(self, directions, lo=None, hi=None, *, layers=None, site="block_out", when=None, name=None):
+        """The same model with the projection of the hidden state on each unit direction held in
+        [lo, hi] at a site of its blocks (see `kvwire.steer.Clamp`); lo = hi clamps to a value.
+
+        Args:
+            directions: as `ablate`.
+            lo: a number or (B,) tensor; None = unbounded below.
+            hi: a number or (B,) tensor; None = unbounded above (lo <= hi).
+            layers: as `ablate`.
+            site: as `steer`.
+            when: as `steer`.
+            name: runtime-input prefix (inputs `<name>_lo`, `_hi`, `_start`, `_end`; default "clamp").
+
+        Example:
+            >>> calm = lm.clamp(vec, hi=0.0, layers="4-8")   # no positive "angry" component
+        """
+        return _steering_op("clamp")(self, directions, lo, hi, layers=layers, site=site, when=when, name=name)
 
 
 def _refuse_cpu_only(lm, device):

@@ -5,7 +5,7 @@ import torch
 from torch import fx
 
 from .release import owned
-from .trace import LayerTracer, layer_calls, trace
+from .trace import LayerTracer, layer_calls, remember_blocks, trace
 
 _CALL = contextvars.ContextVar("kvwire_call", default=None)
 
@@ -98,6 +98,6 @@ def clone(module, fn=None, *, depth="block"):
     tracer = LayerTracer(depth)
     root = _replay_root(gm, lambda *args: _Replayer(root, gm.graph, fn, tracer).run(*args))
     graph = tracer.trace(root)
-    result = owned(fx.GraphModule(root, graph, class_name=type(gm).__name__))
+    result = remember_blocks(owned(fx.GraphModule(root, graph, class_name=type(gm).__name__)), gm)
     result.meta["kvwire_inserted"] = list(tracer.added)
     return result

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from torch import fx, nn
 
+from ..layers.site import Site
 from .cache import CachedGraph
 from .trace import trace
 
@@ -27,7 +28,7 @@ def plot(model, path=None, depth="block"):
         depth: "block" or "layer" for modules.
 
     Returns the `graphviz.Digraph`. Inserted layers are filled orange; cache wiring blue; layers
-    of one decoder block are boxed together.
+    of one decoder block are boxed together; bare block sites (identities) are not drawn.
 
     Example:
         >>> kw.plot(lm.steer(vec, 4.0).backbone, "steered.svg")
@@ -69,6 +70,8 @@ def _draw(gm, inserted, dot):
             continue
         elif node.op == "call_function" and node.target is operator.getitem:
             _draw_getitem(dot, node, alias, cache_slot)
+        elif node.op == "call_module" and type(gm.get_submodule(node.target)) is Site:
+            alias[node] = alias.get(node.args[0], node.args[0].name)  # a bare site only names a place
         elif node.op == "output":
             dot.node(node.name, "output", shape="ellipse", fillcolor=INPUT)
             _edges(dot, node, _outputs(node.args[0]), alias)

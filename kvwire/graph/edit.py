@@ -45,7 +45,8 @@ def numbered_blocks(module):
 
     The index is the block's own number in the checkpoint (`layers.7` -> 7), which is what control
     vectors and llama.cpp count, so it survives edits: after `kw.skip("layers.1")` the blocks are
-    {0: "layers.0", 2: "layers.2", ...}. Blocks without a number (a new block put in by `replace`)
+    {0: "layers.0", 2: "layers.2", ...}. A block counts when it is called, or when its inner layers
+    are (a clone made at "layer" depth). Blocks without a number (a new block put in by `replace`)
     are left out.
 
     Example:
@@ -54,11 +55,18 @@ def numbered_blocks(module):
     """
     gm = trace(module)
     out = {}
-    for name in [n.target for n in layer_calls(gm) if isinstance(gm.get_submodule(n.target), Block)]:
-        tail = name.rpartition(".")[2]
+    for call in [n.target for n in layer_calls(gm)]:
+        name = _owning_block(gm, call)
+        tail = (name or "").rpartition(".")[2]
         if tail.isdigit():
             out.setdefault(int(tail), name)
     return out
+
+
+def _owning_block(gm, call):
+    """The dotted name of the outermost `Block` that is `call` or holds it, or None."""
+    parts, blocks = call.split("."), set(gm.meta.get("kvwire_blocks", ()))
+    return next((name for name in (".".join(parts[:k]) for k in range(1, len(parts) + 1)) if name in blocks), None)
 
 
 def summarize_indices(indices):

@@ -88,7 +88,28 @@ def trace(module, depth="block"):
         raise TypeError(f"trace expects an nn.Module, got {type(module).__name__}")
     tracer = LayerTracer(depth)
     graph = tracer.trace(module)
-    return owned(fx.GraphModule(module, graph, class_name=type(module).__name__))
+    return remember_blocks(owned(fx.GraphModule(module, graph, class_name=type(module).__name__)), module)
+
+
+def remember_blocks(gm, source):
+    """Record in `gm.meta["kvwire_blocks"]` the dotted names of the `Block`s that `gm`'s calls are
+    or sit in. fx rebuilds the containers of the modules a graph calls as plain `nn.Module`s, so a
+    graph traced at "layer" depth would otherwise no longer know that `layers.3` was a block.
+    Returns gm."""
+    known = set(getattr(source, "meta", {}).get("kvwire_blocks", ())) if isinstance(source, fx.GraphModule) else set()
+    blocks = set()
+    for node in layer_calls(gm):
+        parts = node.target.split(".")
+        for k in range(1, len(parts) + 1):
+            name = ".".join(parts[:k])
+            try:
+                held = source.get_submodule(name)
+            except AttributeError:  # a module the trace registered on gm only
+                break
+            if name in known or isinstance(held, Block):
+                blocks.add(name)
+    gm.meta["kvwire_blocks"] = sorted(blocks)
+    return gm
 
 
 def layer_calls(gm):

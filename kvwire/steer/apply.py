@@ -1,32 +1,77 @@
-"""`lm.steer(vector, strength)`: a control vector added after the blocks it names, as `Steer`
-layers edited into the model's graph (registered as `CausalLM.steer`'s implementation)."""
-from ..graph import insert_after, numbered_blocks
+"""`lm.steer`, `lm.ablate`, `lm.clamp`: steering layers edited into a model's graph after a named
+site of the blocks they name (registered as `CausalLM`'s implementation of those methods)."""
+import torch
+
+from ..graph import insert_after, numbered_blocks, site_calls
 from ..graph.edit import summarize_indices
 from .layer import Steer
-from .vector import ControlVector
+from .ops import Ablate, Clamp
+from .schedule import Scheduled
+from .vector import ControlVector, parse_layers
 
 
-def add_vector(lm, vector, strength=1.0, *, generated_only=False, name=None):
-    """The same model with `vector` added after its blocks; see `CausalLM.steer`."""
+def add_vector(lm, vector, strength=1.0, *, site="block_out", when=None, generated_only=False, name=None):
+    """The same model with `vector` added at `site` of its blocks; see `CausalLM.steer`."""
     if not isinstance(vector, ControlVector):
         raise TypeError(f"steer expects a kw.ControlVector, got {type(vector).__name__}")
+    return _insert(lm, vector.directions, site, name, "steer",
+                   lambda d, n, dev: Steer(d, strength, generated_only, n, device=dev, when=when))
+
+
+def ablate(lm, directions, *, layers=None, site="block_out", strength=1.0, when=None, name=None):
+    """The same model with `directions` projected out at `site`; see `CausalLM.ablate`."""
+    return _insert(lm, _per_block(lm, directions, layers), site, name, "ablate",
+                   lambda d, n, dev: Ablate(d, strength, n, device=dev, when=when))
+
+
+def clamp(lm, directions, lo=None, hi=None, *, layers=None, site="block_out", when=None, name=None):
+    """The same model with the projection on `directions` held in [lo, hi]; see `CausalLM.clamp`."""
+    return _insert(lm, _per_block(lm, directions, layers), site, name, "clamp",
+                   lambda d, n, dev: Clamp(d, lo, hi, n, device=dev, when=when))
+
+
+def _per_block(lm, directions, layers):
+    """{block index: (D,) or (K, D) tensor} from a ControlVector, a {block: tensor} dict or one tensor
+    used at every block `layers` picks (None: every block; a ControlVector's own blocks)."""
     blocks = numbered_blocks(lm.backbone)
+    if isinstance(directions, ControlVector):
+        directions = directions.directions
+    if isinstance(directions, dict):
+        picked = list(directions) if layers is None else parse_layers(layers, blocks)
+        missing = [i for i in picked if i not in directions]
+        if missing:
+            raise ValueError(f"no direction given for blocks {missing}; the directions are for blocks "
+                             f"{summarize_indices(directions)}")
+        return {i: directions[i] for i in picked}
+    if not isinstance(directions, (torch.Tensor, list, tuple)):
+        raise TypeError(f"directions must be a kw.ControlVector, a {{block: tensor}} dict or a (D,) or (K, D) "
+                        f"tensor; got {type(directions).__name__}")
+    picked = sorted(blocks) if layers is None else parse_layers(layers, blocks)
+    return {i: directions for i in picked}
+
+
+def _insert(lm, per_block, site, name, stem, make):
+    """`lm.edit` inserting `make(direction, name, device)` after `site` of each block in per_block."""
     width = lm.head.weight.shape[1]
-    if vector.width != width:
-        raise ValueError(f"control vector width {vector.width} does not fit this model's hidden size {width}")
-    bad = [i for i in vector.layers if i not in blocks]
+    what = "control vector" if stem == "steer" else "directions"
+    for d in per_block.values():
+        got = (d if isinstance(d, torch.Tensor) else torch.as_tensor(d)).shape[-1]
+        if got != width:
+            raise ValueError(f"{what} width {got} does not fit this model's hidden size {width}")
+    blocks = numbered_blocks(lm.backbone)
+    bad = [i for i in per_block if i not in blocks]
     if bad:
-        raise ValueError(f"control vector steers blocks {bad}, but this model has blocks "
+        raise ValueError(f"{what} steers blocks {bad}, but this model has blocks "
                          f"{summarize_indices(blocks) or 'none'}")
-    taken = {m.name: m for m in lm.backbone.modules() if isinstance(m, Steer)}
+    calls = site_calls(lm.backbone, site, list(per_block))
+    taken = {m.name: m for m in lm.backbone.modules() if isinstance(m, Scheduled)}
     if name is None:
-        name = next(n for n in ("steer", *(f"steer{k}" for k in range(2, len(taken) + 3))) if n not in taken)
-    new = Steer(vector.directions[vector.layers[0]], strength, generated_only, name, device=lm.device)
-    if name in taken and not taken[name].same_inputs(new):
-        raise ValueError(f"this model already has steering inputs named {name!r} with strength "
-                         f"{taken[name].strength.tolist()} (generated_only={taken[name].generated_only}); "
+        name = next(n for n in (stem, *(f"{stem}{k}" for k in range(2, len(taken) + 3))) if n not in taken)
+    device = lm.device  # the directions (kept on the CPU) and the runtime defaults move to the weights
+    first = make(per_block[next(iter(per_block))], name, device)
+    if name in taken and not taken[name].same_inputs(first):
+        raise ValueError(f"this model already has runtime inputs named {name!r} ({taken[name].extra_repr()}); "
                          f"layers sharing a name share their inputs: pick another name")
-    index = {blocks[i]: i for i in vector.layers}
-    device = lm.device  # the vector (kept on the CPU) and the strength move to the weights
-    return lm.edit(insert_after(list(index), lambda call, layer: Steer(
-        vector.directions[index[call]], strength, generated_only, name, device=device)))
+    index = {call: i for i, call in calls.items()}
+    return lm.edit(insert_after(list(index), lambda call, layer: make(per_block[index[call]], name, device)),
+                   depth="layer")
