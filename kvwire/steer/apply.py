@@ -2,7 +2,8 @@
 site of the blocks they name (registered as `CausalLM`'s implementation of those methods)."""
 import torch
 
-from ..graph import insert_after, numbered_blocks, site_calls
+from ..graph import insert_after, numbered_blocks, site_calls, trace
+from ..graph.trace import layer_calls
 from ..graph.edit import summarize_indices
 from .layer import Steer
 from .ops import Ablate, Clamp
@@ -50,6 +51,19 @@ def _per_block(lm, directions, layers):
     return {i: directions for i in picked}
 
 
+def _after_ops(gm, call):
+    """The last steering layer already chained after `call` in the layer-depth graph `gm` (or `call`):
+    a new operation at a site acts after those put there before it, in the order they were given."""
+    node = next(n for n in layer_calls(gm) if n.target == call)
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.op != "call_module" or not isinstance(gm.get_submodule(user.target), Scheduled) \
+                or user.args[:1] != (node,):
+            break
+        node = user
+    return node.target
+
+
 def _insert(lm, per_block, site, name, stem, make):
     """`lm.edit` inserting `make(direction, name, device)` after `site` of each block in per_block."""
     width = lm.head.weight.shape[1]
@@ -63,7 +77,8 @@ def _insert(lm, per_block, site, name, stem, make):
     if bad:
         raise ValueError(f"{what} steers blocks {bad}, but this model has blocks "
                          f"{summarize_indices(blocks) or 'none'}")
-    calls = site_calls(lm.backbone, site, list(per_block))
+    gm = trace(lm.backbone, depth="layer")
+    calls = {i: _after_ops(gm, call) for i, call in site_calls(lm.backbone, site, list(per_block)).items()}
     taken = {m.name: m for m in lm.backbone.modules() if isinstance(m, Scheduled)}
     if name is None:
         name = next(n for n in (stem, *(f"{stem}{k}" for k in range(2, len(taken) + 3))) if n not in taken)
