@@ -70,7 +70,7 @@ def _rewire(gm):
         wanted = dict(getattr(module, "runtime_inputs", {}) or {})
         if not (needs_cache or wanted or getattr(module, "uses_positions", False)):
             continue
-        if len(node.args) != 1 or node.kwargs:
+        if needs_cache and (len(node.args) != 1 or node.kwargs):
             raise ValueError(f"layer {node.target!r} is called with {len(node.args)} args and kwargs "
                              f"{list(node.kwargs)}; the cache pass expects one input tensor")
         with graph.inserting_before(node):
@@ -95,7 +95,8 @@ def _rewire(gm):
                 next_cache.append(graph.call_function(operator.getitem, (result, 1)))
                 slots.append(CacheSlot(name, module))
             else:
-                out = graph.call_method("forward_cached", (owner, node.args[0]), kwargs)
+                # other inputs (a gate read at another site, say) pass through as they were
+                out = graph.call_method("forward_cached", (owner, *node.args), {**node.kwargs, **kwargs})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     output = next(n for n in graph.nodes if n.op == "output")

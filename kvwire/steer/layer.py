@@ -74,13 +74,13 @@ class Steer(Scheduled):
                              f"give one strength per prompt or a single number")
         return {f"{self.name}_strength": strength.clone()}
 
-    def forward(self, x):
-        """x (B, T, D) -> x + strength * direction."""
+    def forward(self, x, gate=None):
+        """x (B, T, D) -> x + strength * direction (times `gate` (B, T, 1) where one is given)."""
         rows = self.strength.numel()
         if self.strength.dim() == 1 and rows not in (1, x.shape[0]):  # as runtime_defaults: (1,) fits any
             raise ValueError(f"steering strength has {rows} rows (one per prompt) but the batch has "
                              f"{x.shape[0]}; steer with a single number for other batch sizes")
-        return super().forward(x)
+        return super().forward(x, gate)
 
     def act(self, x, on, inputs):
         strength = inputs[f"{self.name}_strength"]

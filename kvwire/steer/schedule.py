@@ -63,17 +63,18 @@ class Scheduled(Layer):
         """x (B, T, D), on (B, T, 1) float32 (1 where the schedule picks) -> x changed there."""
         raise NotImplementedError
 
-    def forward(self, x):
-        """x (B, T, D) -> x with the operation applied at the scheduled positions (no prompt length)."""
+    def forward(self, x, gate=None):
+        """x (B, T, D) -> x with the operation applied at the scheduled positions (no prompt length).
+        gate: None, or (B, T, 1) float32 in [0, 1] scaling the operation per position (a `Probe`'s)."""
         positions = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
         inputs = {k: v.to(x.device) for k, v in self.runtime_defaults(x.shape[0]).items()}
-        return self.forward_cached(x, positions=positions, **inputs)
+        return self.forward_cached(x, gate, positions=positions, **inputs)
 
-    def forward_cached(self, x, *, positions, **inputs):
+    def forward_cached(self, x, gate=None, *, positions, **inputs):
         start, end = inputs[f"{self.name}_start"], inputs[f"{self.name}_end"]
         # a product of two masks, not `&`: Core ML's converter has no logical and
         on = ((positions >= start[:, None]).to(torch.float32) * (positions < end[:, None]).to(torch.float32))[..., None]
-        return self.act(x, on, inputs)
+        return self.act(x, on if gate is None else on * gate, inputs)
 
     def runtime_defaults(self, batch_size, prompt_lengths=None):
         device = next(self.buffers()).device
