@@ -1,0 +1,134 @@
+"""Conditional steering: a linear probe read at one site gates an operation at another, in the
+graph (CAST-style, arXiv 2409.05907, per position).
+
+`Probe` turns the hidden state at its site into a gate (B, T, 1) in [0, 1]; the gated operation
+(`Steer`, `Ablate`, `Clamp`, ...) is called with it as a second input and acts only as much as the
+gate is open. Both are layers of the edited graph, so the cache pass keeps them, rows of one batch
+carry their own thresholds (`<name>_threshold`) and exported models take them at run time.
+
+The gate is computed at each position from that position's own state. CAST's prompt-level
+condition (one decision from the prompt, kept for every generated token) needs a state that
+outlives the prompt; it is not offered here.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from ..graph.edit import Edit
+from ..layers.base import Layer
+from .layer import as_vector
+
+KINDS = ("dot", "cosine")
+
+
+class Probe(Layer):
+    """x (B, T, D) -> gate (B, T, 1) float32: open where the probe's score passes its threshold.
+
+    Args:
+        direction: (D,) probe weights (`kind="dot"`: score = x . w + bias, a linear probe's logit) or
+            a condition vector (`kind="cosine"`: score = cos(x, w)).
+        threshold: a number or (B,) tensor; runtime input `<name>_threshold` (B,) float32.
+        sharpness: None: a hard gate (score > threshold); a number k: sigmoid(k * (score - threshold)).
+        bias, kind, name, device: as above; `name` prefixes the runtime input.
+
+    Example:
+        >>> probe = Probe(torch.randn(640), threshold=0.0)
+        >>> probe(torch.randn(1, 3, 640)).shape
+        torch.Size([1, 3, 1])
+    """
+
+    def __init__(self, direction, threshold=0.0, *, kind="dot", bias=0.0, sharpness=None, name="gate", device=None):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"probe kind must be one of {KINDS}, got {kind!r}")
+        if sharpness is not None and not float(sharpness) > 0:
+            raise ValueError(f"sharpness must be a positive number (or None for a hard gate), got {sharpness!r}")
+        direction = as_vector(direction, device, "probe direction")
+        if not direction.any():
+            raise ValueError("probe direction is all zeros")
+        threshold = torch.as_tensor(threshold, dtype=torch.float32, device=direction.device)
+        if threshold.dim() > 1 or not torch.isfinite(threshold).all():
+            raise ValueError(f"threshold must be a finite number or (B,) tensor, got {threshold.tolist()}")
+        self.register_buffer("direction", direction)
+        self.register_buffer("threshold", threshold)
+        self.kind, self.bias, self.name = kind, float(bias), str(name)
+        self.sharpness = None if sharpness is None else float(sharpness)
+        self.runtime_inputs = {f"{self.name}_threshold": torch.float32}
+
+    def extra_repr(self):
+        return f"kind={self.kind!r}, width={self.direction.numel()}, threshold={self.threshold.tolist()}, " \
+               f"sharpness={self.sharpness}, name={self.name!r}"
+
+    def runtime_defaults(self, batch_size, prompt_lengths=None):
+        t = self.threshold.reshape(-1)
+        if t.numel() not in (1, batch_size):
+            raise ValueError(f"probe threshold has {t.numel()} rows but the batch has {batch_size}; "
+                             f"give one per prompt or a single number")
+        return {f"{self.name}_threshold": t.expand(batch_size).clone()}
+
+    def forward(self, x):
+        inputs = {k: v.to(x.device) for k, v in self.runtime_defaults(x.shape[0]).items()}
+        return self.forward_cached(x, positions=None, **inputs)
+
+    def forward_cached(self, x, *, positions=None, **inputs):
+        xf = x.float()
+        score = xf @ self.direction[:, None] + self.bias  # (B, T, 1)
+        if self.kind == "cosine":
+            score = score / (xf.norm(dim=-1, keepdim=True) * self.direction.norm()).clamp_min(1e-12)
+        margin = score - inputs[f"{self.name}_threshold"][:, None, None]
+        return (margin > 0).to(torch.float32) if self.sharpness is None else torch.sigmoid(self.sharpness * margin)
+
+
+@dataclass
+class Gate:
+    """Where and how to read a probe that gates a steering operation (`lm.ablate(..., gate=Gate(...))`).
+
+    Args:
+        direction: (D,) tensor. layer: the block whose `site` the probe reads; it must come before
+            every position the gated operation acts on in the graph (an earlier block, or an earlier
+            site of the same block). Other fields: see `Probe`.
+
+    Example:
+        >>> harmful = kw.Gate(probe_w, layer=6, threshold=0.0)
+        >>> safe = lm.steer(refuse, 4.0, layers=..., gate=harmful)
+    """
+
+    direction: object
+    layer: int
+    site: str = "block_out"
+    threshold: object = 0.0
+    kind: str = "dot"
+    bias: float = 0.0
+    sharpness: float = None
+    name: str = "gate"
+
+    def probe(self, device=None):
+        return Probe(self.direction, self.threshold, kind=self.kind, bias=self.bias, sharpness=self.sharpness,
+                     name=self.name, device=device)
+
+
+class GatedInsert(Edit):
+    """A clone fn: reads `probe` after the call `probe_call` and calls each `targets[call]` layer on
+    that call's output with the gate as its second input."""
+
+    def __init__(self, probe_call, probe, targets):
+        super().__init__([probe_call, *targets])
+        self.probe_call, self.probe, self.targets = probe_call, probe, dict(targets)
+        self.gate = None
+
+    def prepare(self, gm, names):
+        super().prepare(gm, names)
+        self.gate = None  # one rebuild, one gate
+        order = [n for n in names if n == self.probe_call or n in self.targets]
+        early = order[:order.index(self.probe_call)] if self.probe_call in order else []
+        if early:
+            raise ValueError(f"the gate's probe at {self.probe_call!r} comes after the gated operation at "
+                             f"{early[0]!r}; a probe must be read before what it gates")
+
+    def apply(self, name, layer, *args, **kwargs):
+        y = layer(*args, **kwargs)
+        if name == self.probe_call:
+            self.gate = self.probe(y)
+        if name in self.targets:
+            y = self.targets[name](y, self.gate)
+        return y
