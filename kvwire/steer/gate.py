@@ -28,8 +28,11 @@ class Probe(Layer):
         direction: (D,) probe weights (`kind="dot"`: score = x . w + bias, a linear probe's logit) or
             a condition vector (`kind="cosine"`: score = cos(x, w)).
         threshold: a number or (B,) tensor; runtime input `<name>_threshold` (B,) float32.
+        kind: "dot" or "cosine" (see direction).
+        bias: added to a "dot" score.
         sharpness: None: a hard gate (score > threshold); a number k: sigmoid(k * (score - threshold)).
-        bias, kind, name, device: as above; `name` prefixes the runtime input.
+        name: prefix of the runtime input.
+        device: where its buffers are kept (default: the direction's).
 
     Example:
         >>> probe = Probe(torch.randn(640), threshold=0.0)

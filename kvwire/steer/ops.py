@@ -30,7 +30,10 @@ class Ablate(Scheduled):
 
     Args:
         directions: (D,) or (K, D); linearly independent rows (the span is what is removed).
-        strength: a number or a (B,) tensor (one per row). name, when: as `Steer`.
+        strength: a number or a (B,) tensor (one per row).
+        name: runtime-input prefix, as `Steer`.
+        device: as `Steer`.
+        when: the positions it acts on, as `Steer`.
 
     Runtime inputs: `<name>_strength` (B,) float32, `<name>_start`, `<name>_end` (B,) int64.
 
@@ -79,8 +82,11 @@ class Clamp(Scheduled):
 
     Args:
         directions: (D,) or (K, D) (normalised here; orthogonal rows clamp independently).
-        lo, hi: numbers or (B,) tensors; None is unbounded on that side; lo <= hi.
-        name, when: as `Steer`.
+        lo: a number or (B,) tensor; None is unbounded below.
+        hi: a number or (B,) tensor; None is unbounded above; lo <= hi.
+        name: runtime-input prefix, as `Steer`.
+        device: as `Steer`.
+        when: the positions it acts on, as `Steer`.
 
     Runtime inputs: `<name>_lo`, `<name>_hi` (B,) float32 (unbounded = +-float32 max),
     `<name>_start`, `<name>_end` (B,) int64.
