@@ -290,3 +290,15 @@ def test_generic_speed_table(capsys):
     assert sorted(rows) == ["decode b1", "decode b4", "prefill 32", "prefill 512"]
     for values in rows.values():
         assert all(float(v) > 0 for v in values)
+
+
+def test_steer_ops_table(capsys):
+    """bench/steer_ops.py on a tiny model: the CPU line and one row per variant, plain's ratio 1."""
+    import steer_ops
+
+    best = steer_ops.main(["--tiny", "--rounds", "1", "--new", "3", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ")
+    for name in ("plain", "add", "ablate", "clamp", "gated"):
+        assert best[1, name] > 0 and best[8, name] > 0
+        assert any(line.split()[:1] == [name] for line in out.splitlines())
