@@ -87,7 +87,7 @@ def test_training_during_a_stream_swaps_after_it(lm, server, api):
     assert graph.status_code == 200, graph.json()  # 503 names what is missing (Graphviz's `dot`)
     graph = graph.json()
     assert sorted(n for n, v in graph["steer_nodes"].items() if v == "joy") == ["layers_1_block_out__steer_2", "layers_2_block_out__steer_1"]
-    assert graph["svg"].count("#ffb347") == 6  # every Steer layer orange
+    assert graph["svg"].count("#ffb347") == 6 + 4  # every Steer layer orange, and the inline bank's layer per block
 
 
 @pytest.mark.parametrize("method, path, body, status, message", [

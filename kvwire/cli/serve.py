@@ -22,6 +22,11 @@ def add(commands):
     s.add_argument("--max-length", type=int, default=None, metavar="N",
                    help="prompt + completion per request (default: the model's context, at most 4096, less when "
                    "memory is short); --max-batch x --max-length rows of keys/values must fit the memory available")
+    s.add_argument("--inline-slots", type=int, default=4, metavar="K",
+                   help="vectors requests may carry inline (\"steer_vectors\") at once, server-wide; more get 429 "
+                   "(default %(default)s; 0: none)")
+    s.add_argument("--inline-per-request", type=int, default=2, metavar="N",
+                   help="inline vectors one request may carry (default %(default)s)")
     limits.add_arguments(s)
     s.set_defaults(run=run)
 
@@ -38,7 +43,7 @@ def run(args):
     lm = load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors,
-                     limits=bounds)
+                     limits=bounds, inline_slots=args.inline_slots, inline_per_request=args.inline_per_request)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}); playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)

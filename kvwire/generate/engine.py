@@ -117,7 +117,7 @@ class Engine:
 
     def submit(self, prompt, max_new_tokens, *, sampler=None, seed=None, stop_ids=(), stop_strings=(),
                inputs=None, repetition_penalty=None, logprobs=True, top_logprobs=0, listener=None,
-               reuse_prefix=True, label=None):
+               reuse_prefix=True, label=None, prefix_key=None):
         """Queue a sequence; returns its `Sequence` (it runs at the engine's next steps).
 
         Args:
@@ -131,6 +131,8 @@ class Engine:
                 the k most likely tokens at each step.
             listener: called as listener(seq) after each new token and when the row finishes.
             reuse_prefix: look the prompt up in (and store the result into) the prefix store.
+            prefix_key: what else the row's keys/values depend on, hashable (e.g. a digest of the
+                vectors a server lent it); part of its prefix-store key.
         Raises `RequestError` (a ValueError) for a prompt + budget that does not fit max_length or
         the context, unknown inputs, or other bad values (see `kvwire.generate.request`).
         """
@@ -157,7 +159,7 @@ class Engine:
             defaults = self.cached.default_inputs(1, torch.tensor([len(prompt)], device=self.device))
             values = {name: float(value[0]) for name, value in defaults.items()}
             values.update({name: float(value) for name, value in seq.inputs.items()})
-            seq.inputs_key = tuple(sorted(values.items()))
+            seq.inputs_key = tuple(sorted(values.items())) + ((("prefix_key", prefix_key),) if prefix_key else ())
         self._inbox.put(seq)
         return seq
 

@@ -7,6 +7,7 @@ its output, `block_out`, only.
 from ..layers.base import Block
 from ..layers.site import SITES, Site
 from .edit import numbered_blocks, summarize_indices
+from .trace import layer_calls
 
 
 def site_calls(module, site, indices=None):
@@ -37,3 +38,16 @@ def site_calls(module, site, indices=None):
             raise ValueError(f"block {blocks[i]!r} ({type(block).__name__}) has no site {site!r}; "
                              f"its sites are {have}")
     return out
+
+
+def chain_end(gm, call):
+    """The last layer with runtime inputs chained after `call` in the layer-depth graph `gm` (or
+    `call`): something new put at a site acts after what was put there before, in order."""
+    node = next(n for n in layer_calls(gm) if n.target == call)
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.op != "call_module" or not getattr(gm.get_submodule(user.target), "runtime_inputs", None) \
+                or user.args[:1] != (node,):
+            break
+        node = user
+    return node.target

@@ -46,7 +46,9 @@ class LayerTracer(fx.Tracer):
         return name
 
     def _fresh_name(self, mod):
-        stem = f"{(self.site or 'root').replace('.', '_')}__{type(mod).__name__}"
+        # named after the original call it follows: after `layers_1_block_out__Steer` (itself put
+        # after layers.1.block_out) comes `layers_1_block_out__Steer_1`, not a growing chain of names
+        stem = f"{(self.site or 'root').replace('.', '_').split('__')[0]}__{type(mod).__name__}"
         existing = dict(self.root.named_children())
         name, i = stem, 1
         while name in existing:

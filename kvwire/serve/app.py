@@ -9,6 +9,7 @@ from . import errors, memory
 from .api_docs import install_api_docs
 from .errors import APIError
 from .handlers import Handlers
+from .inline import InlineBank
 from .body_limit import BodyLimit
 from .limits import FLAGS as LIMIT_FLAGS, Limits
 from .playground import install_playground
@@ -24,7 +25,8 @@ _EVENT = {"type": "object", "required": ["data"], "properties": {
 
 
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
-               prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None):
+               prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=4,
+               inline_per_request=2):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health. The engine's thread runs while the app does (its lifespan).
     With `playground`, also the steering page at / and its JSON endpoints under /kvwire/
@@ -48,6 +50,9 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         limits: a `Limits` (request body bytes, prompt tokens, max_tokens); default `Limits()`.
         memory_budget: bytes the caches (and the prefix store) may take; default 80% of what the
             machine and this process's cgroup have available at start-up.
+        inline_slots: vectors requests may carry inline (`steer_vectors`) at once, server-wide
+            (0: none); more wait for a 429's Retry-After (see `kvwire.serve.inline`).
+        inline_per_request: inline vectors one request may carry (more: 400).
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec})
@@ -57,10 +62,13 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         raise ValueError("the served model has no tokenizer; the API takes text")
     limits = Limits() if limits is None else limits
     max_batch, max_length = _sizes(lm, max_batch, max_length, limits, prefix_bytes, memory_budget)
+    if not isinstance(inline_slots, int) or inline_slots < 0:
+        raise ValueError(f"inline_slots (--inline-slots) must be an int >= 0, got {inline_slots!r}")
+    inline = InlineBank(lm, inline_slots, max_per_request=inline_per_request) if inline_slots else None
     served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length, grow=True),
-                           prefix_bytes=prefix_bytes)
+                           prefix_bytes=prefix_bytes, inline=inline)
     bridge = served.bridge
-    handlers = Handlers(served.model, model_name, bridge, served.names, limits)
+    handlers = Handlers(served.model, model_name, bridge, served.names, limits, inline)
     served.listeners.append(handlers.use)
     created = int(time.time())
 
@@ -96,7 +104,9 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
 
     def card():
         return {"id": model_name, "object": "model", "created": created, "owned_by": "kvwire",
-                "max_length": max_length, "control_vectors": sorted(served.names)}
+                "max_length": max_length, "control_vectors": sorted(served.names),
+                "inline_vectors": None if inline is None else {"slots": inline.slots, "per_request": inline.max_per_request,
+                                                               "blocks": inline.blocks, "width": inline.width}}
 
     @app.get("/v1/models")
     async def models():

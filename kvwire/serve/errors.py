@@ -15,15 +15,16 @@ class APIError(Exception):
         >>> raise APIError("temperature must be >= 0, got -1.0", param="temperature")
     """
 
-    def __init__(self, message, param=None, code=None, status=400, type="invalid_request_error"):
+    def __init__(self, message, param=None, code=None, status=400, type="invalid_request_error", headers=None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+        self.headers = dict(headers or {})  # e.g. Retry-After on a 429
 
     def body(self):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self):
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def from_request_error(exc):

@@ -21,9 +21,9 @@ log = logging.getLogger("kvwire.serve")
 class Handlers:
     """The endpoints' logic over one served model and its engine thread (see `create_app`)."""
 
-    def __init__(self, lm, model_name, bridge, names, limits):
+    def __init__(self, lm, model_name, bridge, names, limits, inline=None):
         self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
-        self.tokenizer, self.limits = lm.tokenizer, limits
+        self.tokenizer, self.limits, self.inline = lm.tokenizer, limits, inline
 
     def use(self, lm, names):
         """Serve a new steered model of the same base (a control vector was added); on the loop."""
@@ -76,6 +76,34 @@ class Handlers:
         origin = getattr(self.tokenizer.chat_template, "origin", None)
         return message.replace(origin, "the model's chat template") if origin else message
 
+    def _inline(self, body):
+        """The request's inline vectors, parsed and checked ([] when it has none)."""
+        if not body.steer_vectors:
+            return []
+        if self.inline is None:
+            raise APIError("this server takes no inline vectors (start it with --inline-slots K)",
+                           param="steer_vectors", code="unsupported")
+        return self.inline.parse(body.steer_vectors)
+
+    def _lend(self, inline, inputs):
+        """Lend a slot per inline vector: (row inputs with their strengths, prefix key, slots)."""
+        slots = []
+        try:
+            for directions, _ in inline:
+                slots.append(self.inline.acquire(directions))
+        except APIError:
+            self._give_back(slots)
+            raise
+        inputs = dict(inputs)
+        for slot, (_, strength) in zip(slots, inline):
+            inputs.update(self.inline.inputs(slot, strength))
+        return inputs, tuple(self.inline.digest(k) for k in slots), slots
+
+    def _give_back(self, slots):
+        if slots:
+            self.inline.release(slots)
+            slots.clear()
+
     def _check(self, body):
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
@@ -89,6 +117,7 @@ class Handlers:
         seed = checks.seed(body.seed, rows=n)  # choice j draws from seed + j: every one must fit
         sampler, stops = options.sampler(body), options.stop_strings(body)
         inputs = options.steer_inputs(body, self.names)
+        inline, slots = self._inline(body), []
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         submits = []
         for ids in rows:
@@ -102,9 +131,17 @@ class Handlers:
                                     seed=None if seed is None else seed + j, stop_strings=stops,
                                     inputs=inputs, logprobs=logprobs, top_logprobs=top,
                                     label=f"{rid} choice {len(submits)}"))
-        run = self.bridge.run(submits)
+        if inline:  # last: a slot is lent only to a request that passed every other check
+            inputs, key, slots = self._lend(inline, inputs)
+            for s in submits:
+                s.update(inputs=inputs, prefix_key=key)
+        try:
+            run = self.bridge.run(submits)
+        except BaseException:
+            self._give_back(slots)
+            raise
         texts = [ChoiceText(self.tokenizer, stops, track_tokens=logprobs) for _ in run.seqs]
-        reply = _Reply(self, kind, rid, body, run, texts, n, logprobs, top)
+        reply = _Reply(self, kind, rid, body, run, texts, n, logprobs, top, lambda: self._give_back(slots))
         if body.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -114,9 +151,10 @@ class Handlers:
 class _Reply:
     """One request's answer: whole (JSON) or streamed (server-sent events)."""
 
-    def __init__(self, handlers, kind, rid, body, run, texts, n, logprobs, top):
+    def __init__(self, handlers, kind, rid, body, run, texts, n, logprobs, top, done=None):
         self.h, self.kind, self.rid, self.body, self.run, self.texts = handlers, kind, rid, body, run, texts
         self.n, self.logprobs, self.top = n, logprobs, top
+        self.done = done or (lambda: None)  # called once the rows are finished or cancelled
         self.created, self.started = int(time.time()), time.perf_counter()
 
     async def whole(self, request):
@@ -127,6 +165,7 @@ class _Reply:
                     return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         finally:
             self._log()
+            self.done()
         failed = next((s for s in self.run.seqs if s.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(f"generation failed: {failed.error}", status=500, type="server_error", code="generation_failed")
@@ -169,6 +208,7 @@ class _Reply:
         finally:
             self.run.cancel()  # a client that went away (no-op for finished sequences)
             self._log()
+            self.done()
 
     def _head(self):
         obj = self.kind + (".chunk" if self.body.stream and self.kind == "chat.completion" else "")

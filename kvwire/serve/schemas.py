@@ -4,7 +4,8 @@ Types are strict (a "0.5" string is not a number, true is not an int), so a wron
 naming the field rather than a guess; null is taken wherever OpenAI's spec allows it (the field's
 default). Fields OpenAI has and kvwire does not use are ignored, except those that would change the
 answer (`tools`, `response_format`, penalties, `echo`, `suffix`, `best_of`), which `unsupported`
-refuses. kvwire's own addition: `steer`, {control-vector name: strength}.
+refuses. kvwire's own additions: `steer`, {control-vector name: strength}, and `steer_vectors`,
+vectors carried inline (see `kvwire.serve.inline`).
 """
 from typing import Any, Union
 
@@ -16,6 +17,15 @@ Number = Union[StrictInt, StrictFloat]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class InlineVector(BaseModel):
+    """A vector a request carries: {block: base64 of D little-endian float32, or a list of D numbers}
+    added after those blocks at `strength`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    directions: dict[str, Union[str, list[Number]]]
+    strength: Number = 1.0
 
 
 class _Sampling(BaseModel):
@@ -32,6 +42,7 @@ class _Sampling(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     steer: dict[str, Number] | None = None
+    steer_vectors: list[InlineVector] | None = None
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None

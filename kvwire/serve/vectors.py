@@ -16,6 +16,7 @@ class ServedVectors:
 
     Args:
         lm: the unsteered `CausalLM`. vectors: {name: kw.ControlVector}.
+        inline: an `InlineBank` whose slots requests borrow for their own vectors, or None.
         engine_options: `Engine` keyword arguments (max_batch, max_length); prefix_bytes: each
             engine's prefix-store budget (every model gets a fresh store: keys/values of one
             model are never reused by another).
@@ -25,13 +26,13 @@ class ServedVectors:
         >>> served.bridge.start(); await served.add("formal", formal_vec)
     """
 
-    def __init__(self, lm, vectors, engine_options, prefix_bytes=512 << 20):
+    def __init__(self, lm, vectors, engine_options, prefix_bytes=512 << 20, inline=None):
         from .bridge import EngineThread
 
         check_names(vectors)
-        self.lm, self.vectors = lm, dict(vectors)
+        self.lm, self.vectors, self.inline = lm, dict(vectors), inline
         self.engine_options, self.prefix_bytes = dict(engine_options), prefix_bytes
-        self.model = steered_model(lm, self.vectors)
+        self.model = self._steered(self.vectors)
         # traced once, now: a trace on the event loop would patch nn.Module.__call__ process-wide
         # while an engine step runs (see `Gate`); the base model's blocks never change
         self._blocks = numbered_blocks(lm.backbone)
@@ -53,8 +54,14 @@ class ServedVectors:
         with self.bridge.gate.exclusive():
             return fn(*args, **kwargs)
 
-    def _build(self, vectors):
+    def _steered(self, vectors):
+        """The named vectors at strength 0, then the inline bank's layers (the same modules in every
+        model built: a swap keeps the vectors lent to running requests)."""
         model = steered_model(self.lm, vectors)
+        return model if self.inline is None else self.inline.apply(model)
+
+    def _build(self, vectors):
+        model = self._steered(vectors)
         return model, self._engine(model)
 
     def _engine(self, model):

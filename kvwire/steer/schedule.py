@@ -49,7 +49,10 @@ class Scheduled(Layer):
         super().__init__()
         self.name = str(name)
         self.when = parse_when(when)
-        self.runtime_inputs = {**self.own_inputs(), f"{self.name}_start": torch.int64, f"{self.name}_end": torch.int64}
+
+    @property
+    def runtime_inputs(self):
+        return {**self.own_inputs(), f"{self.name}_start": torch.int64, f"{self.name}_end": torch.int64}
 
     def own_inputs(self):
         """{name: dtype} of the operation's own runtime inputs (strengths, bounds)."""
