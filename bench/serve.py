@@ -18,8 +18,10 @@ ready) and stopped by this script:
    answers one request at a time (started with --interrupt_requests False: by default a waiting
    request cuts the streaming one short);
 2. the same at the largest client count on a kvwire server started with --control-vector happy=FILE,
-   once with no request steered and once with half of them carrying "steer": {"happy": 0.8}; FILE
-   is a random direction per block (a random one costs what a trained one costs);
+   once with no request steered, once with half of them carrying "steer": {"happy": 0.8}, and once
+   with every request carrying its own inline vector ("steer_vectors", base64, a random direction
+   per block, one of 16); FILE is a random direction per block (a random one costs what a trained
+   one costs);
 3. prefix reuse: a ~1,000-token user message (turn 1, 16 new tokens), then turn 2 = turn 1 + the
    reply + a short question; turn 2's TTFT vs that of the same conversation with another first word
    (nothing shared: a full prefill), and usage's cached_tokens.
@@ -41,6 +43,26 @@ from serve_load import PROMPTS, Server, median, prefix_reuse, prompt_tokens, run
 
 STEER = {"happy": 0.8}
 NONE, HALF = (lambda k: None), (lambda k: STEER if k % 2 == 0 else None)  # steer_of(request index)
+INLINE = []  # filled by inline_vectors: request k carries INLINE[k % 16]
+
+
+def each_inline(k):
+    return [INLINE[k % len(INLINE)]]
+
+
+def inline_vectors(gguf, scale=0.05, count=16):
+    """`count` inline vectors (base64 little-endian float32, a random direction per block 1..n-1)."""
+    import base64
+
+    import numpy as np
+
+    from kvwire.io.gguf import GGUFFile
+
+    f = GGUFFile(gguf)
+    width, blocks = f.field(f"{f.architecture}.embedding_length"), f.field(f"{f.architecture}.block_count")
+    rng = np.random.default_rng(1)
+    INLINE[:] = [{"directions": {str(i): base64.b64encode((rng.standard_normal(width) * scale).astype("<f4").tobytes())
+                                 .decode() for i in range(1, blocks)}, "strength": 0.8} for _ in range(count)]
 FULL = dict(clients="1,4,16", max_tokens=32, requests_per_client=2, prefix_words=800, prefix_repeats=3)
 QUICK = dict(clients="1,4", max_tokens=8, requests_per_client=1, prefix_words=200, prefix_repeats=1)
 
@@ -64,7 +86,7 @@ def servers_to_start(args, gguf, vector):
                **({"OMP_WAIT_POLICY": args.omp_wait_policy} if args.omp_wait_policy else {})}
     batch = max(args.clients)
     kvwire = ["-m", "kvwire.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "{port}",
-              "--max-batch", str(batch), "--max-length", str(args.max_length)]
+              "--max-batch", str(batch), "--max-length", str(args.max_length), "--inline-slots", str(batch)]
     kvwire += ["--quantize", args.quantize] if args.quantize else []
     out = {"kvwire": (kvwire, "/health", threads),
            "kvwire +happy": (kvwire + ["--control-vector", f"happy={vector}"], "/health", threads)}
@@ -99,7 +121,7 @@ def throughput_rows(servers, down, args):
     cols = ["clients", "requests", "tokens", "wall s", "tokens/s", "TTFT mean s", "TTFT p50 s", "cached %"]
     print(f"{'server':34}" + "".join(f"{c:>12}" for c in cols))
     most, loads, said = max(args.clients), {}, set()
-    mixes = [("none steered", NONE), ("half steered", HALF)]
+    mixes = [("none steered", NONE), ("half steered", HALF), ("each inline", each_inline)]
     for clients in args.clients:
         runs = [(label, label, NONE) for label in servers if label != "kvwire +happy"]
         if clients == most and "kvwire +happy" in servers:
@@ -188,6 +210,14 @@ def goals(loads, prefix, down, most):
              f"= {cost:.1%}", cost < 0.10)
     else:
         goal(name, "", down.get("kvwire +happy") or down.get("kvwire") or "a run failed (see the table)", None)
+    inline = loads.get(("kvwire +happy (each inline)", most))
+    name = f"inline vectors' throughput cost at {most} clients, each request its own vector"
+    if ours and inline:
+        cost = 1 - inline.tokens_per_s / ours.tokens_per_s
+        goal(name, "<= 10 %", f"1 - {inline.tokens_per_s:.1f} / {ours.tokens_per_s:.1f} tokens/s (none steered) "
+             f"= {cost:.1%}", cost <= 0.10)
+    else:
+        goal(name, "", down.get("kvwire +happy") or down.get("kvwire") or "a run failed (see the table)", None)
     if "kvwire" in prefix:
         reused, fresh, cached, prompt = prefix["kvwire"]
         goal("prefix reuse, turn-2 TTFT", ">= 5x", f"full prefill {fresh:.2f} s / reused {reused:.2f} s = "
@@ -245,6 +275,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         vector = os.path.join(tmp, "happy.gguf")
         control_vector(gguf, vector)
+        inline_vectors(gguf)
         try:
             servers, down = start(servers_to_start(args, gguf, vector), args.start_timeout)
             for label, s in servers.items():  # a first request each (and a full batch) before timing

@@ -115,12 +115,14 @@ class Reply:
 
 
 async def chat(client, model, messages, max_tokens, steer=None):
-    """Send one streaming greedy chat completion; never raises for the server's failures."""
+    """Send one streaming greedy chat completion; never raises for the server's failures.
+    steer: None, {name: strength} (named vectors) or a list of inline vectors (`steer_vectors`)."""
     reply, chunks, start = Reply(), 0, time.perf_counter()
     try:
         stream = await client.chat.completions.create(
             model=model or "default", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"steer": steer} if steer else None)
+            stream_options={"include_usage": True}, extra_body=None if not steer else
+            {"steer_vectors": steer} if isinstance(steer, list) else {"steer": steer})
         async for chunk in stream:
             for choice in chunk.choices:
                 if choice.delta and choice.delta.content:

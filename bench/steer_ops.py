@@ -6,7 +6,8 @@ at every block, in one run.
 Variants: `add` (a vector added after every block), `ablate` (a direction projected out of every
 residual write: block 0's input and every attention and MLP write, the refusal-direction recipe),
 `clamp` (the projection on a direction clamped after every block), `gated` (a probe at block 4
-gating an addition after every later block). Each decodes `--new` tokens greedily after an
+gating an addition after every later block), `bank8` (the server's inline bank: 8 idle slots
+after every block, what a server pays when no request carries a vector). Each decodes `--new` tokens greedily after an
 8-token prompt at batch 1 and 8; the best of `--rounds` interleaved rounds is kept. Prints
 tokens/s and each variant's rate over plain's, with the CPU. `--tiny` runs a random 4-layer llama.
 """
@@ -27,6 +28,7 @@ def variants(tiny):
 
     import kvwire as kw
     from kvwire.graph import numbered_blocks
+    from kvwire.serve.inline import InlineBank
     from kvwire.steer import Steer
     from kvwire.steer.gate import Gate, GatedInsert
 
@@ -50,7 +52,8 @@ def variants(tiny):
             "add": lm.steer(kw.ControlVector({i: v * 0.1 for i in blocks}), 1.0),
             "ablate": lm.ablate(d, layers=[0], site="resid_pre").ablate(d, site="attn_out").ablate(d, site="mlp_out"),
             "clamp": lm.clamp(d, -1.0, 1.0),
-            "gated": gated}
+            "gated": gated,
+            "bank8": InlineBank(lm, slots=8).apply(lm)}
 
 
 def rate(lm, batch, new):

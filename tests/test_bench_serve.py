@@ -81,6 +81,10 @@ def test_load_counts_usage_tokens_and_sends_steer_to_half(fake):
     assert sorted(b.get("steer") is not None for b in bodies) == [False] * 3 + [True] * 3
     assert all(b["stream"] and b["temperature"] == 0 and b["max_tokens"] == 4 for b in bodies)
     assert {b["messages"][0]["content"] for b in bodies} == set(serve_load.PROMPTS[:5])
+    bodies.clear()
+    inline = [{"directions": {"1": "AAAA"}, "strength": 0.5}]
+    serve_load.run_load(url, "fake", clients=1, requests=2, max_tokens=2, steer_of=lambda k: inline)
+    assert [b.get("steer_vectors") for b in bodies] == [inline, inline]
 
 
 def test_a_failing_request_is_reported_and_left_out(fake, monkeypatch):
@@ -122,12 +126,15 @@ def test_goal_lines_say_met_not_met_and_why_not_measured(capsys):
     import serve
 
     fast, slow = (serve_load.Load([serve_load.Reply(ttft=0.1, tokens=n)], wall=1.0) for n in (10, 8))
-    loads = {("kvwire", 16): fast, ("llama.cpp", 16): slow, ("kvwire +happy (half steered)", 16): slow}
+    near = serve_load.Load([serve_load.Reply(ttft=0.1, tokens=19)], wall=2.0)
+    loads = {("kvwire", 16): fast, ("llama.cpp", 16): slow, ("kvwire +happy (half steered)", 16): slow,
+             ("kvwire +happy (each inline)", 16): near}
     serve.goals(loads, {}, {"kvwire": "died during the 16-client run: killed by SIGSEGV"}, 16)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("kvwire 10.0 / llama.cpp 8.0 tokens/s = 1.25x (goal >= 1.0x): met")
     assert lines[1].endswith("1 - 8.0 / 10.0 tokens/s (no control vector) = 20.0% (goal < 10 %): NOT met")
-    assert lines[2] == "goal: prefix reuse, turn-2 TTFT: not measured (died during the 16-client run: killed by SIGSEGV)"
+    assert lines[2].endswith("1 - 9.5 / 10.0 tokens/s (none steered) = 5.0% (goal <= 10 %): met")
+    assert lines[3] == "goal: prefix reuse, turn-2 TTFT: not measured (died during the 16-client run: killed by SIGSEGV)"
 
 
 def test_soak_warm_up_ends_past_minute_two_and_a_hundred_requests():

@@ -22,9 +22,9 @@ def add(commands):
     s.add_argument("--max-length", type=int, default=None, metavar="N",
                    help="prompt + completion per request (default: the model's context, at most 4096, less when "
                    "memory is short); --max-batch x --max-length rows of keys/values must fit the memory available")
-    s.add_argument("--inline-slots", type=int, default=4, metavar="K",
+    s.add_argument("--inline-slots", type=int, default=None, metavar="K",
                    help="vectors requests may carry inline (\"steer_vectors\") at once, server-wide; more get 429 "
-                   "(default %(default)s; 0: none)")
+                   "(default: --max-batch; 0: none)")
     s.add_argument("--inline-per-request", type=int, default=2, metavar="N",
                    help="inline vectors one request may carry (default %(default)s)")
     limits.add_arguments(s)

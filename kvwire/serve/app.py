@@ -25,7 +25,7 @@ _EVENT = {"type": "object", "required": ["data"], "properties": {
 
 
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
-               prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=4,
+               prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=None,
                inline_per_request=2):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health. The engine's thread runs while the app does (its lifespan).
@@ -51,7 +51,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         memory_budget: bytes the caches (and the prefix store) may take; default 80% of what the
             machine and this process's cgroup have available at start-up.
         inline_slots: vectors requests may carry inline (`steer_vectors`) at once, server-wide
-            (0: none); more wait for a 429's Retry-After (see `kvwire.serve.inline`).
+            (None: max_batch; 0: none); past them a 429 with Retry-After (see `kvwire.serve.inline`).
         inline_per_request: inline vectors one request may carry (more: 400).
 
     Example:
@@ -62,6 +62,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         raise ValueError("the served model has no tokenizer; the API takes text")
     limits = Limits() if limits is None else limits
     max_batch, max_length = _sizes(lm, max_batch, max_length, limits, prefix_bytes, memory_budget)
+    inline_slots = max_batch if inline_slots is None else inline_slots
     if not isinstance(inline_slots, int) or inline_slots < 0:
         raise ValueError(f"inline_slots (--inline-slots) must be an int >= 0, got {inline_slots!r}")
     inline = InlineBank(lm, inline_slots, max_per_request=inline_per_request) if inline_slots else None
