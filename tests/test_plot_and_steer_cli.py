@@ -108,3 +108,22 @@ def test_cli_sampler_options_reach_the_sampler():
     assert cli.make_sampler(args) == kw.TopP(0.5)
     args = cli.parser().parse_args(["generate", "x", "--beams", "2", "--repetition-penalty", "1.5"])
     assert cli.make_sampler(args) == kw.BeamSearch(num_beams=2) and args.repetition_penalty == 1.5
+
+
+def test_generate_with_sites_ablation_and_clamps(folder, capsys):
+    model = str(folder / "model")
+    g = torch.Generator().manual_seed(3)
+    vec = kw.ControlVector({i: torch.randn(32, generator=g) * 4 for i in (1, 2)})
+    vec.save(folder / "v.gguf")
+    args = ["generate", "the cat", "--model", model, "--max-new-tokens", "6", "--no-stream"]
+    lm = kw.load(model)
+    cases = [(["--control-vector", str(folder / "v.gguf"), "--site", "mlp_out", "--strength", "2"],
+              lm.steer(vec, 2.0, site="mlp_out")),
+             (["--ablate", str(folder / "v.gguf"), "--site", "attn_out"], lm.ablate(vec, site="attn_out")),
+             (["--clamp", f"{folder / 'v.gguf'}=,-1.5", "--generated-only"], lm.clamp(vec, hi=-1.5, when="generated"))]
+    for extra, want in cases:
+        capsys.readouterr()
+        assert cli.main(args + extra) == 0
+        assert capsys.readouterr().out == "the cat" + want.generate("the cat", max_new_tokens=6) + "\n", extra
+    assert cli.main(args + ["--clamp", f"{folder / 'v.gguf'}=1"]) == 2
+    assert "--clamp takes VEC.gguf=LO,HI (LO or HI may be empty), got" in capsys.readouterr().err

@@ -5,6 +5,7 @@ import sys
 import torch
 
 from ..kernels import switches
+from ..layers.site import SITES
 from ..quant import SCHEMES
 
 SAMPLERS = ("greedy", "random", "top-k", "top-p", "min-p", "beam")
@@ -49,19 +50,39 @@ def load_model(args, quantize=None):
 
     if getattr(args, "runtime", "eager") != "eager":
         from ..export import load_exported
-        if getattr(args, "control_vector", None):
-            raise ValueError("--control-vector applies to eager models; export a steered model instead "
+        given = [f"--{o.replace('_', '-')}" for o in ("control_vector", "ablate", "clamp") if getattr(args, o, None)]
+        if given:
+            raise ValueError(f"{given[0]} applies to eager models; export a steered model instead "
                              "(kvwire export --control-vector V ...) and pass --strength at run time")
         if quantize or getattr(args, "head", None):
             raise ValueError(f"--quantize and --head apply to eager models; --runtime {args.runtime} runs the "
                              "file's own weights (export with kvwire export --quantize for ONNX)")
         return load_exported(args.model)
+    clamps = [clamp_spec(spec) for spec in getattr(args, "clamp", None) or []]  # refused before loading
     lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
+    site = getattr(args, "site", None) or "block_out"
+    when = "generated" if getattr(args, "generated_only", False) else None
     if getattr(args, "control_vector", None):
         strength = 1.0 if args.strength is None else args.strength
-        lm = lm.steer(ControlVector.load(args.control_vector), strength,
-                      generated_only=getattr(args, "generated_only", False))
+        lm = lm.steer(ControlVector.load(args.control_vector), strength, site=site, when=when)
+    for path in getattr(args, "ablate", None) or []:
+        lm = lm.ablate(ControlVector.load(path), site=site, when=when)
+    for path, lo, hi in clamps:
+        lm = lm.clamp(ControlVector.load(path), lo, hi, site=site, when=when)
     return lm
+
+
+def clamp_spec(spec):
+    """"VEC.gguf=LO,HI" -> (path, lo or None, hi or None)."""
+    path, sep, bounds = spec.rpartition("=")
+    lo, comma, hi = bounds.partition(",")
+    try:
+        values = [float(v) if v.strip() else None for v in (lo, hi)]
+    except ValueError:
+        values = None
+    if not (sep and path and comma and values is not None):
+        raise ValueError(f"--clamp takes VEC.gguf=LO,HI (LO or HI may be empty), got {spec!r}")
+    return (path, *values)
 
 
 def named_files(pairs):
@@ -127,6 +148,13 @@ def steer_options(p):
     p.add_argument("--strength", type=float, default=None,
                    help="control-vector strength (default 1.0; for --runtime onnx: the exported default)")
     p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
+    p.add_argument("--site", default=None, choices=SITES,
+                   help="where in each block --control-vector, --ablate and --clamp act (default block_out)")
+    p.add_argument("--ablate", action="append", default=None, metavar="VEC.gguf",
+                   help="project each block's direction of this vector out of the hidden state (repeatable)")
+    p.add_argument("--clamp", action="append", default=None, metavar="VEC.gguf=LO,HI",
+                   help="hold the projection on each block's direction in [LO, HI] (either may be empty: "
+                        "unbounded; repeatable)")
 
 
 def quantize_option(p):
