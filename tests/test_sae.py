@@ -186,6 +186,7 @@ def test_setting_a_feature_moves_that_feature_only(tmp_path):
     others = [j for j in range(sae.d_sae) if j not in (3, 6)]
     torch.testing.assert_close(g[..., others], f[..., others], atol=1e-4, rtol=0)
     assert (f[..., others] > 0).any()
+    torch.testing.assert_close(lm.steer_features(sae, {3: 7.5, 6: 0.0})(IDS), edited(IDS))  # the method
 
 
 def test_only_the_chosen_features_are_kept(tmp_path):

@@ -269,6 +269,16 @@ class CausalLM(GenerationMethods, nn.Module):
         """
         return _steering_op("clamp")(self, directions, lo, hi, layers=layers, site=site, when=when, name=name)
 
+    def steer_features(self, sae, features, *, mode="set", layer=None, site=None, when=None, name=None):
+        """The same model with chosen features of a sparse autoencoder set, added to or clamped at
+        the SAE's hook (see `kvwire.steer.sae.steer_features`, which this calls).
+
+        Example:
+            >>> sae = kw.SAE.load("layer_6_width_16k")             # SAELens's on-disk format
+            >>> calm = lm.steer_features(sae, {1024: 0.0, 77: 12.0})
+        """
+        return _steering_op("features")(self, sae, features, mode=mode, layer=layer, site=site, when=when, name=name)
+
 
 def _refuse_cpu_only(lm, device):
     """ValueError when `lm` holds layers whose kernels run on the CPU only (their `cpu_only` names

@@ -1,13 +1,16 @@
 """Control vectors: train from contrastive prompts; steer at a block site by adding (`Steer`),
-projecting out (`Ablate`) or clamping (`Clamp`); GGUF interop;
+projecting out (`Ablate`), clamping (`Clamp`), editing SAE features (`SAEEdit`), gated by a
+`Probe`; GGUF interop;
 and `sweep` (a probe and a sample per strength)."""
 from ..generate.causal_lm import register_steering
 from .apply import ablate, add_vector, clamp
 from .layer import Steer
 from .ops import Ablate, Clamp
+from .gate import Gate, Probe
+from .sae import SAE, SAEEdit, steer_features
 from .sweep import Sweep, WordGap, sweep
 from .vector import ControlVector
 
-register_steering(steer=add_vector, ablate=ablate, clamp=clamp)
+register_steering(steer=add_vector, ablate=ablate, clamp=clamp, features=steer_features)
 
-__all__ = ["Ablate", "Clamp", "ControlVector", "Steer", "Sweep", "WordGap", "sweep"]
+__all__ = ["Ablate", "Clamp", "ControlVector", "Gate", "Probe", "SAE", "SAEEdit", "Steer", "steer_features", "Sweep", "WordGap", "sweep"]
