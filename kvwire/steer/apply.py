@@ -5,37 +5,60 @@ import torch
 from ..graph import insert_after, numbered_blocks, site_calls, trace
 from ..graph.trace import layer_calls
 from ..graph.edit import summarize_indices
+from .fingerprint import check_fingerprint
 from .layer import Steer
 from .ops import Ablate, Clamp
 from .schedule import Scheduled
 from .vector import ControlVector, parse_layers
 
 
-def add_vector(lm, vector, strength=1.0, *, site="block_out", when=None, generated_only=False, name=None):
-    """The same model with `vector` added at `site` of its blocks; see `CausalLM.steer`."""
+def add_vector(lm, vector, strength=1.0, *, site=None, when=None, generated_only=False, name=None,
+               allow_mismatch=False):
+    """The same model with `vector` added at `site` of its blocks; see `CausalLM.steer`.
+
+    site None: the vector's own (`vector.site`). A vector made for another operation is refused, as
+    is one whose recorded model fingerprint differs from `lm`'s, unless `allow_mismatch`
+    (a deliberate transfer, e.g. base to instruct; the width must fit all the same)."""
     if not isinstance(vector, ControlVector):
         raise TypeError(f"steer expects a kw.ControlVector, got {type(vector).__name__}")
-    return _insert(lm, vector.directions, site, name, "steer",
+    if vector.operation != "add":
+        raise ValueError(f"this control vector is made to {vector.operation}, not to add: use "
+                         f"lm.{vector.operation}(vector) instead of lm.steer")
+    check_fingerprint(vector.fingerprint, lm, allow_mismatch)
+    return _insert(lm, vector.directions, vector.site if site is None else site, name, "steer",
                    lambda d, n, dev: Steer(d, strength, generated_only, n, device=dev, when=when))
 
 
-def ablate(lm, directions, *, layers=None, site="block_out", strength=1.0, when=None, name=None):
-    """The same model with `directions` projected out at `site`; see `CausalLM.ablate`."""
-    return _insert(lm, _per_block(lm, directions, layers), site, name, "ablate",
-                   lambda d, n, dev: Ablate(d, strength, n, device=dev, when=when))
+def ablate(lm, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False):
+    """The same model with `directions` projected out at `site`; see `CausalLM.ablate`.
+
+    site None: a ControlVector's own site, else "block_out". A ControlVector's fingerprint is
+    checked as in `add_vector`; its operation is not (any direction can be projected out)."""
+    return _insert(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
+                   "ablate", lambda d, n, dev: Ablate(d, strength, n, device=dev, when=when))
 
 
-def clamp(lm, directions, lo=None, hi=None, *, layers=None, site="block_out", when=None, name=None):
-    """The same model with the projection on `directions` held in [lo, hi]; see `CausalLM.clamp`."""
-    return _insert(lm, _per_block(lm, directions, layers), site, name, "clamp",
-                   lambda d, n, dev: Clamp(d, lo, hi, n, device=dev, when=when))
+def clamp(lm, directions, lo=None, hi=None, *, layers=None, site=None, when=None, name=None, allow_mismatch=False):
+    """The same model with the projection on `directions` held in [lo, hi]; see `CausalLM.clamp`.
+
+    site and allow_mismatch: as `ablate`."""
+    return _insert(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
+                   "clamp", lambda d, n, dev: Clamp(d, lo, hi, n, device=dev, when=when))
 
 
-def _per_block(lm, directions, layers):
-    """{block index: (D,) or (K, D) tensor} from a ControlVector, a {block: tensor} dict or one tensor
-    used at every block `layers` picks (None: every block; a ControlVector's own blocks)."""
+def _site(directions, site):
+    if site is not None:
+        return site
+    return directions.site if isinstance(directions, ControlVector) else "block_out"
+
+
+def _per_block(lm, directions, layers, allow_mismatch=False):
+    """{block index: (D,) or (K, D) tensor} from a ControlVector (its fingerprint checked), a
+    {block: tensor} dict or one tensor used at every block `layers` picks (None: every block; a
+    ControlVector's own blocks)."""
     blocks = numbered_blocks(lm.backbone)
     if isinstance(directions, ControlVector):
+        check_fingerprint(directions.fingerprint, lm, allow_mismatch)
         directions = directions.directions
     if isinstance(directions, dict):
         picked = list(directions) if layers is None else parse_layers(layers, blocks)

@@ -1,24 +1,28 @@
-"""`ControlVector`: one direction per decoder block, trained from contrastive prompt pairs."""
+"""`ControlVector`: one direction per decoder block, trained from contrastive prompt pairs, with
+what it is for (added, ablated or clamped, at which block site) and the model it was trained on."""
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
-from ..generate.session import left_pad
-from ..graph import numbered_blocks, tap, with_cache
+from ..graph import numbered_blocks, site_calls
 from ..graph.edit import summarize_indices
-from .gguf_io import load_control_vector, save_control_vector
+from ..layers.site import SITES
+from .fingerprint import fingerprint as model_fingerprint
+from .gguf_io import OPERATIONS, load_control_vector, save_control_vector
+from .train import METHODS, check_caa_pairs, check_positions, direction, prompt_states
 
-METHODS = ("pca_diff", "pca_center", "mean_diff")
 DEFAULT_METHOD = "pca_center"  # what train, `kvwire steer train` and the playground use unless told
 
 
 @dataclass(eq=False)
 class ControlVector:
-    """Directions to add after decoder blocks: {block index: (D,) float32 tensor}.
+    """Directions for decoder blocks: {block index: (D,) float32 tensor}, and what they are for.
 
     Block indices are 0-based and equal llama.cpp's control-vector numbering (`direction.N` is
     added to the output of block N). `model_hint` is the model family ("gemma3", "gpt2").
+    `operation`: "add" (`lm.steer`), "ablate" (`lm.ablate`) or "clamp" (`lm.clamp`); `site`: where in
+    each block (`kvwire.layers.site.SITES`); `fingerprint`: the training model's
+    (`kvwire.steer.fingerprint`), checked when the vector is used; None: unknown (a llama.cpp file).
 
     Example:
         >>> vec = kw.ControlVector.train(lm, positive=["I am happy"], negative=["I am sad"])
@@ -29,6 +33,9 @@ class ControlVector:
     directions: dict
     model_hint: str = ""
     method: str = field(default="", compare=False)
+    operation: str = "add"
+    site: str = "block_out"
+    fingerprint: dict = None
 
     def __post_init__(self):
         if not self.directions:
@@ -37,16 +44,25 @@ class ControlVector:
         if len(widths) != 1 or any(v.dim() != 1 for v in self.directions.values()):
             raise ValueError(f"directions must be 1-D and of one width; got shapes "
                              f"{[tuple(v.shape) for v in self.directions.values()]}")
+        if self.operation not in OPERATIONS:
+            raise ValueError(f"operation must be one of {OPERATIONS}, got {self.operation!r}")
+        if self.site not in SITES:
+            raise ValueError(f"site must be one of {SITES}, got {self.site!r}")
         # kept on the CPU whatever device trained them (small; saved, compared and combined there):
         # `lm.steer` puts them on the model's device
         self.directions = {int(i): v.detach().to(device="cpu", dtype=torch.float32)
                            for i, v in sorted(self.directions.items())}
+        self.fingerprint = dict(self.fingerprint) if self.fingerprint else None
 
     def __eq__(self, other):
-        """Same blocks, bit-equal directions and the same model hint (the training method aside)."""
-        return isinstance(other, ControlVector) and self.model_hint == other.model_hint \
+        """Same blocks, bit-equal directions, the same model hint, operation, site and fingerprint
+        (the training method aside)."""
+        return isinstance(other, ControlVector) and self._meta() == other._meta() \
             and self.layers == other.layers \
             and all(torch.equal(v, other.directions[i]) for i, v in self.directions.items())
+
+    def _meta(self):
+        return self.model_hint, self.operation, self.site, self.fingerprint
 
     @property
     def layers(self):
@@ -60,52 +76,74 @@ class ControlVector:
         return self * -1.0
 
     def __mul__(self, k):
-        return ControlVector({i: v * float(k) for i, v in self.directions.items()}, self.model_hint, self.method)
+        return ControlVector({i: v * float(k) for i, v in self.directions.items()}, self.model_hint, self.method,
+                             self.operation, self.site, self.fingerprint)
 
     __rmul__ = __mul__
 
     @classmethod
-    def train(cls, lm, positive, negative, layers=None, method=DEFAULT_METHOD, batch_size=8, progress=True):
+    def train(cls, lm, positive, negative, layers=None, method=DEFAULT_METHOD, batch_size=8, progress=True, *,
+              site="block_out", positions="last", operation="add"):
         """Train from paired prompts: positive[i] and negative[i] differ in the concept only.
 
-        Each prompt's hidden state after every chosen block, at its last token, is read in a
-        batched, left-padded cached run. Per block, with d_i = pos_i - neg_i:
-        - "pca_center": first principal axis of the pairs centered on their means, i.e. of the
-          d_i without removing their mean (llama.cpp's cvector-generator; repeng's "pca_center");
-        - "pca_diff": first principal axis of the d_i after removing their mean (repeng's default,
-          via scikit-learn PCA);
-        - "mean_diff": the mean of the d_i.
-        A principal axis u is scaled by mean(d_i . u): the sign then points to the positive side
-        whatever sign the decomposition gave, and strength 1 moves a state by the mean separation
-        along u. Same data, same vector.
+        Each prompt's state at `site` of every chosen block, at `positions`, is read in a batched,
+        left-padded cached run. Per block, with d_i = pos_i - neg_i (see `kvwire.steer.train`):
+        - "pca_center": first principal axis of the d_i without removing their mean (llama.cpp's
+          cvector-generator; repeng's "pca_center");
+        - "pca_diff": first principal axis of the d_i after removing their mean (repeng's default);
+        - "mean_diff": the mean of the d_i (with positions=-k at a post-instruction token, the
+          refusal direction of Arditi et al. 2024);
+        - "caa": Contrastive Activation Addition (Rimsky et al. 2024): the mean of the d_i at the
+          answer letter. positive[i] and negative[i] are the same A/B multiple-choice prompt ending
+          in the answer that shows the behaviour and in the one that does not ("...Answer: (A" and
+          "...Answer: (B"; which letter is which may vary by pair); the letter must be the last token;
+        - "logistic": the normal u of an L2-regularised logistic-regression probe that tells the 2n
+          states apart (positives vs negatives).
+        Every direction is u * mean(d_i . u), u its unit vector: it points to the positive side and
+        strength 1 moves a state by the mean separation along u. Same data, same vector.
 
         Args:
             lm: a CausalLM with a tokenizer. positive, negative: equal-length non-empty lists of str.
             layers: block indices: None (blocks 1..n-1: llama.cpp cannot store block 0), an int list
                 or range, or a string "A-B" (inclusive).
             method: one of METHODS. batch_size: prompts per forward. progress: show a tqdm bar.
-        Returns a ControlVector.
+            site: where in each block the states are read and the vector acts (`SITES`).
+            positions: which tokens: "last", "mean" (over the prompt's tokens) or -k (the k-th last).
+            operation: what the vector is for: "add" (`lm.steer`), "ablate" or "clamp".
+        Returns a ControlVector recording method, site, operation and the model's fingerprint.
+
+        Example:
+            >>> refusal = kw.ControlVector.train(lm, harmful, harmless, method="mean_diff", positions=-1,
+            ...                                  operation="ablate")
+            >>> compliant = lm.ablate(refusal)
         """
         _check_pairs(positive, negative)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        blocks = numbered_blocks(lm.backbone)
-        chosen = parse_layers(layers, blocks)
-        names = [blocks[i] for i in chosen]
-        states = last_token_states(lm, list(positive) + list(negative), names, batch_size, progress)
+        check_positions(positions)
+        if method == "caa":
+            check_caa_pairs(lm, positive, negative, positions)
+        chosen = parse_layers(layers, numbered_blocks(lm.backbone))
+        calls = site_calls(lm.backbone, site, chosen)
+        states = prompt_states(lm, list(positive) + list(negative), list(calls.values()), positions, batch_size,
+                               progress)
         n = len(positive)
-        directions = {i: _direction(states[name], n, method, i) for i, name in zip(chosen, names)}
-        return cls(directions, _family(lm), method)
+        where = (lambda i: f"block {i}") if site == "block_out" else (lambda i: f"{site} of block {i}")
+        directions = {i: direction(states[call], n, method, where(i)) for i, call in calls.items()}
+        return cls(directions, _family(lm), method, operation, site, model_fingerprint(lm))
 
     def save(self, path):
-        """Write llama.cpp's GGUF control-vector format (see `kvwire.steer.gguf_io`)."""
-        save_control_vector(self.directions, self.model_hint, path)
+        """Write a GGUF control vector (see `kvwire.steer.gguf_io`): llama.cpp's format, plus kvwire's
+        keys for operation, site, method and fingerprint."""
+        save_control_vector(self.directions, self.model_hint, path, operation=self.operation, site=self.site,
+                            method=self.method, fingerprint=self.fingerprint)
 
     @classmethod
     def load(cls, path):
-        """Read a GGUF control vector (written by kvwire, llama.cpp's generator or repeng)."""
-        directions, model_hint = load_control_vector(path)
-        return cls(directions, model_hint, "")
+        """Read a GGUF control vector (written by kvwire, llama.cpp's generator or repeng); a file
+        without kvwire's keys is added at block_out and has no fingerprint."""
+        f = load_control_vector(path)
+        return cls(f["directions"], f["model_hint"], f["method"], f["operation"], f["site"], f["fingerprint"])
 
 
 def parse_layers(layers, blocks):
@@ -132,46 +170,9 @@ def parse_layers(layers, blocks):
 
 
 def last_token_states(lm, texts, names, batch_size=8, progress=True):
-    """Hidden states after the named calls at each text's last token: {name: (len(texts), D)} float32.
-
-    Runs the tapped backbone's cached graph on left-padded batches (pads masked out).
-    """
-    cached = with_cache(tap(lm.backbone, names))
-    out = {name: [] for name in names}
-    batches = range(0, len(texts), batch_size)
-    with torch.inference_mode():
-        for start in tqdm(batches, desc="reading hidden states", disable=not progress, leave=False):
-            rows = [lm.encode(t) for t in texts[start:start + batch_size]]
-            for text, row in zip(texts[start:start + batch_size], rows):
-                lm.check_length(len(row), f"prompt {text!r:.40}")
-            ids, positions, pads = left_pad(rows, device=lm.device)
-            cache = cached.init_cache(len(rows), ids.shape[1])
-            mask = torch.arange(ids.shape[1], device=lm.device)[None] >= pads[:, None]
-            (_, taps), _ = cached(ids, positions, 0, mask, cache)
-            for name in names:
-                out[name].append(taps[name][:, -1].float())
-    return {name: torch.cat(parts) for name, parts in out.items()}
-
-
-def _direction(states, n, method, block):
-    """The direction of one block from its states (2n, D): positives first, then their negatives."""
-    diffs = (states[:n] - states[n:]).double()
-    scale = states.abs().max().double()  # what "zero" means: relative to the states themselves
-    if not torch.isfinite(scale):
-        raise ValueError(f"hidden states after block {block} are not finite; cannot train a direction")
-    # a principal axis of fewer than two distinct differences (pca_diff) or of all-zero ones is not a
-    # direction of the data, only an artefact of the decomposition (same-text rows of one batch can
-    # differ in the last bits, hence a relative tolerance)
-    centered = diffs - diffs.mean(0) if method == "pca_diff" else diffs
-    if centered.abs().max() <= 1e-5 * float(scale):  # float32 states: equal up to rounding
-        what = "the pairs' differences are all equal (one pair, or identical pairs)" if method == "pca_diff" \
-            else "positive and negative prompts give the same hidden states"
-        raise ValueError(f"cannot train a {method} direction at block {block}: {what}; give at least two "
-                         f"pairs that differ" + ("" if method != "pca_diff" else " (or use method='mean_diff')"))
-    if method == "mean_diff":
-        return diffs.mean(0).float()
-    axis = torch.linalg.svd(centered, full_matrices=False).Vh[0]
-    return (axis * (diffs @ axis).mean()).float()
+    """Block outputs at each text's last token: {block name: (len(texts), D)} float32 (`prompt_states`
+    of block names)."""
+    return prompt_states(lm, texts, names, "last", batch_size, progress, depth="block")
 
 
 def _check_pairs(positive, negative):
