@@ -7,7 +7,8 @@ Variants: `add` (a vector added after every block), `ablate` (a direction projec
 residual write: block 0's input and every attention and MLP write, the refusal-direction recipe),
 `clamp` (the projection on a direction clamped after every block), `gated` (a probe at block 4
 gating an addition after every later block), `bank8` (the server's inline bank: 8 idle slots
-after every block, what a server pays when no request carries a vector). Each decodes `--new` tokens greedily after an
+after every block, what a server pays when no request carries a vector), `sae16x` (a random JumpReLU
+SAE 16x the width at block 4's output, 8 features set: the layer keeps only those 8 columns). Each decodes `--new` tokens greedily after an
 8-token prompt at batch 1 and 8; the best of `--rounds` interleaved rounds is kept. Prints
 tokens/s and each variant's rate over plain's, with the CPU. `--tiny` runs a random 4-layer llama.
 """
@@ -53,7 +54,18 @@ def variants(tiny):
             "ablate": lm.ablate(d, layers=[0], site="resid_pre").ablate(d, site="attn_out").ablate(d, site="mlp_out"),
             "clamp": lm.clamp(d, -1.0, 1.0),
             "gated": gated,
-            "bank8": InlineBank(lm, slots=8).apply(lm)}
+            "bank8": InlineBank(lm, slots=8).apply(lm),
+            "sae16x": lm.steer_features(random_sae(width, 16 * width, probe_at, g), {i: 2.0 for i in range(8)})}
+
+
+def random_sae(width, features, layer, g):
+    import torch
+
+    from kvwire.steer import SAE
+
+    return SAE(W_enc=torch.randn(width, features, generator=g) / width ** 0.5, b_enc=torch.zeros(features),
+               W_dec=torch.randn(features, width, generator=g) / width ** 0.5, b_dec=torch.zeros(width),
+               threshold=torch.rand(features, generator=g) * 0.1, hook_name=f"blocks.{layer}.hook_resid_post")
 
 
 def rate(lm, batch, new):

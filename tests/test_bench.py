@@ -299,6 +299,6 @@ def test_steer_ops_table(capsys):
     best = steer_ops.main(["--tiny", "--rounds", "1", "--new", "3", "--threads", "1"])
     out = capsys.readouterr().out
     assert out.startswith("CPU: ")
-    for name in ("plain", "add", "ablate", "clamp", "gated", "bank8"):
+    for name in ("plain", "add", "ablate", "clamp", "gated", "bank8", "sae16x"):
         assert best[1, name] > 0 and best[8, name] > 0
         assert any(line.split()[:1] == [name] for line in out.splitlines())
