@@ -96,7 +96,7 @@ def test_training_during_a_stream_swaps_after_it(lm, server, api):
     ("post", "/kvwire/train", {"name": "x", **PAIRS, "epochs": 3}, 400, "epochs: extra inputs are not permitted"),
     ("post", "/kvwire/train", {"name": "class", **PAIRS}, 400, "control vector name 'class' is not a Python identifier"),
     ("post", "/kvwire/train", {"name": "x", **PAIRS, "method": "svd"}, 400,
-     "method must be one of ['pca_diff', 'pca_center', 'mean_diff'], got 'svd'"),
+     "method must be one of ['pca_diff', 'pca_center', 'mean_diff', 'caa', 'logistic'], got 'svd'"),
     ("post", "/kvwire/train", {"name": "x", "positive": ["a", ""], "negative": ["b", "c"]}, 400,
      "positive must contain only non-empty str"),
     ("post", "/kvwire/sweep", {"vector": "happy", "strengths": ["1"]}, 400, "strengths.0: input should be a number"),

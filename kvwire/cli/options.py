@@ -60,7 +60,7 @@ def load_model(args, quantize=None):
         return load_exported(args.model)
     clamps = [clamp_spec(spec) for spec in getattr(args, "clamp", None) or []]  # refused before loading
     lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
-    site = getattr(args, "site", None) or "block_out"
+    site = getattr(args, "site", None)  # None: each vector's own
     when = "generated" if getattr(args, "generated_only", False) else None
     if getattr(args, "control_vector", None):
         strength = 1.0 if args.strength is None else args.strength
@@ -149,7 +149,8 @@ def steer_options(p):
                    help="control-vector strength (default 1.0; for --runtime onnx: the exported default)")
     p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
     p.add_argument("--site", default=None, choices=SITES,
-                   help="where in each block --control-vector, --ablate and --clamp act (default block_out)")
+                   help="where in each block --control-vector, --ablate and --clamp act (default: the site each "
+                        "vector file records, block_out for a llama.cpp vector)")
     p.add_argument("--ablate", action="append", default=None, metavar="VEC.gguf",
                    help="project each block's direction of this vector out of the hidden state (repeatable)")
     p.add_argument("--clamp", action="append", default=None, metavar="VEC.gguf=LO,HI",

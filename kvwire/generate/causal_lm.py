@@ -201,7 +201,8 @@ class CausalLM(GenerationMethods, nn.Module):
         edited.prefill_call_tokens = self.prefill_call_tokens  # the same weights: the same memory trade
         return edited
 
-    def steer(self, vector, strength=1.0, *, site="block_out", when=None, generated_only=False, name=None):
+    def steer(self, vector, strength=1.0, *, site=None, when=None, generated_only=False, name=None,
+              allow_mismatch=False):
         """The same model with `vector` (a `kw.ControlVector`) added at a site of its blocks.
 
         Args:
@@ -209,14 +210,18 @@ class CausalLM(GenerationMethods, nn.Module):
                 a (B,) strength then works for batches of B rows only.
                 In cached generation it is a graph input (`<name>_strength`), also of exported models.
             site: where in each block (`kvwire.layers.site.SITES`): "block_out" (the block's output,
-                as llama.cpp), "resid_pre", "attn_out", "resid_mid", "mlp_out".
+                as llama.cpp), "resid_pre", "attn_out", "resid_mid", "mlp_out"; None: the vector's own
+                (`vector.site`, recorded when it was trained).
             when: the positions steered: "all" (default), "prompt", "generated", a first position k
                 or a range (k0, k1) (see `kvwire.steer.schedule`); graph inputs `<name>_start`/`_end`.
             generated_only: when="generated" (steer only generated tokens, not the prompt).
             name: runtime-input prefix. None: "steer", or "steer2", "steer3", ... when the model is
                 already steered, so stacked vectors keep their own strengths. An explicit name that
                 is taken shares that input, so its strength must equal the one already there.
+            allow_mismatch: use a vector recorded for another model (`vector.fingerprint`: e.g. a base
+                model's vector on its instruct model); the width must still fit.
 
+        A vector whose operation is not "add" is refused (see `ablate`, `clamp`).
         The vector (kept on the CPU) and the strength are copied to the model's device.
 
         The vector's block N steers the model's block N (its checkpoint number, as llama.cpp
@@ -229,9 +234,9 @@ class CausalLM(GenerationMethods, nn.Module):
             >>> both = lm.steer(vec, 0.5).steer(formal, 2.0, site="attn_out")  # inputs steer_*, steer2_*
         """
         return _steering_op("steer")(self, vector, strength, site=site, when=when,
-                                     generated_only=generated_only, name=name)
+                                     generated_only=generated_only, name=name, allow_mismatch=allow_mismatch)
 
-    def ablate(self, directions, *, layers=None, site="block_out", strength=1.0, when=None, name=None):
+    def ablate(self, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False):
         """The same model with `directions` projected out at a site of its blocks
         (`x - s * Q^T Q x`, Q an orthonormal basis of their span; see `kvwire.steer.Ablate`).
 
@@ -239,19 +244,21 @@ class CausalLM(GenerationMethods, nn.Module):
             directions: a `kw.ControlVector` (its own direction per block), a {block: tensor} dict, or
                 one (D,) or (K, D) tensor used at every block `layers` picks.
             layers: block indices (a list, range or "A-B"); None: the vector's blocks, or every block.
-            site: as `steer`.
+            site: as `steer` (None: a vector's own site, "block_out" for a tensor or dict).
             strength: 1 removes the component; 0 leaves it; a (B,) tensor gives each row its own.
             when: as `steer`.
             name: as `steer` (inputs `<name>_strength`, `_start`, `_end`; default "ablate").
+            allow_mismatch: as `steer`.
 
         Example:
             >>> refusal = vec.directions[12]
             >>> compliant = lm.ablate(refusal, site="attn_out").ablate(refusal, site="mlp_out")
         """
         return _steering_op("ablate")(self, directions, layers=layers, site=site, strength=strength,
-                                      when=when, name=name)
+                                      when=when, name=name, allow_mismatch=allow_mismatch)
 
-    def clamp(self, directions, lo=None, hi=None, *, layers=None, site="block_out", when=None, name=None):
+    def clamp(self, directions, lo=None, hi=None, *, layers=None, site=None, when=None, name=None,
+              allow_mismatch=False):
         """The same model with the projection of the hidden state on each unit direction held in
         [lo, hi] at a site of its blocks (see `kvwire.steer.Clamp`); lo = hi clamps to a value.
 
@@ -260,14 +267,16 @@ class CausalLM(GenerationMethods, nn.Module):
             lo: a number or (B,) tensor; None = unbounded below.
             hi: a number or (B,) tensor; None = unbounded above (lo <= hi).
             layers: as `ablate`.
-            site: as `steer`.
+            site: as `ablate`.
             when: as `steer`.
             name: runtime-input prefix (inputs `<name>_lo`, `_hi`, `_start`, `_end`; default "clamp").
+            allow_mismatch: as `steer`.
 
         Example:
             >>> calm = lm.clamp(vec, hi=0.0, layers="4-8")   # no positive "angry" component
         """
-        return _steering_op("clamp")(self, directions, lo, hi, layers=layers, site=site, when=when, name=name)
+        return _steering_op("clamp")(self, directions, lo, hi, layers=layers, site=site, when=when, name=name,
+                                     allow_mismatch=allow_mismatch)
 
     def steer_features(self, sae, features, *, mode="set", layer=None, site=None, when=None, name=None):
         """The same model with chosen features of a sparse autoencoder set, added to or clamped at
