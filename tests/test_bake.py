@@ -286,3 +286,16 @@ def test_smollm2_gguf_baked_runs_in_llama_cpp_as_kvwire_steers(tmp_path):
         ours = last(model) - plain
         assert ours.norm() > 0.1 * plain.norm()  # a large change, not llama.cpp's noise
         assert _corr(_llama_cpp_logits(out, ids) - theirs, ours) >= 0.98, out.name
+
+
+def test_kvwire_loads_a_baked_gpt2_with_its_own_head(tmp_path):
+    """GPT-2 baked folders and GGUF files carry an untied head (the original embedding): kvwire keeps it."""
+    hf = tiny_hf_gpt2(vocab_size=300)
+    lm, d = kw.from_hf(hf), _directions(2)
+    want = ablated(lm, d)(IDS)
+    folder = bake_ablation(hf, d, tmp_path / "baked")
+    torch.testing.assert_close(kw.load(folder, progress=False)(IDS), want, atol=1e-4, rtol=1e-4)
+    src = _gguf(tmp_path, "gpt2", GGMLQuantizationType.F32)
+    baked = kw.load(bake_ablation(src, d, tmp_path / "baked.gguf", format="gguf"), progress=False)
+    assert not baked.config.tie_word_embeddings
+    torch.testing.assert_close(baked(IDS), want, atol=1e-4, rtol=1e-4)

@@ -1,6 +1,7 @@
 """`kvwire steer train` and `kvwire steer sweep`: train control vectors and sweep their strength."""
 import sys
 
+from ..layers.site import SITES
 from ..steer.vector import DEFAULT_METHOD, METHODS
 from .options import model_options
 
@@ -16,6 +17,12 @@ def add(commands):
     t.add_argument("--layers", default=None, metavar="A-B", help="blocks to steer (default: 1 to the last)")
     t.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS)
     t.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward (default 8)")
+    t.add_argument("--site", default="block_out", choices=SITES,
+                   help="where in each block states are read, and the vector acts (default %(default)s)")
+    t.add_argument("--positions", default="last", metavar="P",
+                   help="token positions read: last (default), mean, or a negative index such as -2")
+    t.add_argument("--operation", default="add", choices=("add", "ablate", "clamp"),
+                   help="what the vector is for, recorded in the file (default %(default)s)")
     t.add_argument("-o", "--output", required=True, metavar="VEC.gguf", help="where to write the vector")
     model_options(t)
     t.set_defaults(run=run_train)
@@ -73,11 +80,13 @@ def run_train(args):
 
     positive, negative = read_pairs(args.positive, args.negative)
     lm = load(args.model, dtype=args.dtype)
+    positions = int(args.positions) if args.positions.lstrip("-").isdigit() else args.positions
     vec = ControlVector.train(lm, positive, negative, layers=args.layers, method=args.method,
-                              batch_size=args.batch_size)
+                              batch_size=args.batch_size, site=args.site, positions=positions,
+                              operation=args.operation)
     vec.save(args.output)
     print(f"wrote {args.output}: {len(vec.layers)} directions (blocks {vec.layers[0]}-{vec.layers[-1]}), "
-          f"width {vec.width}, method {vec.method}", file=sys.stderr)
+          f"width {vec.width}, method {vec.method}, {vec.operation} at {vec.site}", file=sys.stderr)
 
 
 def run_sweep(args):

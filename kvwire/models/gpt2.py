@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..layers import MLP, Attention, Block, LayerNorm, PositionEmbedding, TiedHead, TokenEmbedding
+from ..layers import MLP, Attention, Block, LayerNorm, OutputWeight, PositionEmbedding, TiedHead, TokenEmbedding
 from ..layers.site import add_sites
 from .config import GGUFMetadata, check_fields, read_hf
 from .registry import Family, register
@@ -43,6 +43,7 @@ class GPT2Config:
     bos_token_id: int = 50_256
     eos_token_id: object = 50_256
     pad_token_id: int = None
+    tie_word_embeddings: bool = True  # False: the head has its own matrix (`lm_head`)
 
     def __post_init__(self):
         check_fields(self, _POSITIVE, layers="n_layer")
@@ -65,8 +66,7 @@ class GPT2Config:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(GPT2Config)}
-_MUST_BE = {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "add_cross_attention": False,
-            "tie_word_embeddings": True}
+_MUST_BE = {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "add_cross_attention": False}
 
 
 def config_from_hf(d):
@@ -112,6 +112,8 @@ class GPT2Backbone(nn.Module):
         self.wpe = PositionEmbedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        if not config.tie_word_embeddings:  # read by the head only, as the shared decoder's
+            self.lm_head = OutputWeight(config.vocab_size, config.n_embd)
 
     def forward(self, token_ids):
         x = self.wpe(self.wte(token_ids))  # wpe adds the learned position vectors
@@ -122,8 +124,9 @@ class GPT2Backbone(nn.Module):
 
 def state_from_hf(state, config=None):
     """HF GPT2LMHeadModel/GPT2Model state dict -> backbone state dict."""
+    untied = config is not None and not config.tie_word_embeddings
     state = {k.removeprefix("transformer."): v for k, v in state.items()
-             if k != "lm_head.weight" and not re.search(r"\.attn\.(masked_)?bias$", k)}
+             if (untied or k != "lm_head.weight") and not re.search(r"\.attn\.(masked_)?bias$", k)}
     out = {}
     for key, value in state.items():
         m = re.fullmatch(r"(h\.\d+\.)(attn|mlp)\.(c_attn|c_proj|c_fc)\.(weight|bias)", key)
@@ -175,8 +178,11 @@ _GGUF_TOP = {"token_embd.weight": "wte.weight", "position_embd.weight": "wpe.wei
 def state_from_gguf(tensors, config=None):
     """(gguf name, numpy array) pairs -> backbone state dict (GGUF stores (out, in) already)."""
     out, qkv = {}, {}
+    untied = config is not None and not config.tie_word_embeddings
     for name, array in tensors:
         if name == "output.weight":
+            if untied:  # its own head (a fine-tuned or baked model): kept, not replaced by token_embd
+                out["lm_head.weight"] = array
             continue
         if name in _GGUF_TOP:
             out[_GGUF_TOP[name]] = array
@@ -218,10 +224,12 @@ def config_from_gguf(meta, vocab_size, source="GGUF metadata", file=None):
     return GPT2Config(
         vocab_size=vocab_size, n_positions=m.int("context_length"), n_embd=m.int("embedding_length"),
         n_layer=m.int("block_count"), n_head=heads, n_inner=m.int("feed_forward_length"),
-        layer_norm_epsilon=m.float("attention.layer_norm_epsilon", 1e-5, strict=False))
+        layer_norm_epsilon=m.float("attention.layer_norm_epsilon", 1e-5, strict=False),
+        tie_word_embeddings=file is None or "output.weight" not in file.tensor_names)
 
 
 FAMILY = register(Family(
     name="gpt2", hf_model_types=("gpt2",), gguf_architecture="gpt2", config_cls=GPT2Config,
-    config_from_hf=config_from_hf, backbone=GPT2Backbone, head=lambda backbone: TiedHead(backbone.wte),
+    config_from_hf=config_from_hf, backbone=GPT2Backbone,
+    head=lambda backbone: TiedHead(backbone.wte if backbone.config.tie_word_embeddings else backbone.lm_head),
     state_from_hf=state_from_hf, state_from_gguf=state_from_gguf, config_from_gguf=config_from_gguf))

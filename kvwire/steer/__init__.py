@@ -4,6 +4,7 @@ projecting out (`Ablate`), clamping (`Clamp`), editing SAE features (`SAEEdit`),
 and `sweep` (a probe and a sample per strength)."""
 from ..generate.causal_lm import register_steering
 from .apply import ablate, add_vector, clamp
+from .bake import bake_ablation, bake_steer
 from .layer import Steer
 from .ops import Ablate, Clamp
 from .gate import Gate, Probe
@@ -13,4 +14,4 @@ from .vector import ControlVector
 
 register_steering(steer=add_vector, ablate=ablate, clamp=clamp, features=steer_features)
 
-__all__ = ["Ablate", "Clamp", "ControlVector", "Gate", "Probe", "SAE", "SAEEdit", "Steer", "steer_features", "Sweep", "WordGap", "sweep"]
+__all__ = ["Ablate", "Clamp", "bake_ablation", "bake_steer", "ControlVector", "Gate", "Probe", "SAE", "SAEEdit", "Steer", "steer_features", "Sweep", "WordGap", "sweep"]
