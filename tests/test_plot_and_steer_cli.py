@@ -127,3 +127,19 @@ def test_generate_with_sites_ablation_and_clamps(folder, capsys):
         assert capsys.readouterr().out == "the cat" + want.generate("the cat", max_new_tokens=6) + "\n", extra
     assert cli.main(args + ["--clamp", f"{folder / 'v.gguf'}=1"]) == 2
     assert "--clamp takes VEC.gguf=LO,HI (LO or HI may be empty), got" in capsys.readouterr().err
+
+
+def test_steer_train_records_site_operation_and_positions(folder):
+    model = str(folder / "model")
+    (folder / "pos.txt").write_text("the cat sat\nthe theory\na tiny cat\n")
+    (folder / "neg.txt").write_text("the mat sat\nthe thing\na tiny mat\n")
+    out = folder / "abl.gguf"
+    assert cli.main(["steer", "train", "--positive", str(folder / "pos.txt"), "--negative", str(folder / "neg.txt"),
+                     "--layers", "1-2", "--site", "attn_out", "--operation", "ablate", "--positions", "mean",
+                     "--method", "mean_diff", "-o", str(out), "--model", model]) == 0
+    vec = kw.ControlVector.load(out)
+    assert (vec.site, vec.operation, vec.layers) == ("attn_out", "ablate", [1, 2])
+    lm = kw.load(model)
+    want = kw.ControlVector.train(lm, ["the cat sat", "the theory", "a tiny cat"], ["the mat sat", "the thing", "a tiny mat"],
+                                  layers="1-2", site="attn_out", positions="mean", method="mean_diff", progress=False)
+    assert all(torch.allclose(vec.directions[i], want.directions[i], atol=1e-5) for i in (1, 2))

@@ -125,3 +125,22 @@ def test_too_many_inline_vectors_and_a_server_without_slots(lm, api):
         assert r.status_code == 400 and "takes no inline vectors" in r.text
     finally:
         plain.close()
+
+
+def test_a_named_ablation_vector_is_served_with_per_request_strength(lm):
+    import kvwire as kw
+
+    d = control_vectors(lm)["happy"]
+    refusal = kw.ControlVector(d.directions, operation="ablate", site="attn_out")
+    s = Server(create_app(lm, "tiny", max_batch=2, max_length=64, control_vectors={"refusal": refusal},
+                          playground=False, inline_slots=0))
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as api:
+            on, off = ask(api, steer={"refusal": 1.0}), ask(api)
+        ablated = lm.ablate(refusal).chat(HELLO, max_new_tokens=8)
+        assert on[0] == ablated and off[0] == lm.chat(HELLO, max_new_tokens=8) and on != off
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="is made for 'clamp'; a server steers with vectors that add or ablate"):
+        create_app(lm, "tiny", max_batch=1, max_length=64, playground=False,
+                   control_vectors={"c": kw.ControlVector(d.directions, operation="clamp")})

@@ -11,10 +11,12 @@ MAX_CHOICES = 16  # n x prompts a request may ask for: bounds one request's shar
 
 
 def steered_model(lm, control_vectors):
-    """`lm` with each named control vector added at strength 0 (requests set their own strengths
-    through the runtime inputs `<name>_strength`).
+    """`lm` with each named control vector put in at strength 0 (requests set their own strengths
+    through the runtime inputs `<name>_strength`): added, or projected out when the vector's file
+    says its operation is "ablate" (strength 1 then removes the component), at the vector's site.
 
-    Args: control_vectors: {name: kw.ControlVector}; names must be Python identifiers.
+    Args: control_vectors: {name: kw.ControlVector}; names must be Python identifiers. A vector
+        made for clamping is refused (its bounds are not in the file).
 
     Example:
         >>> served = steered_model(lm, {"happy": ControlVector.load("happy.gguf")})
@@ -23,7 +25,14 @@ def steered_model(lm, control_vectors):
     """
     check_names(control_vectors)
     for name, vector in control_vectors.items():
-        lm = lm.steer(vector, 0.0, name=name)
+        operation = getattr(vector, "operation", "add")
+        if operation == "ablate":
+            lm = lm.ablate(vector, strength=0.0, name=name)
+        elif operation == "add":
+            lm = lm.steer(vector, 0.0, name=name)
+        else:
+            raise ValueError(f"control vector {name!r} is made for {operation!r}; a server steers with vectors that "
+                             f"add or ablate (a clamp's bounds are not in its file)")
     return lm
 
 

@@ -6,7 +6,7 @@ import asyncio
 from ..generate.engine import Engine
 from ..generate.prefix import PrefixStore
 from ..graph import numbered_blocks
-from ..steer import Steer
+from ..steer.schedule import Scheduled
 from .errors import APIError
 from .options import check_names, steered_model
 
@@ -98,14 +98,14 @@ class ServedVectors:
                 "model_hint": vector.model_hint or None}
 
     def steer_nodes(self, model=None):
-        """{graph node name: control-vector name} for the Steer layers of `model`'s backbone (default:
+        """{graph node name: control-vector name} for the steering layers of `model`'s backbone (default:
         the served model); how the page tells which orange box of the graph belongs to which vector."""
         backbone = (self.model if model is None else model).backbone
         nodes = {}
         for node in getattr(backbone, "graph", None).nodes if hasattr(backbone, "graph") else ():
             if node.op == "call_module":
                 module = backbone.get_submodule(node.target)
-                if isinstance(module, Steer):
+                if isinstance(module, Scheduled) and module.name in self.vectors:
                     nodes[node.name] = module.name
         return nodes
 
