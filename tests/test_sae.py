@@ -313,7 +313,7 @@ def test_bad_steering_input_is_refused(tmp_path):
         steer_features(lm, sae, {})
     with pytest.raises(TypeError, match=r"sae must be a kvwire SAE \(SAE.load\(folder\)\), got dict"):
         steer_features(lm, random_sae(), {3: 1.0})
-    with pytest.raises(ValueError, match=r"blocks \[7\] are not blocks of this model: it has blocks 0-3"):
+    with pytest.raises(ValueError, match=r"the SAE steers blocks \[7\], but this model has blocks 0-3"):
         steer_features(lm, sae, {3: 1.0}, layer=7)
     with pytest.raises(ValueError, match=r"site must be one of .*got 'resid_post'"):
         steer_features(lm, sae, {3: 1.0}, site="resid_post")

@@ -40,6 +40,14 @@ def _reference(hf, ids, w, d, threshold, sharpness=None):
             h.remove()
 
 
+def _between(scores):
+    """A threshold halfway between the two middle scores: open at some positions, shut at others,
+    and no position on the edge (where float32 and float64 could disagree)."""
+    s = scores.sort().values
+    k = len(s) // 2
+    return float((s[k - 1] + s[k]) / 2)
+
+
 @pytest.fixture(scope="module")
 def pair():
     hf = FAMILIES["llama"]()
@@ -53,7 +61,7 @@ def test_a_gated_operation_matches_transformers_hooks(pair, sharpness):
     w, d = torch.randn(32, generator=g), torch.randn(32, generator=g)
     with torch.no_grad():
         scores = kw.tap(lm.backbone, "layers.1")(IDS)[1]["layers.1"][0] @ w
-    threshold = float(scores.median())  # open at some positions, shut at others
+    threshold = _between(scores)
     want, gate = _reference(hf, IDS, w, d, threshold, sharpness)
     if sharpness is None:
         assert 0 < gate.sum() < gate.numel()
@@ -91,3 +99,23 @@ def test_bad_probes_are_refused():
         Probe(torch.zeros(8))
     with pytest.raises(ValueError, match="threshold must be a finite number"):
         Probe(torch.randn(8), threshold=float("nan"))
+
+
+def test_the_gate_keyword_of_steer_ablate_and_clamp(pair):
+    hf, lm = pair
+    g = torch.Generator().manual_seed(2)
+    w, d = torch.randn(32, generator=g), torch.randn(32, generator=g)
+    with torch.no_grad():
+        scores = kw.tap(lm.backbone, "layers.1")(IDS)[1]["layers.1"][0] @ w
+    threshold = _between(scores)
+    gate = kw.Gate(w, layer=1, threshold=threshold)
+    model = lm.ablate(d, layers=[2], site="mlp_out", gate=gate)
+    want, _ = _reference(hf, IDS, w, d, threshold)
+    torch.testing.assert_close(model(IDS), want, atol=2e-4, rtol=2e-4)
+    assert model.generate(IDS, max_new_tokens=6, ignore_eos=True)[0].tolist() == _rollout(model, IDS, 6)
+    both = model.steer(kw.ControlVector({3: d}), 2.0, gate=kw.Gate(w, layer=2, name="gate2"))
+    assert {"gate_threshold", "gate2_threshold"} <= set(both.cached.runtime_inputs)
+    with pytest.raises(ValueError, match="already has a gate named 'gate' with threshold"):
+        model.clamp(d, 0.0, 0.0, layers=[3], gate=kw.Gate(w, layer=2, threshold=threshold + 1))
+    with pytest.raises(ValueError, match="comes after the gated operation"):
+        lm.ablate(d, layers=[1], gate=kw.Gate(w, layer=2))

@@ -202,7 +202,7 @@ class CausalLM(GenerationMethods, nn.Module):
         return edited
 
     def steer(self, vector, strength=1.0, *, site=None, when=None, generated_only=False, name=None,
-              allow_mismatch=False):
+              allow_mismatch=False, gate=None):
         """The same model with `vector` (a `kw.ControlVector`) added at a site of its blocks.
 
         Args:
@@ -220,6 +220,8 @@ class CausalLM(GenerationMethods, nn.Module):
                 is taken shares that input, so its strength must equal the one already there.
             allow_mismatch: use a vector recorded for another model (`vector.fingerprint`: e.g. a base
                 model's vector on its instruct model); the width must still fit.
+            gate: a `kw.Gate`: a linear probe read at an earlier site that opens and shuts the
+                steering per position (conditional steering, `kvwire.steer.gate`).
 
         A vector whose operation is not "add" is refused (see `ablate`, `clamp`).
         The vector (kept on the CPU) and the strength are copied to the model's device.
@@ -234,9 +236,11 @@ class CausalLM(GenerationMethods, nn.Module):
             >>> both = lm.steer(vec, 0.5).steer(formal, 2.0, site="attn_out")  # inputs steer_*, steer2_*
         """
         return _steering_op("steer")(self, vector, strength, site=site, when=when,
-                                     generated_only=generated_only, name=name, allow_mismatch=allow_mismatch)
+                                     generated_only=generated_only, name=name, allow_mismatch=allow_mismatch,
+                                     gate=gate)
 
-    def ablate(self, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False):
+    def ablate(self, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False,
+               gate=None):
         """The same model with `directions` projected out at a site of its blocks
         (`x - s * Q^T Q x`, Q an orthonormal basis of their span; see `kvwire.steer.Ablate`).
 
@@ -249,16 +253,17 @@ class CausalLM(GenerationMethods, nn.Module):
             when: as `steer`.
             name: as `steer` (inputs `<name>_strength`, `_start`, `_end`; default "ablate").
             allow_mismatch: as `steer`.
+            gate: as `steer`.
 
         Example:
             >>> refusal = vec.directions[12]
             >>> compliant = lm.ablate(refusal, site="attn_out").ablate(refusal, site="mlp_out")
         """
         return _steering_op("ablate")(self, directions, layers=layers, site=site, strength=strength,
-                                      when=when, name=name, allow_mismatch=allow_mismatch)
+                                      when=when, name=name, allow_mismatch=allow_mismatch, gate=gate)
 
     def clamp(self, directions, lo=None, hi=None, *, layers=None, site=None, when=None, name=None,
-              allow_mismatch=False):
+              allow_mismatch=False, gate=None):
         """The same model with the projection of the hidden state on each unit direction held in
         [lo, hi] at a site of its blocks (see `kvwire.steer.Clamp`); lo = hi clamps to a value.
 
@@ -271,12 +276,13 @@ class CausalLM(GenerationMethods, nn.Module):
             when: as `steer`.
             name: runtime-input prefix (inputs `<name>_lo`, `_hi`, `_start`, `_end`; default "clamp").
             allow_mismatch: as `steer`.
+            gate: as `steer`.
 
         Example:
             >>> calm = lm.clamp(vec, hi=0.0, layers="4-8")   # no positive "angry" component
         """
         return _steering_op("clamp")(self, directions, lo, hi, layers=layers, site=site, when=when, name=name,
-                                     allow_mismatch=allow_mismatch)
+                                     allow_mismatch=allow_mismatch, gate=gate)
 
     def steer_features(self, sae, features, *, mode="set", layer=None, site=None, when=None, name=None):
         """The same model with chosen features of a sparse autoencoder set, added to or clamped at

@@ -3,9 +3,10 @@ site of the blocks they name (registered as `CausalLM`'s implementation of those
 import torch
 
 from ..graph import insert_after, numbered_blocks, site_calls, trace
-from ..graph.trace import layer_calls
+from ..graph.sites import chain_end
 from ..graph.edit import summarize_indices
 from .fingerprint import check_fingerprint
+from .gate import Gate, GatedInsert, Probe
 from .layer import Steer
 from .ops import Ablate, Clamp
 from .schedule import Scheduled
@@ -13,7 +14,7 @@ from .vector import ControlVector, parse_layers
 
 
 def add_vector(lm, vector, strength=1.0, *, site=None, when=None, generated_only=False, name=None,
-               allow_mismatch=False):
+               allow_mismatch=False, gate=None):
     """The same model with `vector` added at `site` of its blocks; see `CausalLM.steer`.
 
     site None: the vector's own (`vector.site`). A vector made for another operation is refused, as
@@ -25,25 +26,27 @@ def add_vector(lm, vector, strength=1.0, *, site=None, when=None, generated_only
         raise ValueError(f"this control vector is made to {vector.operation}, not to add: use "
                          f"lm.{vector.operation}(vector) instead of lm.steer")
     check_fingerprint(vector.fingerprint, lm, allow_mismatch)
-    return _insert(lm, vector.directions, vector.site if site is None else site, name, "steer",
-                   lambda d, n, dev: Steer(d, strength, generated_only, n, device=dev, when=when))
+    return insert_at_site(lm, vector.directions, vector.site if site is None else site, name, "steer",
+                          lambda d, n, dev: Steer(d, strength, generated_only, n, device=dev, when=when), gate)
 
 
-def ablate(lm, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False):
+def ablate(lm, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False,
+           gate=None):
     """The same model with `directions` projected out at `site`; see `CausalLM.ablate`.
 
     site None: a ControlVector's own site, else "block_out". A ControlVector's fingerprint is
     checked as in `add_vector`; its operation is not (any direction can be projected out)."""
-    return _insert(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
-                   "ablate", lambda d, n, dev: Ablate(d, strength, n, device=dev, when=when))
+    return insert_at_site(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
+                          "ablate", lambda d, n, dev: Ablate(d, strength, n, device=dev, when=when), gate)
 
 
-def clamp(lm, directions, lo=None, hi=None, *, layers=None, site=None, when=None, name=None, allow_mismatch=False):
+def clamp(lm, directions, lo=None, hi=None, *, layers=None, site=None, when=None, name=None, allow_mismatch=False,
+          gate=None):
     """The same model with the projection on `directions` held in [lo, hi]; see `CausalLM.clamp`.
 
     site and allow_mismatch: as `ablate`."""
-    return _insert(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
-                   "clamp", lambda d, n, dev: Clamp(d, lo, hi, n, device=dev, when=when))
+    return insert_at_site(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
+                          "clamp", lambda d, n, dev: Clamp(d, lo, hi, n, device=dev, when=when), gate)
 
 
 def _site(directions, site):
@@ -74,23 +77,15 @@ def _per_block(lm, directions, layers, allow_mismatch=False):
     return {i: directions for i in picked}
 
 
-def _after_ops(gm, call):
-    """The last steering layer already chained after `call` in the layer-depth graph `gm` (or `call`):
-    a new operation at a site acts after those put there before it, in the order they were given."""
-    node = next(n for n in layer_calls(gm) if n.target == call)
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        if user.op != "call_module" or not isinstance(gm.get_submodule(user.target), Scheduled) \
-                or user.args[:1] != (node,):
-            break
-        node = user
-    return node.target
+def insert_at_site(lm, per_block, site, name, stem, make, gate=None):
+    """`lm.edit` putting `make(direction, name, device)` after `site` of each block in `per_block`
+    ({block: direction}), after the steering already there; shared by every steering operation.
 
-
-def _insert(lm, per_block, site, name, stem, make):
-    """`lm.edit` inserting `make(direction, name, device)` after `site` of each block in per_block."""
+    name None: `stem`, or `stem2`, `stem3`, ... when taken; a taken name must come with the same
+    defaults (layers sharing a name share their runtime inputs). gate: a `Gate` whose probe
+    opens and shuts the new layers (see `kvwire.steer.gate`)."""
     width = lm.head.weight.shape[1]
-    what = "control vector" if stem == "steer" else "directions"
+    what = {"steer": "control vector", "sae": "the SAE"}.get(stem, "directions")
     for d in per_block.values():
         got = (d if isinstance(d, torch.Tensor) else torch.as_tensor(d)).shape[-1]
         if got != width:
@@ -101,7 +96,7 @@ def _insert(lm, per_block, site, name, stem, make):
         raise ValueError(f"{what} steers blocks {bad}, but this model has blocks "
                          f"{summarize_indices(blocks) or 'none'}")
     gm = trace(lm.backbone, depth="layer")
-    calls = {i: _after_ops(gm, call) for i, call in site_calls(lm.backbone, site, list(per_block)).items()}
+    calls = {i: chain_end(gm, call) for i, call in site_calls(lm.backbone, site, list(per_block)).items()}
     taken = {m.name: m for m in lm.backbone.modules() if isinstance(m, Scheduled)}
     if name is None:
         name = next(n for n in (stem, *(f"{stem}{k}" for k in range(2, len(taken) + 3))) if n not in taken)
@@ -111,5 +106,22 @@ def _insert(lm, per_block, site, name, stem, make):
         raise ValueError(f"this model already has runtime inputs named {name!r} ({taken[name].extra_repr()}); "
                          f"layers sharing a name share their inputs: pick another name")
     index = {call: i for i, call in calls.items()}
-    return lm.edit(insert_after(list(index), lambda call, layer: make(per_block[index[call]], name, device)),
+    if gate is None:
+        return lm.edit(insert_after(list(index), lambda call, layer: make(per_block[index[call]], name, device)),
+                       depth="layer")
+    return lm.edit(_gated(lm, gm, gate, {call: make(per_block[i], name, device) for call, i in index.items()}),
                    depth="layer")
+
+
+def _gated(lm, gm, gate, targets):
+    """The clone fn reading `gate`'s probe at its site and gating `targets` ({call: layer}) with it."""
+    if not isinstance(gate, Gate):
+        raise TypeError(f"gate must be a kw.Gate, got {type(gate).__name__}")
+    probes = {m.name: m for m in lm.backbone.modules() if isinstance(m, Probe)}
+    probe = gate.probe(lm.device)
+    if gate.name in probes and not torch.equal(probes[gate.name].threshold.cpu(), probe.threshold.cpu()):
+        raise ValueError(f"this model already has a gate named {gate.name!r} with threshold "
+                         f"{probes[gate.name].threshold.tolist()}; gates sharing a name share their threshold "
+                         f"input: give Gate(name=...) another name")
+    call = chain_end(gm, site_calls(lm.backbone, gate.site, [gate.layer])[gate.layer])
+    return GatedInsert(call, probe, targets)

@@ -9,7 +9,7 @@ import operator
 
 import torch
 
-from ..graph import insert_after, site_calls
+from .apply import insert_at_site
 from .ops import LIMIT, _rows
 from .sae_file import SAE, hook_site
 from .schedule import Scheduled
@@ -138,15 +138,10 @@ def steer_features(lm, sae, features, *, mode="set", layer=None, site=None, when
         site = hook_site(sae.hook_name)[0]
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(f"layer must be a block index (int), got {type(layer).__name__}")
-    call = site_calls(lm.backbone, site, [layer])[layer]
-    taken = {m.name: m for m in lm.backbone.modules() if isinstance(m, Scheduled)}
-    if name is None:
-        name = next(n for n in ("sae", *(f"sae{k}" for k in range(2, len(taken) + 3))) if n not in taken)
-    edit = SAEEdit(sae, features, mode, name, device=lm.device, when=when)
-    if name in taken and not taken[name].same_inputs(edit):
-        raise ValueError(f"this model already has runtime inputs named {name!r} ({taken[name].extra_repr()}); "
-                         f"layers sharing a name share their inputs: pick another name")
-    return lm.edit(insert_after([call], edit), depth="layer")
+    # the shared insertion: after what is at the site already, names counted up, shared names checked
+    # (b_dec stands for the SAE's width, which is checked above)
+    return insert_at_site(lm, {layer: sae.b_dec}, site, name, "sae",
+                          lambda _, n, device: SAEEdit(sae, features, mode, n, device=device, when=when))
 
 
 def _indices(features, d_sae):
