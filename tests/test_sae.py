@@ -320,7 +320,7 @@ def test_bad_steering_input_is_refused(tmp_path):
     taken = steer_features(lm, sae, {3: 1.0})
     with pytest.raises(ValueError, match=r"already has runtime inputs named 'sae' \(mode='set', features=\{3: 1.0\}"):
         steer_features(taken, sae, {3: 2.0}, name="sae")
-    assert list(steer_features(taken, sae, {3: 2.0}).cached.runtime_inputs)[0] == "sae2_f3"
+    assert "sae2_f3" in steer_features(taken, sae, {3: 2.0}).cached.runtime_inputs  # after the first, named apart
 
 
 def test_an_unknown_hook_needs_a_site_and_layer(tmp_path):
