@@ -80,11 +80,13 @@ def bake_steer(source, vector, strength, out, *, add_bias=False, format="safeten
     refused. GGUF: llama files (llama.cpp reads an optional `blk.N.ffn_down.bias`) and gpt2 files.
 
     Args:
-        source, out, format: as `bake_ablation` (a GGUF stores the biases as F32).
+        source: as `bake_ablation`.
         vector: a `kw.ControlVector` for operation "add" at "block_out" (or "mlp_out": the same
             sum), or a {block: (D,) tensor} dict.
         strength: a number.
+        out: as `bake_ablation`.
         add_bias: switch MLP biases on where the family's config can (see above).
+        format: as `bake_ablation` (a GGUF stores the biases as F32).
 
     Returns `out` as a Path.
 
