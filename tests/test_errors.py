@@ -125,8 +125,20 @@ def test_clone_fn_must_be_callable():
 
 
 def test_untied_head_is_refused():
-    from kvwire.models import gemma3, gpt2
+    from kvwire.models import gemma3
 
-    for family in (gpt2, gemma3):
-        with pytest.raises(ValueError, match="tie_word_embeddings=False is not supported"):
-            family.config_from_hf({"tie_word_embeddings": False})
+    with pytest.raises(ValueError, match="tie_word_embeddings=False is not supported"):
+        gemma3.config_from_hf({"tie_word_embeddings": False})
+
+
+def test_an_untied_gpt2_head_is_its_own_matrix():
+    """GPT-2 with tie_word_embeddings=False (a fine-tuned or baked model) == transformers, head and all."""
+    from .conftest import tiny_hf_gpt2
+
+    hf = tiny_hf_gpt2(tie_word_embeddings=False)
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(torch.randn_like(hf.lm_head.weight))  # not the embedding
+    ids = torch.tensor([[3, 17, 42, 9]])
+    lm = kw.from_hf(hf)
+    assert not lm.config.tie_word_embeddings
+    torch.testing.assert_close(lm(ids), hf(ids).logits.detach(), atol=1e-4, rtol=1e-4)

@@ -157,6 +157,29 @@ def test_train_a_vector_from_the_page(browser, server, api, tmp_path):
     assert "joy: 3 layers" in by_id(browser, "graph-legend").text
 
 
+def test_train_an_ablation_at_a_site_from_the_page(browser, server, api):
+    from selenium.webdriver.support.ui import Select
+
+    open_page(browser, server.url)
+    by_id(browser, "tabs").find_element("css selector", "[data-tab=train]").click()
+    type_into(browser, "train-positive", "I am so happy today\nWhat a wonderful surprise\nEverything went great")
+    type_into(browser, "train-negative", "I am so sad today\nWhat a terrible surprise\nEverything went wrong")
+    type_into(browser, "train-name", "nojoy")
+    type_into(browser, "train-layers", "1-2")
+    assert Select(by_id(browser, "train-site")).first_selected_option.text == "block_out"
+    Select(by_id(browser, "train-site")).select_by_value("attn_out")
+    Select(by_id(browser, "train-operation")).select_by_value("ablate")
+    by_id(browser, "train-button").click()
+    wait_for(lambda: "nojoy" in vector_names(browser), timeout=60, what="the new vector's slider")
+    served = server.app.state.served.vectors["nojoy"]
+    assert (served.operation, served.site, served.layers) == ("ablate", "attn_out", [1, 2])
+    label = browser.find_element("css selector", "#vector-list li[data-name=nojoy] .layers").text
+    assert "ablate at attn_out" in label
+    ablated = api.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                "steer": {"nojoy": 1.0}})
+    assert ablated.status_code == 200
+
+
 def test_graph_tab_highlights_a_vectors_layers(browser, server):
     from selenium.webdriver.support.ui import Select
 

@@ -86,7 +86,7 @@ def test_training_during_a_stream_swaps_after_it(lm, server, api):
     graph = api.get("/kvwire/graph")
     assert graph.status_code == 200, graph.json()  # 503 names what is missing (Graphviz's `dot`)
     graph = graph.json()
-    assert sorted(n for n, v in graph["steer_nodes"].items() if v == "joy") == ["layers_1_block_out__steer_2", "layers_2_block_out__steer_1"]
+    assert sorted(n for n, v in graph["steer_nodes"].items() if v == "joy") == ["layers_1__steer_2", "layers_2__steer_1"]
     assert graph["svg"].count("#ffb347") == 6 + 4  # every Steer layer orange, and the inline bank's layer per block
 
 
@@ -95,6 +95,9 @@ def test_training_during_a_stream_swaps_after_it(lm, server, api):
     ("get", "/kvwire/jobs/nope", None, 404, "no training job 'nope'"),
     ("post", "/kvwire/train", {"name": "x", **PAIRS, "epochs": 3}, 400, "epochs: extra inputs are not permitted"),
     ("post", "/kvwire/train", {"name": "class", **PAIRS}, 400, "control vector name 'class' is not a Python identifier"),
+    ("post", "/kvwire/train", {"name": "x", **PAIRS, "site": "mlp"}, 400, "site must be one of ['resid_pre', "),
+    ("post", "/kvwire/train", {"name": "x", **PAIRS, "operation": "clamp"}, 400,
+     "operation must be one of ['add', 'ablate'], got 'clamp'"),
     ("post", "/kvwire/train", {"name": "x", **PAIRS, "method": "svd"}, 400,
      "method must be one of ['pca_diff', 'pca_center', 'mean_diff', 'caa', 'logistic'], got 'svd'"),
     ("post", "/kvwire/train", {"name": "x", "positive": ["a", ""], "negative": ["b", "c"]}, 400,

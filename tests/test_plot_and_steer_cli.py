@@ -18,7 +18,7 @@ def test_plot_marks_inserted_layers_and_cache_wiring(tiny_lm, tmp_path):
     edited = kw.plot(steered).source
     assert "Steer" not in plain
     for i in (1, 2):
-        assert f"{blocks[i].replace('.', '_')}_block_out__Steer" in edited
+        assert f"{blocks[i].replace('.', '_')}__Steer" in edited
     assert edited.count(INSERTED) == 2
     cached = kw.plot(steered.cached).source
     n = len(steered.cached.slots)

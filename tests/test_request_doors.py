@@ -108,7 +108,7 @@ def test_unknown_runtime_inputs_are_one_error_in_python_and_the_engine(served):
     python = _python(lm, inputs={"sad_strength": torch.tensor([1.0])})
     engine = _engine(lm, inputs={"sad_strength": 1.0})
     assert str(python) == str(engine)
-    assert str(python).startswith("unknown runtime inputs ['sad_strength']; this model takes ['formal_start'")
+    assert str(python).startswith("unknown runtime inputs ['sad_strength']; this model takes ['formal_end', 'formal_start'")
 
 
 def test_the_engine_refuses_what_its_steps_could_not_run(served):

@@ -56,7 +56,7 @@ def test_block_numbers_survive_a_skip(lm):
     v = _vector(lm, [2])
     steered = skipped.steer(v, 1.0)
     inserted = [n for n in steered.backbone.meta["kvwire_inserted"]]
-    assert inserted == [f"{stem}_2_block_out__Steer"]  # after block 2 itself, not after the second remaining block
+    assert inserted == [f"{stem}_2__Steer"]  # after block 2 itself, not after the second remaining block
     by_hand = skipped.edit(kw.insert_after(f"{stem}.2", kw.Steer(v.directions[2], 1.0)))
     torch.testing.assert_close(steered(IDS), by_hand(IDS))
     with pytest.raises(ValueError, match=r"control vector steers blocks \[1\], but this model has blocks 0, 2"):

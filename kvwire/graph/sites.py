@@ -1,13 +1,15 @@
-"""Where a steering operation goes: the layer-depth call of a named site in numbered blocks.
+"""Where a steering operation goes: the call of a named site in numbered blocks.
 
 Blocks of the shared decoder and GPT-2 have the sites of `kvwire.layers.site.SITES` as `Site`
 children; a block without them (one made of another library's modules, called as one layer) has
-its output, `block_out`, only.
+its output, `block_out`, only. `block_out` is edited after the block's own call while the graph
+still calls its blocks (so block-level edits such as `kw.skip("layers.2")` keep working after a
+steer); an inner site opens the blocks (a "layer" depth graph).
 """
 from ..layers.base import Block
 from ..layers.site import SITES, Site
 from .edit import numbered_blocks, summarize_indices
-from .trace import layer_calls
+from .trace import layer_calls, trace
 
 
 def site_calls(module, site, indices=None):
@@ -51,3 +53,25 @@ def chain_end(gm, call):
             break
         node = user
     return node.target
+
+
+def site_targets(module, site, indices, depth=None):
+    """(depth, {block index: call to insert after}) for `site` of the blocks `indices`, after what
+    is chained there already. depth None: "block" for `block_out` of blocks the graph still calls,
+    else "layer"; give "layer" to have every target at one depth with other layer-depth calls.
+
+    Example:
+        >>> site_targets(lm.backbone, "block_out", [2])
+        ('block', {2: 'layers.2'})
+    """
+    calls = site_calls(module, site, indices)
+    if depth in (None, "block") and site == "block_out":
+        blocks = numbered_blocks(module)
+        gm = trace(module)
+        called = {n.target for n in layer_calls(gm)}
+        if all(blocks[i] in called for i in calls):
+            return "block", {i: chain_end(gm, blocks[i]) for i in calls}
+    if depth == "block":
+        raise ValueError(f"site {site!r} is inside the blocks: it is edited at 'layer' depth")
+    gm = trace(module, depth="layer")
+    return "layer", {i: chain_end(gm, call) for i, call in calls.items()}

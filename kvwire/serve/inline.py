@@ -25,8 +25,8 @@ import threading
 import numpy as np
 import torch
 
-from ..graph import insert_after, numbered_blocks, site_calls, trace
-from ..graph.sites import chain_end
+from ..graph import insert_after, numbered_blocks
+from ..graph.sites import site_targets
 from ..steer.schedule import Scheduled
 from .errors import APIError
 
@@ -91,9 +91,9 @@ class InlineBank:
     def apply(self, lm):
         """`lm` with the bank's layers (shared, not copied: a rebuilt model keeps the lent slots)
         after every covered block's output, after the steering already there."""
-        gm = trace(lm.backbone, depth="layer")
-        calls = {chain_end(gm, call): i for i, call in site_calls(lm.backbone, "block_out", self.blocks).items()}
-        return lm.edit(insert_after(list(calls), lambda call, layer: self.layers[calls[call]]), depth="layer")
+        depth, targets = site_targets(lm.backbone, "block_out", self.blocks)
+        calls = {call: i for i, call in targets.items()}
+        return lm.edit(insert_after(list(calls), lambda call, layer: self.layers[calls[call]]), depth=depth)
 
     def inputs(self, slot, strength):
         """The runtime inputs of a row steered by `slot` at `strength`."""

@@ -4,7 +4,7 @@ network) and kvwire's own JSON endpoints under /kvwire/ that it uses:
     GET  /kvwire/info                 model, context, blocks, training methods (and the default), vectors
     GET  /kvwire/vectors              the loaded control vectors
     GET  /kvwire/vectors/NAME.gguf    one of them as a llama.cpp control-vector GGUF
-    POST /kvwire/train                {name, positive, negative, layers?, method?} -> a job (202)
+    POST /kvwire/train                {name, positive, negative, layers?, method?, site?, operation?} -> a job (202)
     GET  /kvwire/jobs/ID              the job's state: queued/training/installing/done/error
     GET  /kvwire/graph                {svg, steer_nodes}: kw.plot of the served backbone
     POST /kvwire/sweep                {vector, strengths, prompt?, ...} -> kw.steer.sweep's data
@@ -28,6 +28,7 @@ from typing import Union
 
 from ..generate.request import RequestError
 from ..steer import ControlVector
+from ..layers.site import SITES
 from ..steer.vector import DEFAULT_METHOD, METHODS, _check_pairs, parse_layers
 from .errors import APIError, from_request_error
 
@@ -46,6 +47,11 @@ class TrainRequest(BaseModel):
     negative: list[str]
     layers: str | list[StrictInt] | None = None
     method: str = DEFAULT_METHOD
+    site: str = "block_out"
+    operation: str = "add"
+
+
+OPERATIONS = ("add", "ablate")  # what a served vector can do (a clamp's bounds are not per request)
 
 
 class SweepRequest(BaseModel):
@@ -88,6 +94,11 @@ class Jobs:
             _check_pairs(body.positive, body.negative)
         except ValueError as e:
             raise APIError(str(e), param="positive", code="invalid_value") from None
+        if body.site not in SITES:
+            raise APIError(f"site must be one of {list(SITES)}, got {body.site!r}", param="site", code="invalid_value")
+        if body.operation not in OPERATIONS:
+            raise APIError(f"operation must be one of {list(OPERATIONS)}, got {body.operation!r}", param="operation",
+                           code="invalid_value")
         if body.method not in METHODS:
             raise APIError(f"method must be one of {list(METHODS)}, got {body.method!r}", param="method",
                            code="invalid_value")
@@ -101,7 +112,8 @@ class Jobs:
             job.update(state="training", message=f"reading hidden states of {2 * len(body.positive)} prompts")
             vector = await asyncio.to_thread(self.served.exclusive, ControlVector.train, self.served.lm,
                                              body.positive, body.negative, layers=body.layers or None,
-                                             method=body.method, progress=False)
+                                             method=body.method, progress=False, site=body.site,
+                                             operation=body.operation)
             job.update(state="installing", message="building the steered model")
             await self.served.add(body.name, vector)
             job.update(state="done", message=f"{body.name!r} is ready", vector=self.served.describe(body.name))
@@ -137,7 +149,8 @@ def install_playground(app, served, model_name):
     @app.get("/kvwire/info")
     async def info():
         return {"model": model_name, "max_length": served.max_length, "blocks": sorted(served.blocks()),
-                "methods": list(METHODS), "default_method": DEFAULT_METHOD,
+                "methods": list(METHODS), "default_method": DEFAULT_METHOD, "sites": list(SITES),
+                "operations": list(OPERATIONS),
                 "vectors": [served.describe(n) for n in served.names], "version": served.version}
 
     @app.get("/kvwire/vectors")

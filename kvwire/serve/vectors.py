@@ -95,7 +95,7 @@ class ServedVectors:
     def describe(self, name):
         vector = self.vectors[name]
         return {"name": name, "layers": vector.layers, "width": vector.width, "method": vector.method or None,
-                "model_hint": vector.model_hint or None}
+                "model_hint": vector.model_hint or None, "operation": vector.operation, "site": vector.site}
 
     def steer_nodes(self, model=None):
         """{graph node name: control-vector name} for the steering layers of `model`'s backbone (default:

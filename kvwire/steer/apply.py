@@ -2,8 +2,8 @@
 site of the blocks they name (registered as `CausalLM`'s implementation of those methods)."""
 import torch
 
-from ..graph import insert_after, numbered_blocks, site_calls, trace
-from ..graph.sites import chain_end
+from ..graph import insert_after, numbered_blocks
+from ..graph.sites import site_targets
 from ..graph.edit import summarize_indices
 from .fingerprint import check_fingerprint
 from .gate import Gate, GatedInsert, Probe
@@ -95,8 +95,7 @@ def insert_at_site(lm, per_block, site, name, stem, make, gate=None):
     if bad:
         raise ValueError(f"{what} steers blocks {bad}, but this model has blocks "
                          f"{summarize_indices(blocks) or 'none'}")
-    gm = trace(lm.backbone, depth="layer")
-    calls = {i: chain_end(gm, call) for i, call in site_calls(lm.backbone, site, list(per_block)).items()}
+    depth, calls = site_targets(lm.backbone, site, list(per_block), "layer" if gate is not None else None)
     taken = {m.name: m for m in lm.backbone.modules() if isinstance(m, Scheduled)}
     if name is None:
         name = next(n for n in (stem, *(f"{stem}{k}" for k in range(2, len(taken) + 3))) if n not in taken)
@@ -108,12 +107,12 @@ def insert_at_site(lm, per_block, site, name, stem, make, gate=None):
     index = {call: i for i, call in calls.items()}
     if gate is None:
         return lm.edit(insert_after(list(index), lambda call, layer: make(per_block[index[call]], name, device)),
-                       depth="layer")
-    return lm.edit(_gated(lm, gm, gate, {call: make(per_block[i], name, device) for call, i in index.items()}),
+                       depth=depth)
+    return lm.edit(_gated(lm, gate, {call: make(per_block[i], name, device) for call, i in index.items()}),
                    depth="layer")
 
 
-def _gated(lm, gm, gate, targets):
+def _gated(lm, gate, targets):
     """The clone fn reading `gate`'s probe at its site and gating `targets` ({call: layer}) with it."""
     if not isinstance(gate, Gate):
         raise TypeError(f"gate must be a kw.Gate, got {type(gate).__name__}")
@@ -123,5 +122,5 @@ def _gated(lm, gm, gate, targets):
         raise ValueError(f"this model already has a gate named {gate.name!r} with threshold "
                          f"{probes[gate.name].threshold.tolist()}; gates sharing a name share their threshold "
                          f"input: give Gate(name=...) another name")
-    call = chain_end(gm, site_calls(lm.backbone, gate.site, [gate.layer])[gate.layer])
-    return GatedInsert(call, probe, targets)
+    _, calls = site_targets(lm.backbone, gate.site, [gate.layer], "layer")
+    return GatedInsert(calls[gate.layer], probe, targets)

@@ -5,15 +5,14 @@ from .schedule import Scheduled
 
 
 def as_vector(direction, device, what="direction"):
-    """A (D,) float32 tensor on `device` (the direction's own device, the CPU for a list, if None)."""
-    if device is None:
-        device = direction.device if isinstance(direction, torch.Tensor) else torch.device("cpu")
-    direction = torch.as_tensor(direction, dtype=torch.float32, device=device)
-    if direction.dim() != 1:
-        raise ValueError(f"{what} must be 1-D (D,), got shape {tuple(direction.shape)}")
-    if not torch.isfinite(direction).all():
+    """A (D,) float32 tensor on `device` (the direction's own device, the CPU for a list, if None),
+    checked where it was given (a model on the meta device gets unchecked meta copies)."""
+    source = torch.as_tensor(direction, dtype=torch.float32)
+    if source.dim() != 1:
+        raise ValueError(f"{what} must be 1-D (D,), got shape {tuple(source.shape)}")
+    if source.device.type != "meta" and not torch.isfinite(source).all():
         raise ValueError(f"{what} holds NaN or infinite values")
-    return direction
+    return source.to(source.device if device is None else device)
 
 
 class Steer(Scheduled):

@@ -10,17 +10,19 @@ LIMIT = float(torch.finfo(torch.float32).max)  # "unbounded" clamp side, finite 
 
 
 def as_directions(directions, device, what="directions"):
-    """(K, D) float32 on `device` from a (D,) or (K, D) tensor or list; finite and non-zero rows."""
+    """(K, D) float32 from a (D,) or (K, D) tensor or list, checked where it was given (finite,
+    non-zero rows), on `device` (None: where it was given)."""
     t = directions if isinstance(directions, torch.Tensor) else torch.as_tensor(directions, dtype=torch.float32)
     if t.dim() == 1:
         t = t[None]
     if t.dim() != 2 or t.shape[0] == 0:
         raise ValueError(f"{what} must be (D,) or (K, D) with K >= 1, got shape {tuple(t.shape)}")
-    rows = torch.stack([as_vector(row, device, what) for row in t])
-    norms = rows.norm(dim=1)
-    if (norms == 0).any():
-        raise ValueError(f"{what} row {int((norms == 0).nonzero()[0])} is all zeros; it has no direction")
-    return rows
+    rows = torch.stack([as_vector(row, None, what) for row in t])
+    if rows.device.type != "meta":
+        norms = rows.norm(dim=1)
+        if (norms == 0).any():
+            raise ValueError(f"{what} row {int((norms == 0).nonzero()[0])} is all zeros; it has no direction")
+    return rows if device is None else rows.to(device)
 
 
 class Ablate(Scheduled):
@@ -47,16 +49,21 @@ class Ablate(Scheduled):
 
     def __init__(self, directions, strength=1.0, name="ablate", device=None, when=None):
         super().__init__(name, when)
-        rows = as_directions(directions, device)
-        q, r = torch.linalg.qr(rows.double().T)  # (D, K): orthonormal columns spanning the rows
-        small = r.diagonal().abs() <= 1e-6 * r.diagonal().abs().max()
-        if small.any():
-            raise ValueError(f"directions row {int(small.nonzero()[0])} lies in the span of the rows before it; "
-                             f"give linearly independent directions")
-        strength = torch.as_tensor(strength, dtype=torch.float32, device=rows.device)
+        rows = as_directions(directions, None)
+        device = rows.device if device is None else torch.device(device)
+        if rows.device.type == "meta":  # a model being moved to meta: shapes only
+            basis = rows
+        else:
+            q, r = torch.linalg.qr(rows.double().T)  # (D, K): orthonormal columns spanning the rows
+            small = r.diagonal().abs() <= 1e-6 * r.diagonal().abs().max()
+            if small.any():
+                raise ValueError(f"directions row {int(small.nonzero()[0])} lies in the span of the rows before it; "
+                                 f"give linearly independent directions")
+            basis = q.T.float()
+        strength = torch.as_tensor(strength, dtype=torch.float32, device=device)
         if strength.dim() > 1:
             raise ValueError(f"strength must be a number or a (B,) tensor, got shape {tuple(strength.shape)}")
-        self.register_buffer("basis", q.T.float().contiguous())  # (K, D)
+        self.register_buffer("basis", basis.contiguous().to(device))  # (K, D)
         self.register_buffer("strength", strength)
 
     def extra_repr(self):

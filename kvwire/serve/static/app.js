@@ -40,7 +40,8 @@ function vectorItem(v) {
   const link = li.querySelector(".download");
   link.href = `/kvwire/vectors/${encodeURIComponent(v.name)}.gguf`;
   link.download = `${v.name}.gguf`;
-  li.querySelector(".layers").textContent = `blocks ${blocks(v.layers)}` + (v.method ? ` · ${v.method}` : "");
+  const acts = v.operation !== "add" || v.site !== "block_out" ? ` · ${v.operation} at ${v.site}` : "";
+  li.querySelector(".layers").textContent = `blocks ${blocks(v.layers)}` + (v.method ? ` · ${v.method}` : "") + acts;
   const slider = li.querySelector("input[type=range]");
   const box = li.querySelector("input[type=text]");
   slider.id = `strength-${v.name}`;
@@ -94,6 +95,14 @@ export async function refresh() {
   if (!method.options.length) {
     method.replaceChildren(...state.info.methods.map((m) => new Option(m, m)));
     method.value = state.info.default_method;  // ControlVector.train's default, as the CLI's
+  }
+  for (const [id, values, first] of [["train-site", state.info.sites, "block_out"],
+                                     ["train-operation", state.info.operations, "add"]]) {
+    const select = $(id);
+    if (!select.options.length) {
+      select.replaceChildren(...values.map((v) => new Option(v, v)));
+      select.value = first;
+    }
   }
   return gone;
 }

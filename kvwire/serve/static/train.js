@@ -35,7 +35,7 @@ function request() {
   }
   const layers = $("train-layers").value.trim();
   return { name: $("train-name").value.trim(), positive, negative, method: $("train-method").value,
-    ...(layers ? { layers } : {}) };
+    site: $("train-site").value, operation: $("train-operation").value, ...(layers ? { layers } : {}) };
 }
 
 async function train() {
