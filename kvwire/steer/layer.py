@@ -7,7 +7,8 @@ from .schedule import Scheduled
 def as_vector(direction, device, what="direction"):
     """A (D,) float32 tensor on `device` (the direction's own device, the CPU for a list, if None),
     checked where it was given (a model on the meta device gets unchecked meta copies)."""
-    source = torch.as_tensor(direction, dtype=torch.float32)
+    given = direction.device if isinstance(direction, torch.Tensor) else torch.device("cpu")
+    source = torch.as_tensor(direction, dtype=torch.float32, device=given)  # not the default device
     if source.dim() != 1:
         raise ValueError(f"{what} must be 1-D (D,), got shape {tuple(source.shape)}")
     if source.device.type != "meta" and not torch.isfinite(source).all():

@@ -12,7 +12,8 @@ LIMIT = float(torch.finfo(torch.float32).max)  # "unbounded" clamp side, finite 
 def as_directions(directions, device, what="directions"):
     """(K, D) float32 from a (D,) or (K, D) tensor or list, checked where it was given (finite,
     non-zero rows), on `device` (None: where it was given)."""
-    t = directions if isinstance(directions, torch.Tensor) else torch.as_tensor(directions, dtype=torch.float32)
+    t = directions if isinstance(directions, torch.Tensor) else torch.as_tensor(directions, dtype=torch.float32,
+                                                                                 device="cpu")
     if t.dim() == 1:
         t = t[None]
     if t.dim() != 2 or t.shape[0] == 0:

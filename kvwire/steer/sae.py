@@ -53,10 +53,10 @@ class SAEEdit(Scheduled):
         self.mode, self.features = mode, _indices(features, sae.d_sae)  # read by own_inputs
         super().__init__(name, when)
         values = [_value(i, features[i], mode) for i in features]
-        idx = torch.tensor(self.features)
+        idx = torch.tensor(self.features, device=sae.W_enc.device)
         enc = sae.W_enc[:, idx].double()  # (D, K): only the chosen features are encoded, not all F
         bias = sae.b_enc[idx].double() - float(sae.apply_b_dec_to_input) * (sae.b_dec.double() @ enc)
-        threshold = torch.zeros(len(idx)) if sae.threshold is None else sae.threshold[idx]
+        threshold = torch.zeros(len(idx), device=idx.device) if sae.threshold is None else sae.threshold[idx]
         kept = {"dec": sae.W_dec[idx]}  # (K, D)
         if mode != "add":  # adding needs no encoding
             kept.update(enc=enc, bias=bias, threshold=threshold)

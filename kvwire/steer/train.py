@@ -120,9 +120,10 @@ def _probe(states, n):
         states = states.clone()  # a normal tensor (states read under inference mode are not)
         x = states - states.mean(0)
         x = x / x.square().mean().sqrt()  # (2n, D); not all zero (checked before)
-        y = torch.cat([torch.ones(n), torch.zeros(n)]).double()
-        w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
-        b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        on = dict(dtype=torch.float64, device=x.device)  # not the default device
+        y = torch.cat([torch.ones(n, **on), torch.zeros(n, **on)])
+        w = torch.zeros(x.shape[1], **on, requires_grad=True)
+        b = torch.zeros((), **on, requires_grad=True)
         opt = torch.optim.LBFGS([w, b], max_iter=LOGISTIC_STEPS, tolerance_grad=1e-9, tolerance_change=1e-12,
                                 line_search_fn="strong_wolfe")
 
