@@ -40,12 +40,16 @@ def _reference(hf, ids, w, d, threshold, sharpness=None):
             h.remove()
 
 
-def _between(scores):
-    """A threshold halfway between the two middle scores: open at some positions, shut at others,
-    and no position on the edge (where float32 and float64 could disagree)."""
-    s = scores.sort().values
+def _probe_and_direction(lm, seed):
+    """(probe w, direction d, threshold): the threshold halfway between the two middle scores of w
+    at block 1's output on IDS: open at some positions, shut at others, and no position on the edge
+    (where float32 and float64 could disagree)."""
+    g = torch.Generator().manual_seed(seed)
+    w, d = torch.randn(32, generator=g), torch.randn(32, generator=g)
+    with torch.no_grad():
+        s = (kw.tap(lm.backbone, "layers.1")(IDS)[1]["layers.1"][0] @ w).sort().values
     k = len(s) // 2
-    return float((s[k - 1] + s[k]) / 2)
+    return w, d, float((s[k - 1] + s[k]) / 2)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +61,7 @@ def pair():
 @pytest.mark.parametrize("sharpness", [None, 4.0])
 def test_a_gated_operation_matches_transformers_hooks(pair, sharpness):
     hf, lm = pair
-    g = torch.Generator().manual_seed(0)
-    w, d = torch.randn(32, generator=g), torch.randn(32, generator=g)
-    with torch.no_grad():
-        scores = kw.tap(lm.backbone, "layers.1")(IDS)[1]["layers.1"][0] @ w
-    threshold = _between(scores)
+    w, d, threshold = _probe_and_direction(lm, seed=0)
     want, gate = _reference(hf, IDS, w, d, threshold, sharpness)
     if sharpness is None:
         assert 0 < gate.sum() < gate.numel()
@@ -103,11 +103,7 @@ def test_bad_probes_are_refused():
 
 def test_the_gate_keyword_of_steer_ablate_and_clamp(pair):
     hf, lm = pair
-    g = torch.Generator().manual_seed(2)
-    w, d = torch.randn(32, generator=g), torch.randn(32, generator=g)
-    with torch.no_grad():
-        scores = kw.tap(lm.backbone, "layers.1")(IDS)[1]["layers.1"][0] @ w
-    threshold = _between(scores)
+    w, d, threshold = _probe_and_direction(lm, seed=2)
     gate = kw.Gate(w, layer=1, threshold=threshold)
     model = lm.ablate(d, layers=[2], site="mlp_out", gate=gate)
     want, _ = _reference(hf, IDS, w, d, threshold)
