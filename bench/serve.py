@@ -210,11 +210,11 @@ def goals(loads, prefix, down, most):
              f"= {cost:.1%}", cost < 0.10)
     else:
         goal(name, "", down.get("kvwire +happy") or down.get("kvwire") or "a run failed (see the table)", None)
-    inline = loads.get(("kvwire +happy (each inline)", most))
+    inline, plain = loads.get(("kvwire +happy (each inline)", most)), loads.get(("kvwire +happy (none steered)", most))
     name = f"inline vectors' throughput cost at {most} clients, each request its own vector"
-    if ours and inline:
-        cost = 1 - inline.tokens_per_s / ours.tokens_per_s
-        goal(name, "<= 10 %", f"1 - {inline.tokens_per_s:.1f} / {ours.tokens_per_s:.1f} tokens/s (none steered) "
+    if plain and inline:  # the same server, runs side by side
+        cost = 1 - inline.tokens_per_s / plain.tokens_per_s
+        goal(name, "<= 10 %", f"1 - {inline.tokens_per_s:.1f} / {plain.tokens_per_s:.1f} tokens/s (none steered) "
              f"= {cost:.1%}", cost <= 0.10)
     else:
         goal(name, "", down.get("kvwire +happy") or down.get("kvwire") or "a run failed (see the table)", None)

@@ -128,7 +128,7 @@ def test_goal_lines_say_met_not_met_and_why_not_measured(capsys):
     fast, slow = (serve_load.Load([serve_load.Reply(ttft=0.1, tokens=n)], wall=1.0) for n in (10, 8))
     near = serve_load.Load([serve_load.Reply(ttft=0.1, tokens=19)], wall=2.0)
     loads = {("kvwire", 16): fast, ("llama.cpp", 16): slow, ("kvwire +happy (half steered)", 16): slow,
-             ("kvwire +happy (each inline)", 16): near}
+             ("kvwire +happy (each inline)", 16): near, ("kvwire +happy (none steered)", 16): fast}
     serve.goals(loads, {}, {"kvwire": "died during the 16-client run: killed by SIGSEGV"}, 16)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("kvwire 10.0 / llama.cpp 8.0 tokens/s = 1.25x (goal >= 1.0x): met")
