@@ -144,3 +144,19 @@ def test_a_named_ablation_vector_is_served_with_per_request_strength(lm):
     with pytest.raises(ValueError, match="is made for 'clamp'; a server steers with vectors that add or ablate"):
         create_app(lm, "tiny", max_batch=1, max_length=64, playground=False,
                    control_vectors={"c": kw.ControlVector(d.directions, operation="clamp")})
+
+
+def test_an_inline_ablation_equals_the_models_ablation(lm, api):
+    import kvwire as kw
+
+    formal = control_vectors(lm)["formal"]
+    item = {**inline(formal, 1.0), "operation": "ablate"}
+    text, _ = ask(api, steer_vectors=[item])
+    assert text == lm.ablate(kw.ControlVector(formal.directions)).chat(HELLO, max_new_tokens=8)
+    assert text != ask(api)[0]
+    half, _ = ask(api, steer_vectors=[{**item, "strength": 0.5}])
+    assert half == lm.ablate(kw.ControlVector(formal.directions), strength=0.5).chat(HELLO, max_new_tokens=8)
+    for bad, message in [({**item, "operation": "clamp"}, "operation is 'clamp'; expected one of ['add', 'ablate']"),
+                         ({"directions": {"1": [0.0] * 32}, "operation": "ablate"}, "is all zeros: it has no direction")]:
+        r = api.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, "steer_vectors": [bad]})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text

@@ -89,13 +89,13 @@ class Handlers:
         """Lend a slot per inline vector: (row inputs with their strengths, prefix key, slots)."""
         slots = []
         try:
-            for directions, _ in inline:
-                slots.append(self.inline.acquire(directions))
+            for directions, _, operation in inline:
+                slots.append(self.inline.acquire(directions, operation))
         except APIError:
             self._give_back(slots)
             raise
         inputs = dict(inputs)
-        for slot, (_, strength) in zip(slots, inline):
+        for slot, (_, strength, _) in zip(slots, inline):
             inputs.update(self.inline.inputs(slot, strength))
         return inputs, tuple(self.inline.digest(k) for k in slots), slots
 

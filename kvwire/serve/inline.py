@@ -1,8 +1,8 @@
 """Vectors a request carries inline: a bank of K slots in the served graph, lent to requests.
 
-The served model holds, after every block the bank covers, one `SlotSteer` layer: K directions
-(K, D), zero at first, and K per-row strengths `inline0_strength` ... `inline{K-1}_strength`
-(0 by default); it adds `strengths (B, K) @ directions` to the block's output. A request's inline
+The served model holds, after every block the bank covers, one `SlotSteer` layer: K slots, each
+a direction to add or a unit direction to project out (zero at first), and K per-row strengths
+`inline0_strength` ... `inline{K-1}_strength` (0 by default). A request's inline
 vector is written into a free slot's directions (no row is reading that slot then) and its rows set
 that slot's strength; every other row leaves it at 0. Rows with different inline vectors thus share one batch, and the
 runtime inputs stay (B,) strengths, as for named vectors. The slot is freed when the request ends.
@@ -15,7 +15,8 @@ step. The bank's directions are weights, so an exported graph has them
 fixed: inline vectors are a server feature.
 
 Wire format of one vector (kvwire's `steer_vectors` field): `{"directions": {"<block>": V, ...},
-"strength": s}` where V is base64 of D little-endian float32 (4 D bytes) or a JSON list of D numbers.
+"strength": s, "operation": "add" | "ablate"}` where V is base64 of D little-endian float32 (4 D
+bytes) or a JSON list of D numbers; "ablate" removes s times the component along V at those blocks.
 """
 import base64
 import binascii
@@ -32,17 +33,21 @@ from .errors import APIError
 
 
 class SlotSteer(Scheduled):
-    """x (B, T, D) -> x + strengths (B, K) @ directions (K, D): K steering slots in one layer.
+    """K steering slots in one layer; slot k adds a direction or projects one out:
+    x + s (B, K) @ directions (K, D) - ((x @ units^T) * s) @ units, s the rows' slot strengths.
 
+    A slot holds either an added direction (its row of `units` zero) or a unit direction to ablate
+    (its row of `directions` zero); both buffers are written in place by `InlineBank.acquire`.
     Runtime inputs `<name>{k}_strength` (B,) float32 for k < K (default 0), and the schedule's
-    `<name>_start`/`_end`. `directions` is a buffer written in place by `InlineBank.acquire`.
+    `<name>_start`/`_end`.
     """
 
-    kind = "add"
+    kind = "add or ablate"
 
     def __init__(self, slots, width, name="inline", device=None):
         super().__init__(name)
         self.register_buffer("directions", torch.zeros(slots, width, device=device))
+        self.register_buffer("units", torch.zeros(slots, width, device=device))
         self.slots = slots
 
     def own_inputs(self):
@@ -52,8 +57,13 @@ class SlotSteer(Scheduled):
         return {name: torch.zeros(batch_size, device=self.directions.device) for name in self.own_inputs()}
 
     def act(self, x, on, inputs):
-        strengths = torch.stack([inputs[name] for name in self.own_inputs()], dim=1)  # (B, K)
-        return x + ((strengths @ self.directions)[:, None, :] * on).to(x.dtype)
+        s = torch.stack([inputs[name] for name in self.own_inputs()], dim=1)[:, None, :] * on  # (B, T, K)
+        xf = x.float()
+        removed = ((xf @ self.units.T) * s) @ self.units  # (B, T, D): the ablated slots' components
+        return (xf + s @ self.directions - removed).to(x.dtype)
+
+
+OPERATIONS = ("add", "ablate")
 
 
 class InlineBank:
@@ -99,10 +109,10 @@ class InlineBank:
         """The runtime inputs of a row steered by `slot` at `strength`."""
         return {f"inline{slot}_strength": float(strength)}
 
-    def acquire(self, directions):
-        """Lend a free slot holding `directions` ({block: (D,) float32 tensor}); returns its index.
-        Raises APIError 429 when every slot is lent."""
-        digest = _digest(directions)
+    def acquire(self, directions, operation="add"):
+        """Lend a free slot holding `directions` ({block: (D,) float32 tensor}) to add or to ablate;
+        returns its index. Raises APIError 429 when every slot is lent."""
+        digest = operation + ":" + _digest(directions)
         with self._lock:
             free = next((k for k, d in enumerate(self.digests) if d is None), None)
             if free is None:
@@ -111,7 +121,10 @@ class InlineBank:
                                headers={"Retry-After": "1"})
             self.digests[free] = digest
         for i, layer in self.layers.items():  # no row reads this slot until its rows are placed
-            layer.directions[free].copy_(directions.get(i, torch.zeros(self.width)).to(layer.directions))
+            d = directions.get(i, torch.zeros(self.width)).to(layer.directions)
+            unit = d / d.norm() if operation == "ablate" and d.any() else torch.zeros_like(d)
+            layer.directions[free].copy_(d if operation == "add" else torch.zeros_like(d))
+            layer.units[free].copy_(unit)
         return free
 
     def digest(self, slot):
@@ -124,8 +137,9 @@ class InlineBank:
                 self.digests[k] = None
 
     def parse(self, vectors):
-        """A request's `steer_vectors` (list of {"directions": {block: base64 | list}, "strength": s})
-        -> [({block: tensor}, strength)], checked; APIError 400 naming what is wrong."""
+        """A request's `steer_vectors` (list of {"directions": {block: base64 | list}, "strength": s,
+        "operation": "add" | "ablate"}) -> [({block: tensor}, strength, operation)], checked;
+        APIError 400 naming what is wrong."""
         if not vectors:
             return []
         if len(vectors) > self.max_per_request:
@@ -145,7 +159,12 @@ class InlineBank:
                 directions[block] = self._vector(value, f"{where}.directions.{key}")
             if not np.isfinite(item.strength):
                 raise _bad(f"{where}.strength is {item.strength}; expected a finite number")
-            out.append((directions, float(item.strength)))
+            if item.operation not in OPERATIONS:
+                raise _bad(f"{where}.operation is {item.operation!r}; expected one of {list(OPERATIONS)}")
+            zero = [key for key, d in directions.items() if not d.any()]
+            if item.operation == "ablate" and zero:
+                raise _bad(f"{where}.directions.{zero[0]} is all zeros: it has no direction to ablate")
+            out.append((directions, float(item.strength), item.operation))
         return out
 
     def _vector(self, value, where):

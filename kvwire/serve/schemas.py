@@ -21,11 +21,12 @@ class StreamOptions(BaseModel):
 
 class InlineVector(BaseModel):
     """A vector a request carries: {block: base64 of D little-endian float32, or a list of D numbers}
-    added after those blocks at `strength`."""
+    added after those blocks at `strength` (or, with operation "ablate", projected out)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     directions: dict[str, Union[str, list[Number]]]
     strength: Number = 1.0
+    operation: str = "add"  # or "ablate": project the direction out
 
 
 class _Sampling(BaseModel):
