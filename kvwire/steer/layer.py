@@ -83,5 +83,5 @@ class Steer(Scheduled):
         return super().forward(x, gate)
 
     def act(self, x, on, inputs):
-        strength = inputs[f"{self.name}_strength"]
-        return x + ((strength[:, None, None] * on) * self.direction).to(x.dtype)
+        shift = (inputs[f"{self.name}_strength"][:, None, None] * on) * self.direction  # (B, T, D) float32
+        return x + (shift if x.dtype == torch.float32 else shift.to(x.dtype))  # a cast only where one is needed

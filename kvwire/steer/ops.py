@@ -78,10 +78,10 @@ class Ablate(Scheduled):
         return {f"{self.name}_strength": _rows(self.strength, batch_size, "ablation strength")}
 
     def act(self, x, on, inputs):
-        strength = inputs[f"{self.name}_strength"]
-        xf = x.float()
-        part = (xf @ self.basis.T) @ self.basis  # (B, T, D): x's component in the span
-        return (xf - (strength[:, None, None] * on) * part).to(x.dtype)
+        xf = x if x.dtype == torch.float32 else x.float()
+        coef = (xf @ self.basis.T) * (inputs[f"{self.name}_strength"][:, None, None] * on)  # (B, T, K)
+        out = xf - coef @ self.basis  # x less (a share of) its component in the span
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class Clamp(Scheduled):
@@ -134,11 +134,11 @@ class Clamp(Scheduled):
 
     def act(self, x, on, inputs):
         lo, hi = inputs[f"{self.name}_lo"][:, None, None], inputs[f"{self.name}_hi"][:, None, None]
-        xf = x.float()
+        xf = x if x.dtype == torch.float32 else x.float()
         for u in self.units:  # K is fixed when the graph is built: an unrolled, branch-free chain
             p = xf @ u[:, None]  # (B, T, 1)
-            xf = xf + on * (torch.minimum(torch.maximum(p, lo), hi) - p) * u
-        return xf.to(x.dtype)
+            xf = xf + (on * (torch.minimum(torch.maximum(p, lo), hi) - p)) * u
+        return xf if x.dtype == torch.float32 else xf.to(x.dtype)
 
 
 def _rows(value, batch_size, what):

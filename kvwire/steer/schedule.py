@@ -76,7 +76,7 @@ class Scheduled(Layer):
     def forward_cached(self, x, gate=None, *, positions, **inputs):
         start, end = inputs[f"{self.name}_start"], inputs[f"{self.name}_end"]
         # a product of two masks, not `&`: Core ML's converter has no logical and
-        on = ((positions >= start[:, None]).to(torch.float32) * (positions < end[:, None]).to(torch.float32))[..., None]
+        on = ((positions >= start[:, None]).to(torch.float32) * (positions < end[:, None]).to(torch.float32)).unsqueeze(-1)
         return self.act(x, on if gate is None else on * gate, inputs)
 
     def runtime_defaults(self, batch_size, prompt_lengths=None):
