@@ -93,7 +93,7 @@ class Gate:
 
     Example:
         >>> harmful = kw.Gate(probe_w, layer=6, threshold=0.0)
-        >>> safe = lm.steer(refuse, 4.0, layers=..., gate=harmful)
+        >>> safe = lm.steer(refuse_vec, 4.0, gate=harmful)   # refuse_vec: blocks after 6
     """
 
     direction: object
