@@ -143,3 +143,20 @@ def test_steer_train_records_site_operation_and_positions(folder):
     want = kw.ControlVector.train(lm, ["the cat sat", "the theory", "a tiny cat"], ["the mat sat", "the thing", "a tiny mat"],
                                   layers="1-2", site="attn_out", positions="mean", method="mean_diff", progress=False)
     assert all(torch.allclose(vec.directions[i], want.directions[i], atol=1e-5) for i in (1, 2))
+
+
+def test_generate_with_sae_features(folder, tmp_path, capsys):
+    from .test_sae import random_sae, write_sae
+
+    model = str(folder / "model")
+    sae_dir = write_sae(tmp_path / "sae", random_sae(), hook_name="blocks.2.hook_resid_post")
+    args = ["generate", "the cat", "--model", model, "--max-new-tokens", "6", "--no-stream", "--sae", str(sae_dir)]
+    lm = kw.load(model)
+    capsys.readouterr()
+    assert cli.main(args + ["--feature", "5=8", "--feature", "9=0"]) == 0
+    want = lm.steer_features(kw.SAE.load(sae_dir), {5: 8.0, 9: 0.0}).generate("the cat", max_new_tokens=6)
+    assert capsys.readouterr().out == "the cat" + want + "\n"
+    assert cli.main(args + ["--feature", "5=x"]) == 2
+    assert "--feature takes I=V (a feature index and a number), got '5=x'" in capsys.readouterr().err
+    assert cli.main(args) == 2
+    assert "--sae FOLDER and --feature I=V go together" in capsys.readouterr().err

@@ -50,7 +50,8 @@ def load_model(args, quantize=None):
 
     if getattr(args, "runtime", "eager") != "eager":
         from ..export import load_exported
-        given = [f"--{o.replace('_', '-')}" for o in ("control_vector", "ablate", "clamp") if getattr(args, o, None)]
+        given = [f"--{o.replace('_', '-')}" for o in ("control_vector", "ablate", "clamp", "sae")
+                 if getattr(args, o, None)]
         if given:
             raise ValueError(f"{given[0]} applies to eager models; export a steered model instead "
                              "(kvwire export --control-vector V ...) and pass --strength at run time")
@@ -59,6 +60,7 @@ def load_model(args, quantize=None):
                              "file's own weights (export with kvwire export --quantize for ONNX)")
         return load_exported(args.model)
     clamps = [clamp_spec(spec) for spec in getattr(args, "clamp", None) or []]  # refused before loading
+    features = feature_specs(getattr(args, "sae", None), getattr(args, "feature", None))
     lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
     site = getattr(args, "site", None)  # None: each vector's own
     when = "generated" if getattr(args, "generated_only", False) else None
@@ -69,7 +71,29 @@ def load_model(args, quantize=None):
         lm = lm.ablate(ControlVector.load(path), site=site, when=when)
     for path, lo, hi in clamps:
         lm = lm.clamp(ControlVector.load(path), lo, hi, site=site, when=when)
+    if features:
+        from ..steer import SAE
+
+        lm = lm.steer_features(SAE.load(args.sae), features, mode=args.feature_mode, when=when)
     return lm
+
+
+def feature_specs(sae, specs):
+    """--sae FOLDER with --feature I=V ... -> {I: V} (None without --sae); refused when one comes alone."""
+    if bool(sae) != bool(specs):
+        raise ValueError("--sae FOLDER and --feature I=V go together: give both (the SAE and what to set)")
+    if not sae:
+        return None
+    out = {}
+    for spec in specs:
+        index, sep, value = spec.partition("=")
+        try:
+            out[int(index)] = float(value)
+        except ValueError:
+            raise ValueError(f"--feature takes I=V (a feature index and a number), got {spec!r}") from None
+        if not sep:
+            raise ValueError(f"--feature takes I=V (a feature index and a number), got {spec!r}")
+    return out
 
 
 def clamp_spec(spec):
@@ -156,6 +180,12 @@ def steer_options(p):
     p.add_argument("--clamp", action="append", default=None, metavar="VEC.gguf=LO,HI",
                    help="hold the projection on each block's direction in [LO, HI] (either may be empty: "
                         "unbounded; repeatable)")
+    p.add_argument("--sae", default=None, metavar="FOLDER",
+                   help="a sparse autoencoder in SAELens's format (cfg.json + sae_weights.safetensors) whose "
+                        "--feature values are edited at its hook")
+    p.add_argument("--feature", action="append", default=None, metavar="I=V",
+                   help="with --sae: feature I set to V (or V added, with --feature-mode add; repeatable)")
+    p.add_argument("--feature-mode", default="set", choices=("set", "add"), help="how --feature values apply")
 
 
 def quantize_option(p):
