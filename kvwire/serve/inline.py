@@ -42,8 +42,6 @@ class SlotSteer(Scheduled):
     `<name>_start`/`_end`.
     """
 
-    kind = "add or ablate"
-
     def __init__(self, slots, width, name="inline", device=None):
         super().__init__(name)
         self.register_buffer("directions", torch.zeros(slots, width, device=device))

@@ -17,6 +17,7 @@ import torch
 from ..graph.edit import Edit
 from ..layers.base import Layer
 from .layer import as_vector
+from .schedule import per_row
 
 KINDS = ("dot", "cosine")
 
@@ -63,11 +64,7 @@ class Probe(Layer):
                f"sharpness={self.sharpness}, name={self.name!r}"
 
     def runtime_defaults(self, batch_size, prompt_lengths=None):
-        t = self.threshold.reshape(-1)
-        if t.numel() not in (1, batch_size):
-            raise ValueError(f"probe threshold has {t.numel()} rows but the batch has {batch_size}; "
-                             f"give one per prompt or a single number")
-        return {f"{self.name}_threshold": t.expand(batch_size).clone()}
+        return {f"{self.name}_threshold": per_row(self.threshold, batch_size, "probe threshold")}
 
     def forward(self, x):
         inputs = {k: v.to(x.device) for k, v in self.runtime_defaults(x.shape[0]).items()}

@@ -1,7 +1,7 @@
 """`Steer`: the layer a control vector inserts at a site: x + strength * direction."""
 import torch
 
-from .schedule import Scheduled
+from .schedule import Scheduled, per_row, strength_tensor
 
 
 def as_vector(direction, device, what="direction"):
@@ -41,18 +41,13 @@ class Steer(Scheduled):
         torch.Size([1, 3, 640])
     """
 
-    kind = "add"
-
     def __init__(self, direction, strength=1.0, generated_only=False, name="steer", device=None, when=None):
         if generated_only and when not in (None, "generated"):
             raise ValueError(f"generated_only=True is when='generated'; got when={when!r} as well")
         super().__init__(name, "generated" if generated_only else when)
         direction = as_vector(direction, device)
-        strength = torch.as_tensor(strength, dtype=torch.float32, device=direction.device)
-        if strength.dim() > 1:
-            raise ValueError(f"strength must be a number or a (B,) tensor, got shape {tuple(strength.shape)}")
         self.register_buffer("direction", direction)
-        self.register_buffer("strength", strength)
+        self.register_buffer("strength", strength_tensor(strength, direction.device))
 
     @property
     def generated_only(self):
@@ -66,13 +61,7 @@ class Steer(Scheduled):
         return {f"{self.name}_strength": torch.float32}
 
     def own_defaults(self, batch_size):
-        strength = self.strength.reshape(-1)
-        if strength.numel() == 1:
-            strength = strength.expand(batch_size)
-        elif strength.numel() != batch_size:
-            raise ValueError(f"steering strength has {strength.numel()} rows but the batch has {batch_size}; "
-                             f"give one strength per prompt or a single number")
-        return {f"{self.name}_strength": strength.clone()}
+        return {f"{self.name}_strength": per_row(self.strength, batch_size, "steering strength")}
 
     def forward(self, x, gate=None):
         """x (B, T, D) -> x + strength * direction (times `gate` (B, T, 1) where one is given)."""

@@ -4,7 +4,7 @@ to a value or a range). Like `Steer`, each follows a schedule (`kvwire.steer.sch
 import torch
 
 from .layer import as_vector
-from .schedule import Scheduled
+from .schedule import Scheduled, per_row, strength_tensor
 
 LIMIT = float(torch.finfo(torch.float32).max)  # "unbounded" clamp side, finite for every runtime
 
@@ -46,8 +46,6 @@ class Ablate(Scheduled):
         tensor(True)
     """
 
-    kind = "ablate"
-
     def __init__(self, directions, strength=1.0, name="ablate", device=None, when=None):
         super().__init__(name, when)
         rows = as_directions(directions, None)
@@ -61,11 +59,8 @@ class Ablate(Scheduled):
                 raise ValueError(f"directions row {int(small.nonzero()[0])} lies in the span of the rows before it; "
                                  f"give linearly independent directions")
             basis = q.T.float()
-        strength = torch.as_tensor(strength, dtype=torch.float32, device=device)
-        if strength.dim() > 1:
-            raise ValueError(f"strength must be a number or a (B,) tensor, got shape {tuple(strength.shape)}")
         self.register_buffer("basis", basis.contiguous().to(device))  # (K, D)
-        self.register_buffer("strength", strength)
+        self.register_buffer("strength", strength_tensor(strength, device))
 
     def extra_repr(self):
         return f"directions={self.basis.shape[0]}, width={self.basis.shape[1]}, " \
@@ -75,7 +70,7 @@ class Ablate(Scheduled):
         return {f"{self.name}_strength": torch.float32}
 
     def own_defaults(self, batch_size):
-        return {f"{self.name}_strength": _rows(self.strength, batch_size, "ablation strength")}
+        return {f"{self.name}_strength": per_row(self.strength, batch_size, "ablation strength")}
 
     def act(self, x, on, inputs):
         xf = x if x.dtype == torch.float32 else x.float()
@@ -105,8 +100,6 @@ class Clamp(Scheduled):
         tensor([[[1., 2.]]])
     """
 
-    kind = "clamp"
-
     def __init__(self, directions, lo=None, hi=None, name="clamp", device=None, when=None):
         super().__init__(name, when)
         rows = as_directions(directions, device)
@@ -129,8 +122,8 @@ class Clamp(Scheduled):
         return {f"{self.name}_lo": torch.float32, f"{self.name}_hi": torch.float32}
 
     def own_defaults(self, batch_size):
-        return {f"{self.name}_lo": _rows(self.lo, batch_size, "clamp lo"),
-                f"{self.name}_hi": _rows(self.hi, batch_size, "clamp hi")}
+        return {f"{self.name}_lo": per_row(self.lo, batch_size, "clamp lo"),
+                f"{self.name}_hi": per_row(self.hi, batch_size, "clamp hi")}
 
     def act(self, x, on, inputs):
         lo, hi = inputs[f"{self.name}_lo"][:, None, None], inputs[f"{self.name}_hi"][:, None, None]
@@ -140,13 +133,3 @@ class Clamp(Scheduled):
             xf = xf + (on * (torch.minimum(torch.maximum(p, lo), hi) - p)) * u
         return xf if x.dtype == torch.float32 else xf.to(x.dtype)
 
-
-def _rows(value, batch_size, what):
-    """A number or (B,) tensor as (batch_size,)."""
-    value = value.reshape(-1)
-    if value.numel() == 1:
-        return value.expand(batch_size).clone()
-    if value.numel() != batch_size:
-        raise ValueError(f"{what} has {value.numel()} rows but the batch has {batch_size}; "
-                         f"give one per prompt or a single number")
-    return value.clone()

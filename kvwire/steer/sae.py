@@ -10,9 +10,9 @@ import operator
 import torch
 
 from .apply import insert_at_site
-from .ops import LIMIT, _rows
+from .ops import LIMIT
 from .sae_file import SAE, hook_site
-from .schedule import Scheduled
+from .schedule import Scheduled, per_row
 
 MODES = ("set", "add", "clamp")
 
@@ -42,8 +42,6 @@ class SAEEdit(Scheduled):
         >>> edit = SAEEdit(sae, {3: 8.0}, mode="set")
         >>> sae.encode(edit(x))[..., 3]   # 8.0 wherever the feature fires after the edit
     """
-
-    kind = "sae"
 
     def __init__(self, sae, features, mode="set", name="sae", device=None, when=None):
         if not isinstance(sae, SAE):
@@ -86,7 +84,7 @@ class SAEEdit(Scheduled):
 
     def own_defaults(self, batch_size):
         columns = (self.lo, self.hi) if self.mode == "clamp" else (self.values,)
-        return {key: _rows(column[k], batch_size, key)
+        return {key: per_row(column[k], batch_size, key)
                 for k, keys in enumerate(self._keys()) for key, column in zip(keys, columns)}
 
     def act(self, x, on, inputs):

@@ -33,6 +33,26 @@ def parse_when(when):
     return pair
 
 
+def strength_tensor(strength, device):
+    """A number or (B,) tensor as a float32 tensor on `device` (a layer's default strength)."""
+    strength = torch.as_tensor(strength, dtype=torch.float32, device=device)
+    if strength.dim() > 1:
+        raise ValueError(f"strength must be a number or a (B,) tensor, got shape {tuple(strength.shape)}")
+    return strength
+
+
+def per_row(value, batch_size, what):
+    """A layer's default (a number or (B,) tensor) as (batch_size,), refused naming `what` when its
+    rows do not fit the batch."""
+    value = value.reshape(-1)
+    if value.numel() == 1:
+        return value.expand(batch_size).clone()
+    if value.numel() != batch_size:
+        raise ValueError(f"{what} has {value.numel()} rows but the batch has {batch_size}; "
+                         f"give one per prompt or a single number")
+    return value.clone()
+
+
 class Scheduled(Layer):
     """A layer acting on the positions its schedule picks; subclasses define `act(x, on, inputs)`.
 
@@ -43,7 +63,6 @@ class Scheduled(Layer):
     """
 
     uses_positions = True
-    kind = "op"  # what the layer does, for messages and repr
 
     def __init__(self, name, when=None):
         super().__init__()
