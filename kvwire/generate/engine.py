@@ -35,6 +35,7 @@ from collections import Counter, deque
 import torch
 
 from ..io.heap import give_back_freed_memory
+from .constrain import mask_logits
 from .loop import Stopper, nonfinite_error
 from .pick import choose, take_rows
 from .prefix import copy_positions
@@ -109,6 +110,7 @@ class Engine:
         self.waiting, self.jobs = deque(), []
         self._inbox = queue.SimpleQueue()
         self.decode_steps, self.decode_seconds, self.prefill_seconds = 0, 0.0, 0.0
+        self.mask_seconds = 0.0  # computing constrained rows' token masks (part of the steps' time)
         # what the scheduler did: prefills straight into rows / through a scratch cache, decode
         # steps whose rows were at different places of their timelines
         self.stats = Counter()
@@ -117,7 +119,7 @@ class Engine:
 
     def submit(self, prompt, max_new_tokens, *, sampler=None, seed=None, stop_ids=(), stop_strings=(),
                inputs=None, repetition_penalty=None, logprobs=True, top_logprobs=0, listener=None,
-               reuse_prefix=True, label=None, prefix_key=None):
+               reuse_prefix=True, label=None, prefix_key=None, constraint=None):
         """Queue a sequence; returns its `Sequence` (it runs at the engine's next steps).
 
         Args:
@@ -133,6 +135,10 @@ class Engine:
             reuse_prefix: look the prompt up in (and store the result into) the prefix store.
             prefix_key: what else the row's keys/values depend on, hashable (e.g. a digest of the
                 vectors a server lent it); part of its prefix-store key.
+            constraint: a `kvwire.generate.constrain.Constraint` the output must match (JSON schema,
+                regex, grammar): the row samples only tokens it allows and ends where it is complete.
+                Compile it first (`constraint.compile(tokenizer, vocab_size)`) to keep that cost off
+                the caller's thread here. Not with stop strings (the grammar decides the end).
         Raises `RequestError` (a ValueError) for a prompt + budget that does not fit max_length or
         the context, unknown inputs, or other bad values (see `kvwire.generate.request`).
         """
@@ -148,11 +154,16 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; this model has none", "stop")
         sampler, top_logprobs = check_sampler(sampler, beams=False), check_top(top_logprobs)
         stop_ids = stop_token_ids(stop_ids, self.vocab_size, "stop_ids")
+        if constraint is not None and stop_strings:
+            raise RequestError(f"stop strings {list(stop_strings)!r:.60} cannot be combined with a constraint "
+                               f"({constraint.param}): the grammar decides where the output ends", "stop")
+        matcher = None if constraint is None else constraint.matcher(self.tokenizer, self.vocab_size)
         generator = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
         stopper = Stopper(stop_ids, stop_strings, self.tokenizer if stop_strings else None)
         seq = Sequence(prompt, max_new_tokens, sampler, generator, stopper,
                        dict(inputs or {}), repetition_penalty, logprobs, top_logprobs, listener, reuse_prefix,
                        label or f"request {next(_numbers)}")
+        seq.matcher = matcher
         if self.prefix_store is not None and reuse_prefix:
             # keys/values depend on every runtime input's value, given or default ({} and a strength
             # of 0.0 compute the same thing and share entries)
@@ -432,6 +443,18 @@ class Engine:
             logits, seqs = logits[keep], [seqs[i] for i in keep]
             if not seqs:
                 return
+        logits, stuck, seconds = mask_logits(logits, seqs)
+        self.mask_seconds += seconds
+        if stuck:
+            for i, why in stuck:
+                seqs[i].error = RequestError(f"{seqs[i].label}: constrained decoding stopped after "
+                                             f"{len(seqs[i].tokens)} tokens: {why}", "constraint")
+                self._release(seqs[i])
+                self._finish(seqs[i], "error")
+            keep = [i for i in range(len(seqs)) if not seqs[i].done]
+            logits, seqs = logits[keep], [seqs[i] for i in keep]
+            if not seqs:
+                return
         tokens, chosen_lp, tops = choose(logits, seqs)
         now = time.perf_counter()
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
@@ -447,6 +470,8 @@ class Engine:
                 seq.top_logprobs.append(tops[i])
             if seq.seen is not None:
                 seq.seen[token] = True
+            if seq.matcher is not None and self._constrained_end(seq, token):
+                continue
             if seq.stopper.text_stops(seq.tokens):
                 self._complete(seq, "stop", fed=len(seq.tokens) - 1)  # the last one was never fed
             elif len(seq.tokens) >= seq.max_new_tokens:
@@ -455,6 +480,20 @@ class Engine:
                 seq.pending = token
                 if seq.listener is not None:
                     seq.listener(seq)
+
+    def _constrained_end(self, seq, token):
+        """Advance a constrained row's grammar by its new token; True when that ended the row (the
+        grammar is complete and takes nothing more, or it refused the token)."""
+        if not seq.matcher.take(token):
+            seq.error = RequestError(f"{seq.label}: the grammar refused token {token} "
+                                     f"({seq.matcher.error or 'no reason given'})", "constraint")
+            self._release(seq)
+            self._finish(seq, "error")
+            return True
+        if seq.matcher.finished:
+            self._complete(seq, "stop", fed=len(seq.tokens) - 1)  # the last one was never fed
+            return True
+        return False
 
     # -- finishing --------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ them. Requests are checked by `kvwire.generate.request`; rows run in the engine 
 `Session` of its own)."""
 import torch
 
-from . import request
+from . import constrain, request
 from .engine import Engine
 from .loop import Generation, Stopper, beam_search, finish
 from .samplers import BeamSearch
@@ -18,7 +18,8 @@ class GenerationMethods:
     _prefix_store = None
 
     def generate(self, prompt, max_new_tokens=None, max_length=None, *, sampler=None, seed=None, stop=(),
-                 stop_token_ids=(), repetition_penalty=None, ignore_eos=False, return_logprobs=False, inputs=None):
+                 stop_token_ids=(), repetition_penalty=None, ignore_eos=False, return_logprobs=False, inputs=None,
+                 json_schema=None, regex=None, grammar=None):
         """Continue `prompt` through the cached graph.
 
         Args:
@@ -37,6 +38,11 @@ class GenerationMethods:
                 log-probabilities, timings) instead of the continuation alone.
             inputs: values for the cached graph's runtime inputs, {name: (B,) tensor}, e.g.
                 {"steer_strength": torch.tensor([4.0, 0.0])}; others take their defaults.
+            json_schema: the output must be JSON valid against this schema (a dict, a JSON string
+                or a pydantic model class); regex: must match this pattern; grammar: must be a
+                sentence of this Lark or GBNF grammar (at most one of the three; see
+                `kvwire.generate.constrain`). A row then ends where its output is complete; one cut
+                by max_new_tokens is a valid prefix.
 
         Returns:
             The continuation only: str for a str, list of str for a list, a 1-D id tensor for a
@@ -45,12 +51,14 @@ class GenerationMethods:
         Example:
             >>> lm.generate("The capital of France is", max_new_tokens=8)
             >>> lm.generate(["Hello", "Once upon a time"], sampler=kw.TopP(0.9), seed=1)
+            >>> lm.generate("Alice is 30.", json_schema={"type": "object", "properties": {"age": {"type": "integer"}}})
         """
         rows = request.prompt_rows(prompt, self.encode, self.vocab_size)
         text = not isinstance(prompt, torch.Tensor)  # the record carries texts unless ids came as one tensor
         gen = _last(self._start(rows, max_new_tokens, max_length, text=text, logprobs=return_logprobs,
                                 sampler=sampler, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-                                repetition_penalty=repetition_penalty, ignore_eos=ignore_eos, inputs=inputs))
+                                repetition_penalty=repetition_penalty, ignore_eos=ignore_eos, inputs=inputs,
+                                json_schema=json_schema, regex=regex, grammar=grammar))
         if return_logprobs:
             return gen
         if isinstance(prompt, str):
@@ -190,7 +198,7 @@ class GenerationMethods:
 
     def _start(self, rows, max_new_tokens, max_length, *, text, logprobs=True, sampler=None, seed=None, stop=(),
                stop_token_ids=(), repetition_penalty=None, ignore_eos=False, inputs=None, extra_stop_ids=(),
-               prefix_store=None):
+               prefix_store=None, json_schema=None, regex=None, grammar=None):
         """Check a request of token-id `rows` and start it: an iterator of growing `Generation`
         records, the last one finished (beam search yields only the finished one). logprobs=False:
         the records' log-probabilities are NaN (sampling skips computing them). `text`: decode
@@ -206,6 +214,12 @@ class GenerationMethods:
         stop_ids = request.stop_token_ids(stop_token_ids, runner.vocab_size) \
             + (() if ignore_eos else tuple(runner.eos_token_ids)) + tuple(extra_stop_ids)
         stopper = Stopper(stop_ids, stop, runner.tokenizer if text or stop else None)
+        constraint = constrain.from_options(json_schema, regex, grammar)
+        if constraint is not None:
+            if isinstance(sampler, BeamSearch):
+                raise request.RequestError("constrained decoding samples row by row (kw.Greedy, kw.TopP, ...); "
+                                           "beam search does not take json_schema, regex or grammar", "sampler")
+            constraint.compile(runner.tokenizer, runner.vocab_size)  # a bad schema raises before any work
         if isinstance(sampler, BeamSearch):
             if stop:
                 raise request.RequestError("stop strings are not supported with beam search", "stop")
@@ -223,7 +237,7 @@ class GenerationMethods:
         seqs = [engine.submit(row, new, sampler=sampler, seed=None if seed is None else seed + i,
                               stop_ids=stop_ids, stop_strings=stop, inputs=per_row[i],
                               repetition_penalty=repetition_penalty, logprobs=logprobs,
-                              reuse_prefix=prefix_store is not None, label=f"row {i}")
+                              reuse_prefix=prefix_store is not None, label=f"row {i}", constraint=constraint)
                 for i, row in enumerate(rows)]
         return _returning(runner.pool, engine, _records(engine, seqs, stopper))
 

@@ -27,6 +27,7 @@ class Sequence:
         self.submitted, self.first_token_at, self.finished_at = time.perf_counter(), None, None
         self.row, self.pending, self.seen, self.hit = None, None, None, None  # engine state
         self.steps = 0  # tokens sampled (the stop token included)
+        self.matcher = None  # a constrained row's `RowMatcher` (kvwire.generate.constrain)
         self.inputs_key = ()  # the runtime inputs' values, for the prefix store
         self._cancel = False
 
