@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..generate import request as checks
 from . import options
-from .errors import APIError
+from .errors import APIError, from_request_error
 from .render import ChoiceText, chat_logprobs, completion_logprobs, usage
 from .schemas import unsupported
 
@@ -112,11 +112,21 @@ class Handlers:
         if refused is not None:
             raise APIError(refused[1], param=refused[0], code="unsupported")
 
-    async def _answer(self, kind, prefix, body, rows, stop_ids, logprobs, top, request):
+    async def _answer(self, kind, prefix, body, rows, stop_ids, logprobs, top, request, constraint=None):
         n = options.choices(body, len(rows))
         seed = checks.seed(body.seed, rows=n)  # choice j draws from seed + j: every one must fit
         sampler, stops = options.sampler(body), options.stop_strings(body)
         inputs = options.steer_inputs(body, self.names)
+        constraint = constraint or options.constraint(body)
+        if constraint is not None:
+            if stops:
+                raise APIError("stop cannot be combined with response_format (or a required tool call): the "
+                               "grammar decides where the output ends", param="stop", code="invalid_value")
+            # compiling a large schema takes up to ~100 ms (llguidance drops the GIL): off the loop
+            try:
+                await asyncio.to_thread(constraint.compile, self.tokenizer, self.bridge.engine.vocab_size)
+            except checks.RequestError as e:
+                raise from_request_error(e) from None
         inline, slots = self._inline(body), []
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         submits = []
@@ -129,7 +139,7 @@ class Handlers:
             for j in range(n):  # choice j of a prompt draws from seed + j, as generate's rows
                 submits.append(dict(prompt=ids, max_new_tokens=new, sampler=sampler, stop_ids=stop_ids,
                                     seed=None if seed is None else seed + j, stop_strings=stops,
-                                    inputs=inputs, logprobs=logprobs, top_logprobs=top,
+                                    inputs=inputs, logprobs=logprobs, top_logprobs=top, constraint=constraint,
                                     label=f"{rid} choice {len(submits)}"))
         if inline:  # last: a slot is lent only to a request that passed every other check
             inputs, key, slots = self._lend(inline, inputs)

@@ -5,6 +5,7 @@ import keyword
 import torch
 
 from ..generate import request as checks
+from ..generate.constrain import Constraint
 from .errors import APIError
 
 MAX_CHOICES = 16  # n x prompts a request may ask for: bounds one request's share of the slots
@@ -87,3 +88,22 @@ def budget(request, prompt_length, max_length, limits):
     new = checks.new_tokens(prompt_length, asked, context=max_length, context_name="this server's context",
                             default=None, param=field, prompt_param=prompt_param)
     return new if asked is not None or cap is None else min(new, cap)
+
+
+def constraint(request):
+    """The `Constraint` a request's response_format asks for, or None ("text" or absent)."""
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint.json_object("response_format")
+    field = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}[fmt.type]
+    value = getattr(fmt, field)
+    if fmt.type == "json_schema":
+        value = None if value is None else value.schema_
+        field = "json_schema.schema"
+    if value is None:
+        raise APIError(f"response_format.{field} is required with type {fmt.type!r}", param=f"response_format.{field}",
+                       code="invalid_value")
+    make = {"json_schema": Constraint.json_schema, "regex": Constraint.regex, "grammar": Constraint.grammar}[fmt.type]
+    return make(value, param=f"response_format.{field}")

@@ -3,13 +3,14 @@
 Types are strict (a "0.5" string is not a number, true is not an int), so a wrong type is a 400
 naming the field rather than a guess; null is taken wherever OpenAI's spec allows it (the field's
 default). Fields OpenAI has and kvwire does not use are ignored, except those that would change the
-answer (`tools`, `response_format`, penalties, `echo`, `suffix`, `best_of`), which `unsupported`
-refuses. kvwire's own additions: `steer`, {control-vector name: strength}, and `steer_vectors`,
-vectors carried inline (see `kvwire.serve.inline`).
+answer (`tools`, penalties, `echo`, `suffix`, `best_of`), which `unsupported` refuses. kvwire's own
+additions: `steer`, {control-vector name: strength}, `steer_vectors`, vectors carried inline (see
+`kvwire.serve.inline`), and `response_format` types "regex" and "grammar" (both endpoints take
+`response_format`).
 """
-from typing import Any, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -27,6 +28,29 @@ class InlineVector(BaseModel):
     directions: dict[str, Union[str, list[Number]]]
     strength: Number = 1.0
     operation: str = "add"  # or "ablate": project the direction out
+
+
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's structured-output schema. The schema is enforced whether
+    or not `strict` is set (kvwire's constraint machinery has no best-effort mode)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """What the output must be: "text" (anything), "json_object", "json_schema" (OpenAI's), or
+    kvwire's extensions "regex" (`regex`: a pattern the whole output matches) and "grammar"
+    (`grammar`: Lark, as llguidance reads it, or GBNF)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JSONSchemaFormat | None = None
+    regex: str | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
 
 
 class _Sampling(BaseModel):
@@ -47,6 +71,7 @@ class _Sampling(BaseModel):
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatRequest(_Sampling):
@@ -57,7 +82,6 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -79,9 +103,6 @@ def unsupported(request):
         return "logit_bias", "logit_bias is not supported"
     if getattr(request, "tools", None):
         return "tools", "tools (function calling) are not supported"
-    fmt = getattr(request, "response_format", None)
-    if fmt and fmt.get("type") not in (None, "text"):
-        return "response_format", f"response_format {fmt.get('type')!r} is not supported (only 'text')"
     if getattr(request, "echo", False):
         return "echo", "echo is not supported"
     if getattr(request, "suffix", None):
