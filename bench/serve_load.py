@@ -114,15 +114,16 @@ class Reply:
     error: str = ""
 
 
-async def chat(client, model, messages, max_tokens, steer=None):
+async def chat(client, model, messages, max_tokens, steer=None, extra=None):
     """Send one streaming greedy chat completion; never raises for the server's failures.
-    steer: None, {name: strength} (named vectors) or a list of inline vectors (`steer_vectors`)."""
+    steer: None, {name: strength} (named vectors) or a list of inline vectors (`steer_vectors`);
+    extra: more body fields (e.g. {"response_format": ...})."""
     reply, chunks, start = Reply(), 0, time.perf_counter()
     try:
         stream = await client.chat.completions.create(
             model=model or "default", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body=None if not steer else
-            {"steer_vectors": steer} if isinstance(steer, list) else {"steer": steer})
+            stream_options={"include_usage": True}, extra_body={**(extra or {}), **({} if not steer else
+            {"steer_vectors": steer} if isinstance(steer, list) else {"steer": steer})} or None)
         async for chunk in stream:
             for choice in chunk.choices:
                 if choice.delta and choice.delta.content:
@@ -194,14 +195,14 @@ def openai_client(url, timeout=600):
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=timeout)
 
 
-async def _load(url, model, clients, requests, max_tokens, steer_of):
+async def _load(url, model, clients, requests, max_tokens, steer_of, extra_of=lambda k: None):
     async with openai_client(url) as client:
         async def one_client(c):
             out = []
             for j in range(requests):
                 k = c * requests + j
                 messages = [{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}]
-                out.append(await chat(client, model, messages, max_tokens, steer_of(k)))
+                out.append(await chat(client, model, messages, max_tokens, steer_of(k), extra_of(k)))
             return out
 
         start = time.perf_counter()
@@ -210,10 +211,11 @@ async def _load(url, model, clients, requests, max_tokens, steer_of):
     return Load([r for replies in per_client for r in replies], wall)
 
 
-def run_load(url, model, clients, requests, max_tokens, steer_of=lambda k: None):
+def run_load(url, model, clients, requests, max_tokens, steer_of=lambda k: None, extra_of=lambda k: None):
     """`clients` concurrent clients, each sending `requests` streaming chat completions one after the
-    other (request k = client * requests + j gets PROMPTS[k % 5] and steer_of(k)); a `Load`."""
-    return asyncio.run(_load(url, model, clients, requests, max_tokens, steer_of))
+    other (request k = client * requests + j gets PROMPTS[k % 5], steer_of(k) and the body fields
+    extra_of(k)); a `Load`."""
+    return asyncio.run(_load(url, model, clients, requests, max_tokens, steer_of, extra_of))
 
 
 WORDS = ("river town market winter road garden teacher letter morning window harbor bridge mountain "

@@ -3,6 +3,7 @@ for them (or stream them as server-sent events), and answer in OpenAI's shapes."
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -10,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..generate import request as checks
+from ..generate.constrain import ll_tokenizer
 from . import options
 from .errors import APIError, from_request_error
 from .render import ChoiceText, chat_logprobs, completion_logprobs, usage
@@ -24,6 +26,9 @@ class Handlers:
     def __init__(self, lm, model_name, bridge, names, limits, inline=None):
         self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
         self.tokenizer, self.limits, self.inline = lm.tokenizer, limits, inline
+        # llguidance's view of the vocabulary takes ~0.3 s (49k tokens) to ~2 s (262k): built now, on a
+        # thread, so the first request with a response_format does not wait for it
+        threading.Thread(target=_warm_constraints, args=(lm.tokenizer, lm.vocab_size), daemon=True).start()
 
     def use(self, lm, names):
         """Serve a new steered model of the same base (a control vector was added); on the loop."""
@@ -248,6 +253,13 @@ class _Reply:
         log.info("%s %s: prompt %d tokens (%d cached), completion %d tokens, first token %s, %s, finish %s",
                  self.rid, self.kind, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
                  u["completion_tokens"], ttft, rate, reasons)
+
+
+def _warm_constraints(tokenizer, vocab_size):
+    try:
+        ll_tokenizer(tokenizer, vocab_size)
+    except Exception:  # noqa: BLE001 - only a head start: a request builds it (and reports failures) itself
+        pass
 
 
 def _sse(obj):
