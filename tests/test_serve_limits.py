@@ -1,7 +1,10 @@
-"""What one request may ask of the server (body bytes, prompt tokens, max_tokens), memory planned at
-start-up, tokenising off the event loop, and message content read as text over HTTP."""
+"""What one request may ask of the server (body bytes, prompt tokens, max_tokens, wall time), how many
+may wait (429), memory planned at start-up, tokenising off the event loop, and message content read
+as text over HTTP."""
+import json
 import logging
 import threading
+import time
 
 import pytest
 
@@ -189,3 +192,77 @@ def test_the_serve_command_takes_the_limit_flags():
 
     assert from_args(args) == Limits(body_bytes=1000, prompt_tokens=50, max_tokens=7)
     assert args.max_batch is None  # a default the memory plan may lower
+
+
+def _held_until(bridge, waiting):
+    deadline = time.monotonic() + 30
+    while bridge.waiting < waiting:
+        assert time.monotonic() < deadline, f"{bridge.waiting} sequences wait, expected {waiting}"
+        time.sleep(0.01)
+
+
+def test_a_full_queue_gets_429_with_retry_after_and_the_server_goes_on(lm):
+    """The engine is held between steps (its gate), so the requests sent meanwhile wait: the third
+    finds two waiting, the limit, and is refused at once; the two waiting are answered after."""
+    server = Server(create_app(lm, "tiny", max_batch=1, max_length=64, limits=Limits(max_waiting=2)))
+    bridge, answers = server.app.state.bridge, []
+    try:
+        with bridge.gate.exclusive():
+            workers = [threading.Thread(target=lambda: answers.append(_chat(server, max_tokens=2)))
+                       for _ in range(2)]
+            for w in workers:
+                w.start()
+            _held_until(bridge, 2)
+            refused = _chat(server, max_tokens=2)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"] == {
+                "message": "the server is busy: 2 sequences are waiting for a row, its limit (--max-waiting 2); "
+                           "retry shortly", "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+            assert httpx.get(f"{server.url}/health").json()["waiting"] == 2
+        for w in workers:
+            w.join(60)
+        assert [a.status_code for a in answers] == [200, 200]
+        assert _chat(server, max_tokens=2).status_code == 200
+    finally:
+        server.close()
+
+
+def test_a_request_past_its_time_gets_504_and_the_server_goes_on(lm):
+    server = Server(create_app(lm, "tiny", max_batch=2, max_length=64, limits=Limits(request_seconds=0.3)))
+    bridge = server.app.state.bridge
+    try:
+        with bridge.gate.exclusive():  # no step runs: nothing can finish in time
+            start = time.monotonic()
+            late = _chat(server, max_tokens=2)
+            assert late.status_code == 504 and time.monotonic() - start >= 0.3
+            assert late.json()["error"] == {
+                "message": "the request ran past this server's limit of 0.3 seconds (--request-timeout); it was "
+                           "cancelled", "type": "server_error", "param": None, "code": "timeout"}
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                              json={"messages": HELLO, "max_tokens": 2, "stream": True}) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200 and "[DONE]" not in lines[-1]
+            assert json.loads(lines[-1][6:])["error"]["code"] == "timeout"  # the stream ends with the error
+        deadline = time.monotonic() + 30
+        while not bridge.engine.idle:  # the cancelled rows are dropped at the next step
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _chat(server, max_tokens=2).status_code == 200
+        metrics = server.app.state.metrics.registry
+        assert metrics.get_sample_value("kvwire_generation_requests_total", {"finish_reason": "timeout"}) == 2
+    finally:
+        server.close()
+
+
+def test_the_queue_and_time_limits_are_checked_and_read_from_their_flags():
+    from kvwire.cli import parser
+    from kvwire.serve.limits import from_args
+
+    args = parser().parse_args(["serve", "--max-waiting", "5", "--request-timeout", "2.5"])
+    assert from_args(args) == Limits(max_waiting=5, request_seconds=2.5)
+    with pytest.raises(ValueError, match=r"--request-timeout must be a positive number of seconds, got 0"):
+        Limits(request_seconds=0)
+    with pytest.raises(ValueError, match=r"--request-timeout must be a positive number of seconds, got inf"):
+        Limits(request_seconds=float("inf"))
+    with pytest.raises(ValueError, match=r"--max-waiting must be a positive int, got 1.5"):
+        Limits(max_waiting=1.5)

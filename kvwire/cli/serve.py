@@ -9,7 +9,7 @@ from .options import load_model, model_options, named_files, quantize_option
 def add(commands):
     s = commands.add_parser("serve", help="serve the model over OpenAI's HTTP API",
                             description="An OpenAI-compatible server: POST /v1/chat/completions, /v1/completions, "
-                            "GET /v1/models, /health. Requests choose control-vector strengths with "
+                            "GET /v1/models, /health, /metrics. Requests choose control-vector strengths with "
                             "\"steer\": {NAME: strength} (absent names: 0).")
     model_options(s)
     quantize_option(s)
@@ -28,22 +28,50 @@ def add(commands):
     s.add_argument("--inline-per-request", type=int, default=2, metavar="N",
                    help="inline vectors one request may carry (default %(default)s)")
     limits.add_arguments(s)
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; also $KVWIRE_API_KEYS, "
+                   "comma-separated, which keeps keys off the command line); /health, the playground page and "
+                   "/docs stay open")
+    s.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="an origin whose pages may call the API from a browser, e.g. https://app.example.com "
+                   "(repeatable; default: none)")
+    s.add_argument("--no-playground-training", dest="playground_training", action="store_false",
+                   help="the playground's training and sweep endpoints answer 403 (its vectors can still be listed "
+                   "and downloaded)")
     s.set_defaults(run=run)
+
+
+def api_keys(args):
+    """The keys of --api-key and $KVWIRE_API_KEYS together (None: neither gives one). An empty one is
+    refused later, never dropped: `--api-key "$UNSET"` must not start a server open to all."""
+    from ..kernels import switches
+
+    keys = list(args.api_key or [])
+    listed = switches.get("KVWIRE_API_KEYS")
+    if listed is not None:
+        keys += [k.strip() for k in listed.split(",") if k.strip()] or [""]
+    return keys or None
 
 
 def run(args):
     import logging
 
     from ..serve import create_app, serve
+    from ..serve.auth import check_keys
     from ..steer import ControlVector
 
     named = named_files(args.control_vector or [])  # refuse bad NAME=FILE before loading anything
     bounds = limits.from_args(args)
+    keys = api_keys(args)
+    if keys is not None:
+        check_keys(keys)  # before the model loads: a bad key is refused at once
     vectors = {name: ControlVector.load(path) for name, path in named.items()}
     lm = load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors,
-                     limits=bounds, inline_slots=args.inline_slots, inline_per_request=args.inline_per_request)
+                     limits=bounds, inline_slots=args.inline_slots, inline_per_request=args.inline_per_request,
+                     api_keys=keys, cors_origins=args.cors_origin, playground_training=args.playground_training)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
-          f"{', '.join(vectors) or 'none'}); playground: http://{args.host}:{args.port}/", file=sys.stderr)
+          f"{', '.join(vectors) or 'none'}; API keys: {len(keys) if keys else 'none, open to all'}); "
+          f"playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)

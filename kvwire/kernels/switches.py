@@ -17,12 +17,14 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Switch:
     """name: the variable. choices: the values it takes (lower case; None: free-form). default: what
-    applies while it is unset. chooses: what it decides. doc: one line on each value."""
+    applies while it is unset. chooses: what it decides. doc: one line on each value. secret: never
+    shown (`current()` and `kvwire info` say only whether it is set)."""
     name: str
     choices: tuple | None
     default: str
     chooses: str
     doc: str
+    secret: bool = False
 
 
 CHOSEN = "chosen for this CPU"
@@ -42,6 +44,9 @@ TABLE = {s.name: s for s in (
            "a folder; created when first written"),
     Switch("KVWIRE_THREADS", None, "torch's default (one per core)", "the threads of torch's CPU pool in kvwire's "
            "commands", "a positive int; a command's --threads wins over it"),
+    Switch("KVWIRE_API_KEYS", None, "none (no key needed)", "keys `kvwire serve` takes besides its --api-key flags",
+           "comma-separated keys; kept off the command line, where other users of the machine can read them",
+           secret=True),
 )}
 
 
@@ -81,5 +86,10 @@ def cache_root():
 def current():
     """{name: {"value": as set or None, "default": ..., "choices": [...] or None}} for every switch
     (values unvalidated: `kvwire info` reports a bad one where the path it sets is refused)."""
-    return {s.name: {"value": os.environ.get(s.name) or None, "default": s.default,
+    return {s.name: {"value": _shown(s), "default": s.default,
                      "choices": None if s.choices is None else list(s.choices)} for s in TABLE.values()}
+
+
+def _shown(switch):
+    value = os.environ.get(switch.name) or None
+    return "(hidden)" if switch.secret and value else value

@@ -3,15 +3,18 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from . import errors, memory
 from .api_docs import install_api_docs
+from .auth import APIKeys, check_keys, document_bearer
 from .errors import APIError
 from .handlers import Handlers
 from .inline import InlineBank
 from .body_limit import BodyLimit
 from .limits import FLAGS as LIMIT_FLAGS, Limits
+from .metrics import CountRequests, Metrics, install_metrics
 from .playground import install_playground
 from .schemas import ChatRequest, CompletionRequest
 from .vectors import ServedVectors
@@ -26,9 +29,10 @@ _EVENT = {"type": "object", "required": ["data"], "properties": {
 
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
                prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=None,
-               inline_per_request=2):
+               inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
-    GET /v1/models, GET /health. The engine's thread runs while the app does (its lifespan).
+    GET /v1/models, GET /health, and GET /metrics (Prometheus, `kvwire.serve.metrics`). The engine's
+    thread runs while the app does (its lifespan).
     With `playground`, also the steering page at / and its JSON endpoints under /kvwire/
     (`kvwire.serve.playground`).
 
@@ -47,20 +51,30 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         playground: serve the page and /kvwire/ endpoints (list, train, download vectors; graph; sweep).
             A vector trained there joins the served model (the engine swaps models once the running
             requests are done; new requests wait for that).
-        limits: a `Limits` (request body bytes, prompt tokens, max_tokens); default `Limits()`.
+        limits: a `Limits` (request body bytes, prompt tokens, max_tokens, sequences waiting, wall
+            time a request); default `Limits()`.
         memory_budget: bytes the caches (and the prefix store) may take; default 80% of what the
             machine and this process's cgroup have available at start-up.
         inline_slots: vectors requests may carry inline (`steer_vectors`) at once, server-wide
             (None: max_batch; 0: none); past them a 429 with Retry-After (see `kvwire.serve.inline`).
         inline_per_request: inline vectors one request may carry (more: 400).
+        api_keys: keys clients must send as `Authorization: Bearer KEY` (401 without one); None: no
+            key needed. /health, the playground page and the API docs stay open (`kvwire.serve.auth`).
+        cors_origins: origins whose pages may call the API from a browser (CORS; None: none).
+        playground_training: False: the playground's training and sweep endpoints answer 403.
 
     Example:
-        >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec})
+        >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec},
+        ...                  api_keys=["sk-local"], limits=Limits(max_waiting=64, request_seconds=120))
         >>> uvicorn.run(app, host="127.0.0.1", port=8000)
     """
     if lm.tokenizer is None:
         raise ValueError("the served model has no tokenizer; the API takes text")
     limits = Limits() if limits is None else limits
+    if api_keys is not None:
+        check_keys(api_keys)  # the middleware is built at the first request: refuse bad keys now
+    if isinstance(cors_origins, str):
+        raise TypeError(f"cors_origins must be a list of origins, got the str {cors_origins!r}")
     max_batch, max_length = _sizes(lm, max_batch, max_length, limits, prefix_bytes, memory_budget)
     inline_slots = max_batch if inline_slots is None else inline_slots
     if not isinstance(inline_slots, int) or inline_slots < 0:
@@ -69,6 +83,8 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length, grow=True),
                            prefix_bytes=prefix_bytes, inline=inline)
     bridge = served.bridge
+    metrics = Metrics(bridge)
+    bridge.max_waiting, bridge.request_seconds, bridge.metrics = limits.max_waiting, limits.request_seconds, metrics
     handlers = Handlers(served.model, model_name, bridge, served.names, limits, inline)
     served.listeners.append(handlers.use)
     created = int(time.time())
@@ -83,13 +99,23 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
 
     app = FastAPI(title="kvwire", summary=f"OpenAI-compatible API over kvwire ({model_name})", lifespan=lifespan,
                   docs_url=None, redoc_url=None)  # served from packaged files instead (no CDN)
+    # the last added runs first: CORS (answers preflights), counting, keys, the body's size, JSON
     app.add_middleware(JSONBodies)
-    app.add_middleware(BodyLimit, limit=limits.body_bytes)  # outermost: before anything reads the body
-    app.state.bridge, app.state.served = bridge, served
+    app.add_middleware(BodyLimit, limit=limits.body_bytes)  # before anything reads the body
+    if api_keys is not None:
+        app.add_middleware(APIKeys, keys=api_keys)  # a client without a key sends no body worth reading
+    app.add_middleware(CountRequests, metrics=metrics, routes=app.routes)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"])
+    app.state.bridge, app.state.served, app.state.metrics = bridge, served, metrics
     errors.install(app)
+    if api_keys is not None:
+        document_bearer(app)
     install_api_docs(app)
+    install_metrics(app, metrics)
     if playground:
-        install_playground(app, served, model_name)
+        install_playground(app, served, model_name, training=playground_training)
 
     # a request with "stream": true is answered as server-sent events (the schema says both)
     streamed = {200: {"description": "the answer: JSON, or server-sent events of chunks with \"stream\": true",
@@ -125,7 +151,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         if not bridge.alive:
             return JSONResponse({"status": "error", "error": repr(bridge.failure)}, status_code=503)
         engine = bridge.engine
-        return {"status": "ok", "model": model_name, "waiting": len(engine.waiting),
+        return {"status": "ok", "model": model_name, "waiting": bridge.waiting,
                 "running": sum(r is not None for r in engine.rows)}
 
     return app

@@ -9,6 +9,10 @@ that is running, and the engine waits for it (generation pauses while a vector t
 `swap(engine)` replaces the served engine (a model with one more control vector) by draining: new
 requests go to the new engine at once and wait in its queue, the thread finishes what the old
 engine is running, then serves the new one. A running sequence never changes model mid-stream.
+
+Operators' bounds live here too, where a request's sequences enter and leave: `max_waiting` (a
+request that finds the queue full gets 429) and `request_seconds` (a request past it is cancelled,
+504); and a `metrics` object, if any, hears of each request's sequences once they are over.
 """
 import asyncio
 import logging
@@ -17,6 +21,7 @@ from contextlib import contextmanager
 
 from ..generate.request import RequestError
 from .errors import APIError, from_request_error
+from .limits import FLAGS
 
 log = logging.getLogger("kvwire.serve")
 _FAILED = -1  # queued to every run when the engine thread dies
@@ -24,6 +29,16 @@ _FAILED = -1  # queued to every run when the engine thread dies
 
 class EngineThread:
     """Runs `engine.serve_forever` on a daemon thread between `start()` and `stop()`.
+
+    Args:
+        engine: the `Engine` to serve (`swap` moves on to another).
+        max_waiting: sequences that may wait for a row; `run` refuses a request (429) that finds that
+            many waiting. None: no bound.
+        request_seconds: each request's wall time from `run`; past it `Run.updates` cancels its
+            sequences and raises a 504 `APIError`. None: no bound.
+        metrics: an object with `record(seqs, firsts, timed_out)` (`kvwire.serve.metrics.Metrics`),
+            called on the event loop once per request when its updates end (finished, failed, timed
+            out or gone); None: nothing recorded.
 
     Example:
         >>> bridge = EngineThread(Engine(lm, max_batch=8))
@@ -33,12 +48,19 @@ class EngineThread:
         >>> bridge.stop()
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, *, max_waiting=None, request_seconds=None, metrics=None):
         self.engine = engine
+        self.max_waiting, self.request_seconds, self.metrics = max_waiting, request_seconds, metrics
         self.failure = None  # the exception that stopped the engine thread, if any
         self._stop, self._thread, self._runs = threading.Event(), None, set()
         self.swaps = 0  # engines the thread has moved on to
         self.gate = Gate()
+
+    @property
+    def waiting(self):
+        """Sequences queued for a row: the engine's queue and what was submitted since its last step."""
+        engine = self.engine
+        return len(engine.waiting) + engine._inbox.qsize()  # both safe to read from another thread
 
     @property
     def alive(self):
@@ -90,7 +112,16 @@ class EngineThread:
         if not self.alive:
             raise APIError(f"the engine is not running ({self.failure!r})", status=503, type="server_error",
                            code="engine_stopped")
+        waiting = self.waiting
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            # type "requests": what OpenAI's own rate limits say; clients read the status and Retry-After
+            raise APIError(f"the server is busy: {waiting} sequences are waiting for a row, its limit "
+                           f"({FLAGS['max_waiting']} {self.max_waiting}); retry shortly", code="rate_limit_exceeded",
+                           status=429, type="requests", headers={"Retry-After": "1"})
         run = Run(self, asyncio.get_running_loop())
+        # choices of one prompt are submitted with the same ids object: metrics count that prompt once
+        run.firsts = [i for i, o in enumerate(requests)
+                      if i == 0 or o.get("prompt") is not requests[i - 1].get("prompt")]
         try:
             for i, options in enumerate(requests):
                 run.seqs.append(self.engine.submit(**options, listener=run.listener(i)))
@@ -166,6 +197,9 @@ class Run:
     def __init__(self, bridge, loop):
         self.bridge, self.loop, self.seqs = bridge, loop, []
         self.queue = asyncio.Queue()
+        self.firsts = None  # indices of the sequences that start a prompt (for metrics; None: each does)
+        seconds = bridge.request_seconds
+        self.deadline, self.timed_out = None if seconds is None else loop.time() + seconds, False
 
     def notify(self, index):
         try:
@@ -179,11 +213,19 @@ class Run:
     async def updates(self, poll=0.5):
         """Yield the set of choice indices that changed (empty every `poll` seconds without news,
         so callers can check the client is still there) until every sequence is done, then all of them
-        once more: every sequence is then done."""
+        once more: every sequence is then done. Past the bridge's `request_seconds` the sequences are
+        cancelled and a 504 `APIError` raised."""
         try:
             while not all(s.done for s in self.seqs):
+                wait = poll if self.deadline is None else min(poll, self.deadline - self.loop.time())
+                if wait <= 0:
+                    self.timed_out = True
+                    self.cancel()  # as for a client gone: the engine frees the rows at its next step
+                    raise APIError(f"the request ran past this server's limit of {self.bridge.request_seconds:g} "
+                                   f"seconds ({FLAGS['request_seconds']}); it was cancelled", status=504,
+                                   type="server_error", code="timeout")
                 try:
-                    changed = {await asyncio.wait_for(self.queue.get(), poll)}
+                    changed = {await asyncio.wait_for(self.queue.get(), wait)}
                 except asyncio.TimeoutError:
                     changed = set()
                 while not self.queue.empty():
@@ -195,6 +237,8 @@ class Run:
             yield set(range(len(self.seqs)))  # the final state of all (some finished after their last news)
         finally:
             self.bridge._runs.discard(self)
+            if self.bridge.metrics is not None:
+                self.bridge.metrics.record(self.seqs, self.firsts, self.timed_out)
 
     def cancel(self):
         """The client went away: free its rows (thread-safe; the engine drops them at its next step)."""

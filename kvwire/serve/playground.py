@@ -9,6 +9,10 @@ network) and kvwire's own JSON endpoints under /kvwire/ that it uses:
     GET  /kvwire/graph                {svg, steer_nodes}: kw.plot of the served backbone
     POST /kvwire/sweep                {vector, strengths, prompt?, ...} -> kw.steer.sweep's data
 
+With `training=False` (`kvwire serve --no-playground-training`) /kvwire/train and /kvwire/sweep
+answer 403: the page still lists, draws and hands out the vectors the server was started with, but
+no client can make the server train (minutes of CPU, the engine paused) or sweep.
+
 Training, a sweep and drawing the graph run off the event loop with the engine paused between
 steps (`EngineThread.gate`: torch.fx tracing must not overlap a forward on another thread).
 Errors have OpenAI's shape ({"error": {"message", ...}}), as the API's, so the page shows
@@ -20,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from fastapi import Response
+from fastapi import Depends, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
@@ -135,9 +139,12 @@ class Jobs:
         return job
 
 
-def install_playground(app, served, model_name):
-    """Add the page and the /kvwire/ endpoints to `app` (see the module docstring)."""
+def install_playground(app, served, model_name, training=True):
+    """Add the page and the /kvwire/ endpoints to `app` (see the module docstring); with
+    `training=False` the training and sweep endpoints answer 403."""
     jobs = Jobs(served)
+    # a dependency runs before the body is read and checked: refused is refused, whatever was sent
+    allowed = [] if training else [Depends(_training_off)]
     graphs = {}  # served.version -> the graph's answer (drawing takes dot a moment)
 
     @app.get("/", include_in_schema=False)
@@ -150,7 +157,7 @@ def install_playground(app, served, model_name):
     async def info():
         return {"model": model_name, "max_length": served.max_length, "blocks": sorted(served.blocks()),
                 "methods": list(METHODS), "default_method": DEFAULT_METHOD, "sites": list(SITES),
-                "operations": list(OPERATIONS),
+                "operations": list(OPERATIONS), "training": training,
                 "vectors": [served.describe(n) for n in served.names], "version": served.version}
 
     @app.get("/kvwire/vectors")
@@ -169,7 +176,7 @@ def install_playground(app, served, model_name):
         return Response(data, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{name}.gguf"'})
 
-    @app.post("/kvwire/train", status_code=202)
+    @app.post("/kvwire/train", status_code=202, dependencies=allowed)
     async def train(body: TrainRequest):
         return jobs.start(body)
 
@@ -186,9 +193,15 @@ def install_playground(app, served, model_name):
             graphs[version] = {"svg": svg, "steer_nodes": served.steer_nodes(model), "version": version}
         return graphs[version]
 
-    @app.post("/kvwire/sweep")
+    @app.post("/kvwire/sweep", dependencies=allowed)
     async def sweep(body: SweepRequest):
         return JSONResponse(await asyncio.to_thread(served.exclusive, _sweep, served, body))
+
+
+def _training_off():
+    raise APIError("this server does not train vectors or run sweeps (started with --no-playground-training); "
+                   "listing, drawing and downloading its vectors still work", code="training_disabled", status=403,
+                   type="permission_error")
 
 
 def _gguf_bytes(vector):

@@ -17,17 +17,46 @@ async function failure(response) {
     { status: response.status, param });
 }
 
+// A server started with --api-key answers 401 without "Authorization: Bearer KEY": the page asks
+// for the key once, keeps it for this tab (sessionStorage) and sends it on every call.
+const KEY = "kvwire-api-key";
+
+function withKey(options, key) {
+  return key ? { ...options, headers: { ...(options.headers || {}), authorization: `Bearer ${key}` } } : options;
+}
+
+function askForKey(refused) {
+  const key = window.prompt(refused ? "The server refused that API key. API key:"
+    : "This server needs an API key (kvwire serve --api-key). API key:");
+  if (key === null || !key.trim()) return false;
+  sessionStorage.setItem(KEY, key.trim());
+  return true;
+}
+
 async function call(path, options = {}) {
-  let response;
-  try {
-    response = await fetch(path, options);
-  } catch (e) {
-    if (options.signal && options.signal.aborted) throw e;  // Stop before the reply began: not a lost server
-    lost(e);
-    throw new ServerGone(`cannot reach the server (${e.message})`);
+  for (;;) {
+    const sent = sessionStorage.getItem(KEY);
+    let response;
+    try {
+      response = await fetch(path, withKey(options, sent));
+    } catch (e) {
+      if (options.signal && options.signal.aborted) throw e;  // Stop before the reply began: not a lost server
+      lost(e);
+      throw new ServerGone(`cannot reach the server (${e.message})`);
+    }
+    // another call may have been given a key meanwhile (compare mode sends several): retry with it
+    if (response.status === 401 && (sessionStorage.getItem(KEY) !== sent || askForKey(sent !== null))) continue;
+    if (!response.ok) throw await failure(response);
+    return response;
   }
-  if (!response.ok) throw await failure(response);
-  return response;
+}
+
+// Save a file the server sends (a vector's GGUF) through `call`, so the key goes with it.
+export async function download(path, filename) {
+  const blob = await (await call(path)).blob();
+  const link = Object.assign(document.createElement("a"), { href: URL.createObjectURL(blob), download: filename });
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
 }
 
 export async function getJSON(path) { return (await call(path)).json(); }

@@ -1,6 +1,6 @@
 // The page: tabs, the model and its control vectors (a slider and a number box each), sampling
 // settings; the tabs' own code is in play.js, train.js, graph.js and sweep.js.
-import { $, getJSON, onBack, parseNumber, show } from "./api.js";
+import { $, download, getJSON, onBack, parseNumber, show } from "./api.js";
 import { setupPlay } from "./play.js";
 import { setupTrain } from "./train.js";
 import { loadGraph, setupGraph } from "./graph.js";
@@ -40,6 +40,10 @@ function vectorItem(v) {
   const link = li.querySelector(".download");
   link.href = `/kvwire/vectors/${encodeURIComponent(v.name)}.gguf`;
   link.download = `${v.name}.gguf`;
+  link.addEventListener("click", (event) => {  // fetched, so a server's API key goes with it
+    event.preventDefault();
+    download(link.href, link.download).catch((e) => show(e.message, "error"));
+  });
   const acts = v.operation !== "add" || v.site !== "block_out" ? ` · ${v.operation} at ${v.site}` : "";
   li.querySelector(".layers").textContent = `blocks ${blocks(v.layers)}` + (v.method ? ` · ${v.method}` : "") + acts;
   const slider = li.querySelector("input[type=range]");
