@@ -31,15 +31,17 @@ def backend():
     return tok
 
 
-def tiny_chat_hf(**overrides):
+def tiny_chat_hf(context=256, **overrides):
     """A tiny random transformers llama whose ids fit `backend()`, ending turns at <|im_end|>."""
     end = backend().token_to_id("<|im_end|>")
-    return FAMILIES["llama"](vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=end, bos_token_id=end,
+    return FAMILIES["llama"](vocab_size=VOCAB, max_position_embeddings=context, eos_token_id=end, bos_token_id=end,
                              **overrides)
 
 
-def tiny_chat_lm():
-    lm = kw.from_hf(tiny_chat_hf())
+def tiny_chat_lm(context=256):
+    """`tiny_chat_hf` with its tokenizer and ChatML template; `context` positions (a tool schema in a
+    system message takes hundreds of byte tokens)."""
+    lm = kw.from_hf(tiny_chat_hf(context))
     b = backend()
     lm.tokenizer = Tokenizer(b, eos_token_ids=[b.token_to_id("<|im_end|>")], chat_template=ChatTemplate(CHATML))
     return lm

@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from ..serve import limits
+from ..serve import limits, ray_serve  # ray_serve imports no Ray until --ray runs
 from .options import load_model, model_options, named_files, quantize_option
 
 
@@ -35,9 +35,13 @@ def add(commands):
     s.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="an origin whose pages may call the API from a browser, e.g. https://app.example.com "
                    "(repeatable; default: none)")
+    s.add_argument("--no-tool-fallback", dest="tool_fallback", action="store_false",
+                   help="refuse tools (400) for a model whose chat template has no tool support, instead of kvwire's "
+                   "convention (tool schemas in a system message, calls as <tool_call> JSON)")
     s.add_argument("--no-playground-training", dest="playground_training", action="store_false",
                    help="the playground's training and sweep endpoints answer 403 (its vectors can still be listed "
                    "and downloaded)")
+    ray_serve.add_arguments(s)
     s.set_defaults(run=run)
 
 
@@ -66,11 +70,18 @@ def run(args):
     if keys is not None:
         check_keys(keys)  # before the model loads: a bad key is refused at once
     vectors = {name: ControlVector.load(path) for name, path in named.items()}
+    options = dict(max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors, limits=bounds,
+                   inline_slots=args.inline_slots, inline_per_request=args.inline_per_request, api_keys=keys,
+                   cors_origins=args.cors_origin, playground_training=args.playground_training,
+                   tool_fallback=args.tool_fallback)
+    if args.ray:  # each replica loads the model itself; this process only starts them
+        from functools import partial
+
+        loader = partial(load_model, argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
+        return ray_serve.run_from_args(args, loader, **options)
     lm = load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    app = create_app(lm, args.model, max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors,
-                     limits=bounds, inline_slots=args.inline_slots, inline_per_request=args.inline_per_request,
-                     api_keys=keys, cors_origins=args.cors_origin, playground_training=args.playground_training)
+    app = create_app(lm, args.model, **options)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}; API keys: {len(keys) if keys else 'none, open to all'}); "
           f"playground: http://{args.host}:{args.port}/", file=sys.stderr)

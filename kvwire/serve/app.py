@@ -29,7 +29,7 @@ _EVENT = {"type": "object", "required": ["data"], "properties": {
 
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
                prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=None,
-               inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True):
+               inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True, tool_fallback=True):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health, and GET /metrics (Prometheus, `kvwire.serve.metrics`). The engine's
     thread runs while the app does (its lifespan).
@@ -62,6 +62,9 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
             key needed. /health, the playground page and the API docs stay open (`kvwire.serve.auth`).
         cors_origins: origins whose pages may call the API from a browser (CORS; None: none).
         playground_training: False: the playground's training and sweep endpoints answer 403.
+        tool_fallback: chat requests with `tools` for a model whose template has no tool support use
+            kvwire's convention (tools in a system message, calls as <tool_call> JSON; see
+            docs/tools.md); False: such requests get a 400 naming the template.
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec},
@@ -85,7 +88,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     bridge = served.bridge
     metrics = Metrics(bridge)
     bridge.max_waiting, bridge.request_seconds, bridge.metrics = limits.max_waiting, limits.request_seconds, metrics
-    handlers = Handlers(served.model, model_name, bridge, served.names, limits, inline)
+    handlers = Handlers(served.model, model_name, bridge, served.names, limits, inline, tool_fallback)
     served.listeners.append(handlers.use)
     created = int(time.time())
 

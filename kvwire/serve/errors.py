@@ -51,7 +51,7 @@ def validation_error(exc):
     if first["type"] == "missing":
         return APIError(f"{param} is required", param=param, code="missing")
     expected = "input should be a number" if number and first["type"].startswith(("int", "float")) else \
-        first["msg"].lower()
+        first["msg"][:1].lower() + first["msg"][1:]  # lower-casing all would change a pattern it quotes
     return APIError(f"{param}: {expected}, got {shown}", param=param, code="invalid_type")
 
 

@@ -16,6 +16,7 @@ from . import options
 from .errors import APIError, from_request_error
 from .render import ChoiceText, chat_logprobs, completion_logprobs, usage
 from .schemas import unsupported
+from .tool_use import ToolUse, uses_tools
 
 log = logging.getLogger("kvwire.serve")
 
@@ -23,9 +24,10 @@ log = logging.getLogger("kvwire.serve")
 class Handlers:
     """The endpoints' logic over one served model and its engine thread (see `create_app`)."""
 
-    def __init__(self, lm, model_name, bridge, names, limits, inline=None):
+    def __init__(self, lm, model_name, bridge, names, limits, inline=None, tool_fallback=True):
         self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
         self.tokenizer, self.limits, self.inline = lm.tokenizer, limits, inline
+        self.tool_fallback = tool_fallback
         # llguidance's view of the vocabulary takes ~0.3 s (49k tokens) to ~2 s (262k): built now, on a
         # thread, so the first request with a response_format does not wait for it
         threading.Thread(target=_warm_constraints, args=(lm.tokenizer, lm.vocab_size), daemon=True).start()
@@ -42,14 +44,23 @@ class Handlers:
         if not body.messages:
             raise APIError("messages is empty; expected at least one message", param="messages", code="invalid_value")
         _text_only(body.messages)
+        tools = None
+        if uses_tools(body):
+            try:
+                tools = ToolUse(body, self.tokenizer, self.tool_fallback)
+            except checks.RequestError as e:
+                raise from_request_error(e) from None
+            if tools.constraint() is not None and options.constraint(body) is not None:
+                raise APIError("response_format cannot be combined with a forced tool call (tool_choice "
+                               f"{tools.choice!r}): the reply is the call", param="response_format")
         # rendering and tokenising take time in proportion to the text: on a worker thread, so
         # other clients' streams go on meanwhile (tokenizers releases the GIL while it encodes)
-        ids = await asyncio.to_thread(self._chat_ids, body.messages)
+        ids = await asyncio.to_thread(self._chat_ids, body.messages, tools)
         self.limits.check_prompt(len(ids), "messages")
         stop_ids = tuple(self.lm.eos_token_ids) + tuple(self.tokenizer.end_of_turn_ids)
         top = body.top_logprobs or 0
         return await self._answer("chat.completion", "chatcmpl", body, [ids], stop_ids, bool(body.logprobs), top,
-                                  request)
+                                  request, tools=tools)
 
     async def complete(self, body, request: Request):
         self._check(body)
@@ -67,12 +78,17 @@ class Handlers:
         return await self._answer("text_completion", "cmpl", body, rows, tuple(self.lm.eos_token_ids), want,
                                   body.logprobs or 0, request)
 
-    def _chat_ids(self, messages):
+    def _chat_ids(self, messages, tools=None):
         """A conversation's prompt ids: its content as text, the template's markup as control tokens
-        (see `Tokenizer.apply_chat_template`)."""
+        (see `Tokenizer.apply_chat_template`); with `tools` (a ToolUse), as its format renders them."""
         checks.message_texts(messages)
         try:
-            return self.tokenizer.apply_chat_template([_flatten(m) for m in messages], tokenize=True)
+            variables = {}
+            if tools is not None:
+                messages, variables = tools.conversation()
+            return self.tokenizer.apply_chat_template([_flatten(m) for m in messages], tokenize=True, **variables)
+        except checks.RequestError as e:  # a malformed tool call or result (named by its field)
+            raise from_request_error(e) from None
         except (ValueError, TypeError) as e:  # the template's (or its message checks') refusal
             raise APIError(self._without_origin(str(e)), param="messages", code="invalid_value") from None
 
@@ -117,12 +133,12 @@ class Handlers:
         if refused is not None:
             raise APIError(refused[1], param=refused[0], code="unsupported")
 
-    async def _answer(self, kind, prefix, body, rows, stop_ids, logprobs, top, request, constraint=None):
+    async def _answer(self, kind, prefix, body, rows, stop_ids, logprobs, top, request, tools=None):
         n = options.choices(body, len(rows))
         seed = checks.seed(body.seed, rows=n)  # choice j draws from seed + j: every one must fit
         sampler, stops = options.sampler(body), options.stop_strings(body)
         inputs = options.steer_inputs(body, self.names)
-        constraint = constraint or options.constraint(body)
+        constraint = (tools and tools.constraint()) or options.constraint(body)
         if constraint is not None:
             if stops:
                 raise APIError("stop cannot be combined with response_format (or a required tool call): the "
@@ -155,8 +171,9 @@ class Handlers:
         except BaseException:
             self._give_back(slots)
             raise
-        texts = [ChoiceText(self.tokenizer, stops, track_tokens=logprobs) for _ in run.seqs]
-        reply = _Reply(self, kind, rid, body, run, texts, n, logprobs, top, lambda: self._give_back(slots))
+        keep = tools is not None and tools.keep_special
+        texts = [ChoiceText(self.tokenizer, stops, track_tokens=logprobs, keep_special=keep) for _ in run.seqs]
+        reply = _Reply(self, kind, rid, body, run, texts, n, logprobs, top, lambda: self._give_back(slots), tools)
         if body.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -166,9 +183,11 @@ class Handlers:
 class _Reply:
     """One request's answer: whole (JSON) or streamed (server-sent events)."""
 
-    def __init__(self, handlers, kind, rid, body, run, texts, n, logprobs, top, done=None):
+    def __init__(self, handlers, kind, rid, body, run, texts, n, logprobs, top, done=None, tools=None):
         self.h, self.kind, self.rid, self.body, self.run, self.texts = handlers, kind, rid, body, run, texts
-        self.n, self.logprobs, self.top = n, logprobs, top
+        self.n, self.logprobs, self.top, self.tools = n, logprobs, top, tools
+        # streamed choices' tool calls, read as the text arrives (None: calls are not read)
+        self.calls = [tools.stream() if tools is not None else None for _ in run.seqs]
         self.done = done or (lambda: None)  # called once the rows are finished or cancelled
         self.created, self.started = int(time.time()), time.perf_counter()
 
@@ -187,8 +206,11 @@ class _Reply:
         choices = []
         for i, (seq, text) in enumerate(zip(self.run.seqs, self.texts)):
             piece, span = text.update(seq)
-            choices.append({"index": i, **self._content(i, text.sent, span, whole=True),
-                            "finish_reason": seq.finish_reason})
+            content = self._content(i, text.sent, span, whole=True)
+            reason = seq.finish_reason
+            if self.tools is not None:
+                content["message"], reason = self.tools.message(text.sent, reason)
+            choices.append({"index": i, **content, "finish_reason": reason})
         return JSONResponse({**self._head(), "choices": choices, "usage": usage(self.run.seqs, self.n)})
 
     async def events(self):
@@ -208,13 +230,16 @@ class _Reply:
                                             code="generation_failed").body())
                         return
                     piece, span = self.texts[i].update(seq)
-                    if piece or span[1] > span[0]:
-                        yield _sse({**self._head(), "choices": [{"index": i, **self._content(i, piece, span),
-                                                                 "finish_reason": None}], **extra})
+                    for content in self._pieces(i, piece, span):
+                        yield _sse({**self._head(), "choices": [{"index": i, **content, "finish_reason": None}],
+                                    **extra})
                     if self.texts[i].final:  # what update saw: a sequence done after it is sent next round
                         finished.add(i)
+                        reason = seq.finish_reason
+                        if self.calls[i] is not None and self.calls[i].calls and reason == "stop":
+                            reason = "tool_calls"
                         yield _sse({**self._head(), "choices": [{"index": i, **self._content(i, "", (0, 0)),
-                                                                 "finish_reason": seq.finish_reason}], **extra})
+                                                                 "finish_reason": reason}], **extra})
             if include_usage:
                 yield _sse({**self._head(), "choices": [], "usage": usage(self.run.seqs, self.n)})
             yield "data: [DONE]\n\n"
@@ -228,6 +253,24 @@ class _Reply:
     def _head(self):
         obj = self.kind + (".chunk" if self.body.stream and self.kind == "chat.completion" else "")
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.h.model_name}
+
+    def _pieces(self, i, piece, span):
+        """The chunk contents for a choice's new text `piece` (covering tokens in span): its delta,
+        or with tools, the deltas its tool-call reader gives (log-probabilities on the first)."""
+        calls = self.calls[i]
+        if calls is None:
+            return [self._content(i, piece, span)] if piece or span[1] > span[0] else []
+        deltas = calls.feed(piece) if piece else []
+        if self.texts[i].final:
+            deltas += calls.flush()
+        if not deltas and span[1] > span[0]:
+            deltas = [{}]
+        out = []
+        for j, delta in enumerate(deltas):
+            content = self._content(i, "", span if j == 0 else (0, 0))
+            content["delta"] = delta
+            out.append(content)
+        return out
 
     def _content(self, i, text, span, whole=False):
         """A choice's text (message, delta or text) and its log-probabilities for tokens in span."""
@@ -267,8 +310,8 @@ def _sse(obj):
 
 
 def _text_only(messages):
-    """Refuse, naming the message, what a text-only chat template cannot take: non-text content
-    parts (images, audio), tool calls and tool results."""
+    """Refuse, naming the message, what a text-only model cannot take: non-text content parts
+    (images, audio)."""
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list):
@@ -276,9 +319,6 @@ def _text_only(messages):
             if kinds:
                 raise APIError(f"messages[{i}].content: only text parts are supported (the model reads text); got "
                                f"parts of type {kinds}", param=f"messages[{i}].content", code="unsupported")
-        if m.get("tool_calls") or m.get("role") in ("tool", "function"):
-            raise APIError(f"messages[{i}]: tool calls and tool results are not supported (this server takes no "
-                           f"tools)", param=f"messages[{i}]", code="unsupported")
 
 
 def _flatten(message):

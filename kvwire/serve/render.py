@@ -16,8 +16,9 @@ class ChoiceText:
         >>> piece, (first, last) = text.update(seq)   # tokens first..last-1 are now covered
     """
 
-    def __init__(self, tokenizer, stops=(), track_tokens=False):
+    def __init__(self, tokenizer, stops=(), track_tokens=False, keep_special=False):
         self.tokenizer, self.stops, self.track = tokenizer, tuple(stops), track_tokens
+        self.skip = not keep_special  # kept: a tool call's markers may be special tokens
         self.sent, self.covered, self.offsets = "", 0, []
         self.final = False  # whether the last update saw the sequence done (its text is then whole)
 
@@ -27,7 +28,7 @@ class ChoiceText:
         # could be missing from the final text)
         done = self.final = seq.done
         tokens = list(seq.tokens)  # a copy: the engine thread may append meanwhile
-        text = self.tokenizer.decode(tokens)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=self.skip)
         if done:
             cut = Stopper((), self.stops).cut(text)
             text = text if cut is None else text[:cut]
@@ -39,10 +40,10 @@ class ChoiceText:
         first = self.covered
         # a token is covered once the text shown holds all of its characters
         while self.track and self.covered < len(tokens):  # decodes prefixes: only when logprobs are asked
-            end = len(self.tokenizer.decode(tokens[:self.covered + 1]))
+            end = len(self.tokenizer.decode(tokens[:self.covered + 1], skip_special_tokens=self.skip))
             if end > len(self.sent):
                 break
-            self.offsets.append(len(self.tokenizer.decode(tokens[:self.covered])))
+            self.offsets.append(len(self.tokenizer.decode(tokens[:self.covered], skip_special_tokens=self.skip)))
             self.covered += 1
         return piece, (first, self.covered)
 

@@ -3,7 +3,7 @@
 Types are strict (a "0.5" string is not a number, true is not an int), so a wrong type is a 400
 naming the field rather than a guess; null is taken wherever OpenAI's spec allows it (the field's
 default). Fields OpenAI has and kvwire does not use are ignored, except those that would change the
-answer (`tools`, penalties, `echo`, `suffix`, `best_of`), which `unsupported` refuses. kvwire's own
+answer (penalties, `echo`, `suffix`, `best_of`), which `unsupported` refuses. kvwire's own
 additions: `steer`, {control-vector name: strength}, `steer_vectors`, vectors carried inline (see
 `kvwire.serve.inline`), and `response_format` types "regex" and "grammar" (both endpoints take
 `response_format`).
@@ -74,6 +74,35 @@ class _Sampling(BaseModel):
     response_format: ResponseFormat | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A function the model may call (OpenAI's `tools` entry)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the one function the reply must call."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatRequest(_Sampling):
     """POST /v1/chat/completions: `messages` rendered with the model's chat template."""
 
@@ -81,7 +110,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -101,8 +132,6 @@ def unsupported(request):
             return name, f"{name} is not supported (only 0); kvwire has no presence/frequency penalties"
     if request.logit_bias:
         return "logit_bias", "logit_bias is not supported"
-    if getattr(request, "tools", None):
-        return "tools", "tools (function calling) are not supported"
     if getattr(request, "echo", False):
         return "echo", "echo is not supported"
     if getattr(request, "suffix", None):

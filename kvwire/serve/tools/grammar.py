@@ -2,12 +2,14 @@
 llguidance's Lark dialect: each call's JSON through `%json {schema}`, the format's markup around it."""
 import json
 
+from ...generate.constrain import JSON_WHITESPACE
 from .check import check_tools, chosen_tools
 from .scan import TOOL_CALLS
 
 # every %json schema: keywords llguidance cannot enforce are ignored rather than refused (a tool's
-# schema is the client's), and whitespace runs are bounded so a model cannot pad a call forever
-_GUIDANCE = {"lenient": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
+# schema is the client's), and whitespace is bounded as in every kvwire JSON constraint, so a model
+# cannot pad a call forever
+_GUIDANCE = {"lenient": True, **JSON_WHITESPACE}
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
