@@ -1,7 +1,8 @@
 """`kvwire serve`'s app fuzzed from its own OpenAPI schema (schemathesis): schema-valid requests to
 every operation, each answer checked for no 5xx, a documented status, content type and body shape.
 A schema-valid request may rightly be refused (a prompt past the context); that is not a failure.
-Tiny random chat model, a 96-token context so every accepted request generates a few tokens."""
+Tiny random chat model; at most 8 new tokens a request (--max-tokens), so every accepted request
+generates a few tokens."""
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # 
 from schemathesis import checks  # noqa: E402
 
 from kvwire.serve import create_app  # noqa: E402
+from kvwire.serve.limits import Limits  # noqa: E402
 
 from .serve_fixtures import control_vectors, tiny_chat_lm  # noqa: E402
 
@@ -18,8 +20,13 @@ from .serve_fixtures import control_vectors, tiny_chat_lm  # noqa: E402
 # accepts (no field it refuses on sight, chat messages its template takes, served steer names, small
 # budgets), so that sampling, n, stop, stream, logprobs and steering reach the engine and its answers
 # are checked too, not only the first field's refusal.
-REFUSED_ON_SIGHT = ("model", "frequency_penalty", "presence_penalty", "logit_bias", "tools", "response_format", "echo",
-                    "suffix", "best_of")
+REFUSED_ON_SIGHT = ("model", "frequency_penalty", "presence_penalty", "logit_bias", "echo", "suffix", "best_of")
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+         {"type": "function", "function": {"name": "noop"}}]
+FORMATS = [{"type": "text"}, {"type": "json_object"}, {"type": "regex", "regex": "[a-z]{1,6}"},
+           {"type": "grammar", "grammar": 'start: "yes" | "no"'},
+           {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}]
 TEXT = st.text(min_size=1, max_size=12)
 ACCEPTED = {
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
@@ -29,11 +36,15 @@ ACCEPTED = {
     "max_tokens": st.integers(1, 8), "max_completion_tokens": st.integers(1, 8), "n": st.integers(1, 3),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=2)),
     "steer": st.dictionaries(st.sampled_from(["happy", "formal"]), st.floats(-4, 4)),
+    "response_format": st.sampled_from(FORMATS),
+    "tools": st.sampled_from([TOOLS, TOOLS[:1]]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "noop"}}]),
 }
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance]
 EXAMPLES = 100  # across all operations, half streamed; about 20 s on two cores
-MAX_LENGTH = 96  # prompt + completion: short generations, and long prompts are refused
+MAX_LENGTH = 1024  # prompt + completion: room for a tool-schema system prompt (~500 byte tokens)
+MAX_TOKENS = 8  # --max-tokens: short generations whatever a request asks (more is refused)
 GENERATION = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -45,8 +56,9 @@ def client():
     # client's threads, and on a busy machine a 60-token answer then takes tens of seconds
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    lm = tiny_chat_lm()
-    app = create_app(lm, "tiny", max_batch=2, max_length=MAX_LENGTH, control_vectors=control_vectors(lm))
+    lm = tiny_chat_lm(MAX_LENGTH)
+    app = create_app(lm, "tiny", max_batch=2, max_length=MAX_LENGTH, control_vectors=control_vectors(lm),
+                     limits=Limits(max_tokens=MAX_TOKENS))
     with TestClient(app, raise_server_exceptions=False) as c:  # the context runs the engine's thread
         yield c
     torch.set_num_threads(threads)
@@ -80,6 +92,29 @@ def test_schema_valid_requests_get_documented_answers(schema, client, stream, da
             body["stream"] = False
         case.body = body
     answered(case, client)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_tool_and_structured_output_requests_get_documented_answers(schema, client, data):
+    """The agents' fields on every chat request: tools, tool_choice and response_format, as
+    schemathesis draws them from the schema (mostly refused: random schemas, unknown tool names) or as
+    this server takes them (so forced calls and constrained rows run), with the other fields plausible."""
+    case = data.draw(schema["/v1/chat/completions"]["POST"].as_strategy())
+    if not isinstance(case.body, dict):
+        return answered(case, client)
+    body = plausible(case.body, data)
+    for field in ("tools", "tool_choice", "response_format"):
+        if data.draw(st.booleans()):
+            body[field] = data.draw(ACCEPTED[field])
+    if body.get("tool_choice") not in (None, "auto", "none") or body.get("response_format", {}).get("type", "text") \
+            != "text":
+        body.pop("stop", None)  # refused with a constraint: keep the rest reaching the engine
+    body["stream"] = data.draw(st.booleans())
+    case.body = body
+    answered(case, client)
+    assert client.get("/health").status_code == 200  # still serving
 
 
 def test_tiny_temperature_is_not_a_server_error(schema, client):
