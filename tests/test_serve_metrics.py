@@ -139,3 +139,21 @@ def test_each_app_has_its_own_registry():
                                            {"endpoint": "/health", "method": "other", "status": "418"}) == 1
     assert second.registry.get_sample_value("kvwire_http_requests_total",
                                             {"endpoint": "/health", "method": "GET", "status": "200"}) is None
+
+
+def test_constrained_rows_report_their_mask_time(server):
+    before = scrape(server)
+    post(server, CHAT, messages=HELLO, max_tokens=4, response_format={"type": "json_object"})
+    after = scrape(server)
+    assert moved(before, after, "kvwire_constraint_mask_seconds_total") > 0
+    assert moved(before, after, "kvwire_decode_steps_total") >= 1  # the object may end early ("{}")
+
+
+def test_metrics_can_be_turned_off():
+    lm = tiny_chat_lm()
+    s = Server(create_app(lm, "tiny", max_batch=1, max_length=64, metrics=False))
+    try:
+        assert httpx.get(f"{s.url}/metrics", timeout=30).status_code == 404
+        post(s, CHAT, messages=HELLO, max_tokens=2)
+    finally:
+        s.close()

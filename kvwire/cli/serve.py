@@ -38,6 +38,8 @@ def add(commands):
     s.add_argument("--no-tool-fallback", dest="tool_fallback", action="store_false",
                    help="refuse tools (400) for a model whose chat template has no tool support, instead of kvwire's "
                    "convention (tool schemas in a system message, calls as <tool_call> JSON)")
+    s.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="do not serve GET /metrics nor record what it reports")
     s.add_argument("--no-playground-training", dest="playground_training", action="store_false",
                    help="the playground's training and sweep endpoints answer 403 (its vectors can still be listed "
                    "and downloaded)")
@@ -73,7 +75,7 @@ def run(args):
     options = dict(max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors, limits=bounds,
                    inline_slots=args.inline_slots, inline_per_request=args.inline_per_request, api_keys=keys,
                    cors_origins=args.cors_origin, playground_training=args.playground_training,
-                   tool_fallback=args.tool_fallback)
+                   tool_fallback=args.tool_fallback, metrics=args.metrics)
     if args.ray:  # each replica loads the model itself; this process only starts them
         from functools import partial
 

@@ -29,7 +29,8 @@ _EVENT = {"type": "object", "required": ["data"], "properties": {
 
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
                prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=None,
-               inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True, tool_fallback=True):
+               inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True, tool_fallback=True,
+               metrics=True):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health, and GET /metrics (Prometheus, `kvwire.serve.metrics`). The engine's
     thread runs while the app does (its lifespan).
@@ -65,6 +66,8 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         tool_fallback: chat requests with `tools` for a model whose template has no tool support use
             kvwire's convention (tools in a system message, calls as <tool_call> JSON; see
             docs/tools.md); False: such requests get a 400 naming the template.
+        metrics: serve GET /metrics and record what it reports; False: neither (bench/serve_agents.py
+            compares the two).
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec},
@@ -86,7 +89,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length, grow=True),
                            prefix_bytes=prefix_bytes, inline=inline)
     bridge = served.bridge
-    metrics = Metrics(bridge)
+    metrics = Metrics(bridge) if metrics else None
     bridge.max_waiting, bridge.request_seconds, bridge.metrics = limits.max_waiting, limits.request_seconds, metrics
     handlers = Handlers(served.model, model_name, bridge, served.names, limits, inline, tool_fallback)
     served.listeners.append(handlers.use)
@@ -107,7 +110,8 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     app.add_middleware(BodyLimit, limit=limits.body_bytes)  # before anything reads the body
     if api_keys is not None:
         app.add_middleware(APIKeys, keys=api_keys)  # a client without a key sends no body worth reading
-    app.add_middleware(CountRequests, metrics=metrics, routes=app.routes)
+    if metrics is not None:
+        app.add_middleware(CountRequests, metrics=metrics, routes=app.routes)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"])
@@ -116,7 +120,8 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     if api_keys is not None:
         document_bearer(app)
     install_api_docs(app)
-    install_metrics(app, metrics)
+    if metrics is not None:
+        install_metrics(app, metrics)
     if playground:
         install_playground(app, served, model_name, training=playground_training)
 

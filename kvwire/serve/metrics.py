@@ -7,7 +7,7 @@ each generation request's sequences once they are over (`Metrics.record`, called
 thread); the queue and the busy rows read from the engine when scraped.
 """
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 from starlette.routing import Match
 
@@ -90,19 +90,24 @@ class _EngineGauges:
         self.bridge = bridge
 
     def describe(self):
-        return list(self._families(0, 0, 0))
+        return list(self._families(0, 0, 0, 0.0, 0))
 
     def collect(self):
         engine = self.bridge.engine
         running = sum(r is not None for r in engine.rows)
-        return list(self._families(self.bridge.waiting, running, engine.capacity))
+        return list(self._families(self.bridge.waiting, running, engine.capacity, engine.mask_seconds,
+                                   engine.decode_steps))
 
     @staticmethod
-    def _families(waiting, running, rows):
+    def _families(waiting, running, rows, mask_seconds, steps):
         yield GaugeMetricFamily("kvwire_requests_waiting", "sequences waiting for a row", value=waiting)
         yield GaugeMetricFamily("kvwire_rows_running", "rows holding a sequence (prefilling or decoding)",
                                 value=running)
         yield GaugeMetricFamily("kvwire_rows", "rows of the engine (--max-batch)", value=rows)
+        # the engine's own totals (a served model swapped for one with a new vector starts them afresh)
+        yield CounterMetricFamily("kvwire_constraint_mask_seconds", "seconds spent masking constrained rows' "
+                                  "logits (response_format, forced tool calls)", value=mask_seconds)
+        yield CounterMetricFamily("kvwire_decode_steps", "decode steps of the engine", value=steps)
 
 
 class CountRequests:
