@@ -160,3 +160,23 @@ def test_a_model_with_every_block_skipped_has_none_to_steer():
     assert kw.graph.numbered_blocks(empty.backbone) == {}
     with pytest.raises(ValueError, match=r"control vector steers blocks \[0\], but this model has blocks none"):
         empty.steer(kw.ControlVector({0: torch.randn(lm.head.weight.shape[1])}))
+
+
+def test_a_second_vector_acts_at_every_call_of_a_block_called_twice(lm):
+    """A block an edit calls again (here block 1 after block 2) is steered after each of its calls,
+    by the first vector and by the one stacked on it: as hooks on the block give uncached."""
+    stem = kw.block_calls(lm.backbone)[0].rsplit(".", 1)[0]
+    again = lm.edit(kw.insert_after(f"{stem}.2", lm.backbone.get_submodule(f"{stem}.1")))
+    v1, v2 = _vector(again, [1], seed=1), _vector(again, [1], seed=2)
+    both = again.steer(v1, 0.5).steer(v2, -1.5)
+    steers = [n for n, m in both.backbone.named_modules() if isinstance(m, kw.Steer)]
+    assert len(steers) == 4, steers  # two vectors after each of the two calls
+    got = both(IDS)
+    generated = both.generate(IDS, max_new_tokens=4, ignore_eos=True, return_logprobs=True).tokens[0]
+    shift = 0.5 * v1.directions[1] - 1.5 * v2.directions[1]
+    hook = again.backbone.get_submodule(f"{stem}.1").register_forward_hook(lambda m, a, out: out + shift)
+    try:  # (the steered model shares the block: hooked only now)
+        torch.testing.assert_close(got, again(IDS))
+        assert generated == _rollout(again, IDS, 4)
+    finally:
+        hook.remove()

@@ -42,27 +42,32 @@ def site_calls(module, site, indices=None):
     return out
 
 
-def chain_end(gm, call):
-    """The last layer with runtime inputs chained after `call` in the layer-depth graph `gm` (or
-    `call`): something new put at a site acts after what was put there before, in order."""
-    node = next(n for n in layer_calls(gm) if n.target == call)
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        if user.op != "call_module" or not getattr(gm.get_submodule(user.target), "runtime_inputs", None) \
-                or user.args[:1] != (node,):
-            break
-        node = user
-    return node.target
+def chain_ends(gm, call):
+    """The last layer with runtime inputs chained after each call of `call` in the layer-depth graph
+    `gm` (or the call itself), one per call in graph order: something new put at a site acts after
+    what was put there before, in order, at every call (a block an edit calls twice has two)."""
+    ends = []
+    for node in (n for n in layer_calls(gm) if n.target == call):
+        while len(node.users) == 1:
+            user = next(iter(node.users))
+            if user.op != "call_module" or not getattr(gm.get_submodule(user.target), "runtime_inputs", None) \
+                    or user.args[:1] != (node,):
+                break
+            node = user
+        if node.target not in ends:
+            ends.append(node.target)
+    return ends
 
 
 def site_targets(module, site, indices, depth=None):
-    """(depth, {block index: call to insert after}) for `site` of the blocks `indices`, after what
-    is chained there already. depth None: "block" for `block_out` of blocks the graph still calls,
-    else "layer"; give "layer" to have every target at one depth with other layer-depth calls.
+    """(depth, {block index: [calls to insert after]}) for `site` of the blocks `indices`, after what
+    is chained there already (one call per call of the site: usually one). depth None: "block" for
+    `block_out` of blocks the graph still calls, else "layer"; give "layer" to have every target at
+    one depth with other layer-depth calls.
 
     Example:
         >>> site_targets(lm.backbone, "block_out", [2])
-        ('block', {2: 'layers.2'})
+        ('block', {2: ['layers.2']})
     """
     calls = site_calls(module, site, indices)
     if depth in (None, "block") and site == "block_out":
@@ -70,8 +75,8 @@ def site_targets(module, site, indices, depth=None):
         gm = trace(module)
         called = {n.target for n in layer_calls(gm)}
         if all(blocks[i] in called for i in calls):
-            return "block", {i: chain_end(gm, blocks[i]) for i in calls}
+            return "block", {i: chain_ends(gm, blocks[i]) for i in calls}
     if depth == "block":
         raise ValueError(f"site {site!r} is inside the blocks: it is edited at 'layer' depth")
     gm = trace(module, depth="layer")
-    return "layer", {i: chain_end(gm, call) for i, call in calls.items()}
+    return "layer", {i: chain_ends(gm, call) for i, call in calls.items()}

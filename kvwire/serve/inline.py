@@ -100,7 +100,7 @@ class InlineBank:
         """`lm` with the bank's layers (shared, not copied: a rebuilt model keeps the lent slots)
         after every covered block's output, after the steering already there."""
         depth, targets = site_targets(lm.backbone, "block_out", self.blocks)
-        calls = {call: i for i, call in targets.items()}
+        calls = {call: i for i, ends in targets.items() for call in ends}
         return lm.edit(insert_after(list(calls), lambda call, layer: self.layers[calls[call]]), depth=depth)
 
     def inputs(self, slot, strength):

@@ -104,7 +104,7 @@ def insert_at_site(lm, per_block, site, name, stem, make, gate=None):
     if name in taken and not taken[name].same_inputs(first):
         raise ValueError(f"this model already has runtime inputs named {name!r} ({taken[name].extra_repr()}); "
                          f"layers sharing a name share their inputs: pick another name")
-    index = {call: i for i, call in calls.items()}
+    index = {call: i for i, ends in calls.items() for call in ends}
     if gate is None:
         return lm.edit(insert_after(list(index), lambda call, layer: make(per_block[index[call]], name, device)),
                        depth=depth)
@@ -123,4 +123,4 @@ def _gated(lm, gate, targets):
                          f"{probes[gate.name].threshold.tolist()}; gates sharing a name share their threshold "
                          f"input: give Gate(name=...) another name")
     _, calls = site_targets(lm.backbone, gate.site, [gate.layer], "layer")
-    return GatedInsert(calls[gate.layer], probe, targets)
+    return GatedInsert(calls[gate.layer][0], probe, targets)  # a block called twice: its first call
