@@ -11,7 +11,9 @@ per decode step, measured in the engine itself.
    run their whole budget like free ones (equal tokens, equal batch occupancy). The two loads take
    turns --repeat times; each is the best of its runs. Goal: half constrained >= 0.90x the
    throughput of none.
-2. Engine: --clients rows of the model in one `Engine`, half constrained by the same schema, --max-tokens
+2. Metrics: the same load (none constrained) on a second server started with --no-metrics, the
+   two servers taking turns; goal: metrics on >= 0.99x the throughput of off.
+3. Engine: --clients rows of the model in one `Engine`, half constrained by the same schema, --max-tokens
    decode steps: the seconds spent computing and applying token masks per step, and their share of
    the step.
 """
@@ -30,24 +32,31 @@ FORMAT = {"response_format": {"type": "json_schema", "json_schema": {"name": "an
 
 
 def http_rows(args):
+    """(half json_schema / none, metrics on / off) throughput ratios, or None where a server failed."""
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     argv = ["-m", "kvwire.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "{port}",
             "--max-batch", str(args.clients), "--max-length", "1024"]
-    server = Server("kvwire", argv, "/health", threads)
+    servers = {"kvwire": Server("kvwire", argv, "/health", threads),
+               "kvwire --no-metrics": Server("kvwire --no-metrics", argv + ["--no-metrics"], "/health", threads)}
     try:
-        if not server.wait(args.start_timeout):
-            print(f"kvwire serve did not start: {server.failure}")
-            return None
-        mixes = {"none constrained": lambda k: None, "half json_schema": lambda k: FORMAT if k % 2 == 0 else None}
+        for label, server in servers.items():
+            if not server.wait(args.start_timeout):
+                print(f"{label} did not start: {server.failure}")
+                return None, None
+        on, off = servers["kvwire"], servers["kvwire --no-metrics"]
+        mixes = {"none constrained": (on, lambda k: None),
+                 "half json_schema": (on, lambda k: FORMAT if k % 2 == 0 else None),
+                 "none, --no-metrics": (off, lambda k: None)}
         best = {}
-        run_load(server.url, server.model, args.clients, 1, 4)  # warm-up: first requests pay one-time costs
+        for server in servers.values():  # warm-up: first requests pay one-time costs
+            run_load(server.url, server.model, args.clients, 1, 4, extra_of=lambda k: FORMAT if k % 2 == 0 else None)
         for _ in range(args.repeat):
-            for name, extra_of in mixes.items():
+            for name, (server, extra_of) in mixes.items():
                 load = run_load(server.url, server.model, args.clients, args.requests_per_client, args.max_tokens,
                                 extra_of=extra_of)
                 if load.failure():
                     print(f"{name}: {load.failure()}")
-                    return None
+                    return None, None
                 if name not in best or load.tokens_per_s > best[name].tokens_per_s:
                     best[name] = load
         print(f"{'load':24}{'requests':>10}{'tokens':>10}{'wall s':>10}{'tokens/s':>10}{'TTFT mean s':>13}")
@@ -56,9 +65,11 @@ def http_rows(args):
             print(f"{name:24}{len(load.ok):10}{load.tokens:10}{load.wall:10.2f}{load.tokens_per_s:10.2f}{ttft:13.3f}")
         stops = sum(r.finish_reason == "stop" for r in best["half json_schema"].ok)
         print(f"(replies ended by the model before the budget, half json_schema run: {stops})")
-        return best["half json_schema"].tokens_per_s / best["none constrained"].tokens_per_s
+        plain = best["none constrained"].tokens_per_s
+        return best["half json_schema"].tokens_per_s / plain, plain / best["none, --no-metrics"].tokens_per_s
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def engine_rows(args):
@@ -107,10 +118,11 @@ def main(argv=None):
     if args.quick:
         args.clients, args.max_tokens, args.requests_per_client, args.repeat = 2, 6, 1, 1
     print(header(args.threads))
-    ratio = http_rows(args)
+    ratio, metrics = http_rows(args)
     engine_rows(args)
     if ratio is not None:
-        print(f"goal: half json_schema >= 0.90x none constrained: {ratio:.2f}x -> {'met' if ratio >= 0.9 else 'NOT met'}")
+        print(f"goal: half json_schema >= 0.90x none constrained: {ratio:.3f}x -> {'met' if ratio >= 0.9 else 'NOT met'}")
+        print(f"goal: metrics on >= 0.99x metrics off: {metrics:.3f}x -> {'met' if metrics >= 0.99 else 'NOT met'}")
 
 
 if __name__ == "__main__":

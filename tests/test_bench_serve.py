@@ -85,6 +85,12 @@ def test_load_counts_usage_tokens_and_sends_steer_to_half(fake):
     inline = [{"directions": {"1": "AAAA"}, "strength": 0.5}]
     serve_load.run_load(url, "fake", clients=1, requests=2, max_tokens=2, steer_of=lambda k: inline)
     assert [b.get("steer_vectors") for b in bodies] == [inline, inline]
+    bodies.clear()
+    fmt = {"response_format": {"type": "json_object"}}
+    serve_load.run_load(url, "fake", clients=1, requests=2, max_tokens=2, steer_of=lambda k: {"happy": 1.0},
+                        extra_of=lambda k: fmt if k == 0 else None)
+    assert [b.get("response_format") for b in bodies] == [fmt["response_format"], None]
+    assert all(b["steer"] == {"happy": 1.0} for b in bodies)
 
 
 def test_a_failing_request_is_reported_and_left_out(fake, monkeypatch):

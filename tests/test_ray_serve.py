@@ -193,6 +193,7 @@ def ray_url(vector_dir):
         signal.signal(signal.SIGALRM, previous)
 
 
+@pytest.mark.ray
 def test_two_replicas_on_ray_answer_as_one_server_routing_by_vectors_and_conversation(ray_url, plain):
     started = time.perf_counter()
     client = httpx.Client(base_url=ray_url, timeout=60)
