@@ -3,7 +3,7 @@ of them carrying a JSON schema (`response_format`), on one server in one run; an
 per decode step, measured in the engine itself.
 
     python bench/serve_agents.py [--model smollm2-135m-instruct] [--clients 8] [--max-tokens 32]
-                                 [--requests-per-client 2] [--repeat 3] [--threads 2] [--quick]
+                                 [--requests-per-client 2] [--repeat 5] [--threads 2] [--quick]
 
 1. HTTP: --clients concurrent clients, each sending --requests-per-client streaming greedy chat
    completions; request k carries `response_format` json_schema when k is even ("half") or never
@@ -110,7 +110,7 @@ def main(argv=None):
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5, help="runs of each load, the best kept (run-to-run spread ~5%% at 3)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
