@@ -240,7 +240,8 @@ def parser():
     p.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"],
                    help="OMP_WAIT_POLICY of kvwire's servers (default: unset, OpenMP's own; on a CPU other work "
                    "keeps busy, PASSIVE spares torch's threads from spinning at every op's barrier)")
-    p.add_argument("--quantize", help="passed to kvwire serve (e.g. gguf); default none: float32")
+    p.add_argument("--quantize", help="passed to kvwire serve (gguf, none, ...); default: the server's own (auto: the "
+                   "GGUF's blocks on ggml's kernels where llama-cpp-python is installed)")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to become ready")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")

@@ -4,12 +4,14 @@ import itertools
 import json
 import time
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 
 from .dtypes import weights_device, weights_dtype
@@ -24,8 +26,9 @@ from .models import FAMILIES, by_gguf_architecture, by_hf_model_type
 from .models.presets import PRESETS
 from .quant import SCHEMES
 from .quant import quantize as quantize_lm
+from .kernels.ggml.lib import GGMLUnavailable, ggml_dirs
 from .quant.ggml import qtype_of, use_gguf_blocks
-from .quant.ggml.linear import QUANTIZE_TYPES
+from .quant.ggml.linear import FLOAT_TYPES, QUANTIZE_TYPES
 
 
 def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu", head=None,
@@ -42,7 +45,8 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         quantize: None; "gguf": keep a GGUF file's own quantised weights and run ggml's kernels on
             them (no further loss; needs `kvwire[ggml]`); a ggml format ("q8_0", "q4_k", ...,
             `kw.quantize`); or "int8" / "int4" on PyTorch's kernels (fastest with dtype="bfloat16").
-            All of these are CPU kernels: with another device, quantize must be None.
+            All of these are CPU kernels: with another device, quantize must be None. "auto":
+            "gguf" where that runs (`auto_quantize`), else None.
         device: where the weights go ("cpu", "cuda", "cuda:1", a torch.device); files are read and
             converted on the CPU, then moved. Generation runs where the weights are.
         head: with quantize="gguf", a ggml type ("q5_0", ...) the logits head is re-quantised to
@@ -61,6 +65,8 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         >>> lm.generate("Once upon a time", max_new_tokens=16)
     """
     dtype, device = weights_dtype(dtype), weights_device(device)
+    if quantize == "auto":
+        quantize = auto_quantize(name_or_path, device)[0]
     if quantize is not None and quantize != "gguf" and quantize not in SCHEMES and not _is_ggml_type(quantize):
         raise ValueError(f"unknown quantize={quantize!r}; expected None, 'gguf', a ggml type such as 'q8_0' "
                          f"or 'q4_k', or one of {SCHEMES}")
@@ -92,6 +98,33 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         lm = quantize_lm(lm, quantize)
     give_back_freed_memory()  # what reading the tokenizer and converting weights freed (io/heap.py)
     return lm
+
+
+def auto_quantize(name_or_path, device="cpu"):
+    """(quantize, why): "gguf" for a GGUF file (or preset) of quantised blocks when ggml's kernels run
+    here (the CPU, llama-cpp-python installed): at a server's batch sizes they beat the dequantised
+    float weights (bench/serve.py); else None, and `why` says what would make it "gguf".
+
+    Example:
+        >>> auto_quantize("smollm2-135m-instruct")
+        ('gguf', "the file's own Q4_1 blocks on ggml's kernels")
+    """
+    source = PRESETS[name_or_path]() if name_or_path in PRESETS else name_or_path
+    if not (Path(source).is_file() and Path(source).suffix.lower() == ".gguf"):
+        return None, "float weights (not a GGUF file)"
+    kinds = Counter(GGMLQuantizationType(kind).name for _, dims, kind, _ in GGUFFile(source).infos
+                    if len(dims) == 2 and kind not in FLOAT_TYPES)
+    if not kinds:
+        return None, "float weights (the GGUF file holds no quantised blocks)"
+    blocks = "/".join(name for name, _ in kinds.most_common())
+    if torch.device(device).type != "cpu":  # (not checked here: loading says if it is usable)
+        return None, f"float weights: the file's {blocks} blocks run on ggml's CPU kernels, not on {device}"
+    try:
+        ggml_dirs()
+    except GGMLUnavailable:
+        return None, (f"float weights: pip install \"kvwire[ggml]\" runs the file's own {blocks} blocks on ggml's "
+                      f"kernels (faster: fewer bytes a step)")
+    return "gguf", f"the file's own {blocks} blocks on ggml's kernels"
 
 
 def _is_ggml_type(name):

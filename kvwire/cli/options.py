@@ -61,6 +61,7 @@ def load_model(args, quantize=None):
         return load_exported(args.model)
     clamps = [clamp_spec(spec) for spec in getattr(args, "clamp", None) or []]  # refused before loading
     features = feature_specs(getattr(args, "sae", None), getattr(args, "feature", None))
+    quantize = None if quantize == "none" else quantize
     lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
     site = getattr(args, "site", None)  # None: each vector's own
     when = "generated" if getattr(args, "generated_only", False) else None
@@ -188,10 +189,12 @@ def steer_options(p):
     p.add_argument("--feature-mode", default="set", choices=("set", "add"), help="how --feature values apply")
 
 
-def quantize_option(p):
-    p.add_argument("--quantize", default=None, metavar="Q",
+def quantize_option(p, default=None):
+    p.add_argument("--quantize", default=default, metavar="Q",
                    help="weights of the eager model: 'gguf' (a GGUF file's own quantised blocks on ggml's "
-                        f"kernels), a ggml type (q8_0, q5_0, q4_k, ...) or {' / '.join(SCHEMES)} (PyTorch kernels)")
+                        f"kernels), a ggml type (q8_0, q5_0, q4_k, ...), {' / '.join(SCHEMES)} (PyTorch kernels), "
+                        "'auto' ('gguf' where ggml runs the file's blocks, else float), or 'none'"
+                        + (f" (default: {default})" if default else ""))
     p.add_argument("--head", default=None, metavar="Q",
                    help="with --quantize gguf: re-quantise the logits head to ggml type Q (q5_0: a smaller head, "
                         "most of a decode step's bytes) straight from the file's blocks")

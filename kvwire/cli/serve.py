@@ -12,7 +12,7 @@ def add(commands):
                             "GET /v1/models, /health, /metrics. Requests choose control-vector strengths with "
                             "\"steer\": {NAME: strength} (absent names: 0).")
     model_options(s)
-    quantize_option(s)
+    quantize_option(s, default="auto")  # a server batches: ggml's blocks beat float weights where they run
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--control-vector", action="append", default=None, metavar="NAME=FILE",
@@ -72,6 +72,11 @@ def run(args):
     if keys is not None:
         check_keys(keys)  # before the model loads: a bad key is refused at once
     vectors = {name: ControlVector.load(path) for name, path in named.items()}
+    if args.quantize == "auto" and getattr(args, "runtime", "eager") == "eager":
+        from ..load import auto_quantize
+
+        args.quantize, why = auto_quantize(args.model)
+        print(f"weights: {why} (--quantize {args.quantize or 'none'})", file=sys.stderr)
     options = dict(max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors, limits=bounds,
                    inline_slots=args.inline_slots, inline_per_request=args.inline_per_request, api_keys=keys,
                    cors_origins=args.cors_origin, playground_training=args.playground_training,
