@@ -80,6 +80,13 @@ def control_vector(gguf, path, scale=0.05, seed=0):
     ControlVector({i: torch.randn(width, generator=g) * scale for i in range(1, blocks)}).save(path)
 
 
+def auto_weights(model):
+    """What `kvwire serve --quantize auto` (its default) picks for `model`, for the header."""
+    from kvwire.load import auto_quantize
+
+    return auto_quantize(model)[0] or "float32"
+
+
 def servers_to_start(args, gguf, vector):
     """{label: (argv after python, ready path, env)}."""
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
@@ -91,7 +98,7 @@ def servers_to_start(args, gguf, vector):
     out = {"kvwire": (kvwire, "/health", threads),
            "kvwire +happy": (kvwire + ["--control-vector", f"happy={vector}"], "/health", threads)}
     if not args.skip_peer:
-        out["llama.cpp"] = (["-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(args.threads),
+        out["llama.cpp"] = (["-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(args.threads),
                              "--n_threads_batch", str(args.threads), "--host", "127.0.0.1", "--port", "{port}",
                              "--n_ctx", str(args.max_length), "--interrupt_requests", "False"], "/v1/models", {})
     return out
@@ -268,7 +275,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped below
     print(header(args.threads), flush=True)
     policy = f" (OMP_WAIT_POLICY={args.omp_wait_policy})" if args.omp_wait_policy else ""
-    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or 'float32'}{policy}, "
+    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or auto_weights(args.model)}{policy}, "
           f"llama.cpp the file's own blocks; {args.requests_per_client} requests per client, "
           f"max_tokens {args.max_tokens}, greedy, streamed; load average {os.getloadavg()[0]:.1f} at the start "
           f"(other work on the machine makes timings noisy)", flush=True)
