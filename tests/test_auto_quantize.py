@@ -74,3 +74,24 @@ def test_the_server_command_says_which_weights_it_chose(files, monkeypatch, caps
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(files / "q8.gguf"), "--quantize", "none"])
     assert seen["quantize"] == "none"
+
+
+def test_the_server_leaves_a_core_to_its_event_loop(files, monkeypatch):
+    """`kvwire serve` decodes on one thread fewer than torch's pool (at least 1), unless told."""
+    import kvwire.serve as serve_package
+    from kvwire.cli import main
+    from kvwire.cli import serve as serve_cli
+
+    seen = []
+    monkeypatch.setattr(serve_cli, "load_model", lambda args, quantize: object())
+    monkeypatch.setattr(serve_package, "create_app", lambda lm, name, **options: seen.append(options) or
+                        (_ for _ in ()).throw(SystemExit(0)))
+    before = torch.get_num_threads()
+    try:
+        for threads, flag, want in ((2, [], 1), (1, [], 1), (4, [], 3), (4, ["--decode-threads", "4"], 4)):
+            torch.set_num_threads(threads)
+            with pytest.raises(SystemExit):
+                main(["serve", "--model", str(files / "f32.gguf"), *flag])
+            assert seen[-1]["decode_threads"] == want, (threads, flag)
+    finally:
+        torch.set_num_threads(before)

@@ -566,3 +566,29 @@ def test_a_growing_engine_never_passes_max_length(monkeypatch):
     assert slots == {40} and engine.stats["timeline_grown"] == 1 and seq.finish_reason == "length"
     with pytest.raises(ValueError, match="max_length"):
         engine.submit([5] * 30, 11)
+
+
+def test_decode_threads_change_the_pool_for_decode_steps_only():
+    """Engine(decode_threads=1): decode steps run on one thread, prefill and the caller keep the
+    pool's size; tokens are the same."""
+    lm = tiny("llama")
+    ids = prompts(2, seed=3)
+    plain = Engine(lm, 2, 64)
+    seqs = [plain.submit(p, 6, stop_ids=()) for p in ids]
+    for _ in plain.run(seqs):
+        pass
+    before, seen = torch.get_num_threads(), []
+    torch.set_num_threads(2)  # a pool of two (tests may run on one)
+    try:
+        one = Engine(lm, 2, 64, decode_threads=1)
+        decode = one._decode
+        one._decode = lambda: (seen.append(torch.get_num_threads()), decode())[1]
+        again = [one.submit(p, 6, stop_ids=()) for p in ids]
+        for _ in one.run(again):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert [s.tokens for s in again] == [s.tokens for s in seqs]
+    assert seen and set(seen) == {1}
+    with pytest.raises(kw.RequestError, match="decode_threads must be an int >= 1, got 0"):
+        Engine(lm, 2, 64, decode_threads=0)

@@ -3,7 +3,7 @@ import argparse
 import sys
 
 from ..serve import limits, ray_serve  # ray_serve imports no Ray until --ray runs
-from .options import load_model, model_options, named_files, quantize_option
+from .options import load_model, model_options, named_files, positive, quantize_option
 
 
 def add(commands):
@@ -38,6 +38,9 @@ def add(commands):
     s.add_argument("--no-tool-fallback", dest="tool_fallback", action="store_false",
                    help="refuse tools (400) for a model whose chat template has no tool support, instead of kvwire's "
                    "convention (tool schemas in a system message, calls as <tool_call> JSON)")
+    s.add_argument("--decode-threads", type=positive, default=None, metavar="N",
+                   help="torch threads for decode steps (default: one fewer than the pool, at least 1, so the "
+                   "server's event loop has a core; prefill uses the whole pool)")
     s.add_argument("--no-metrics", dest="metrics", action="store_false",
                    help="do not serve GET /metrics nor record what it reports")
     s.add_argument("--no-playground-training", dest="playground_training", action="store_false",
@@ -62,6 +65,8 @@ def api_keys(args):
 def run(args):
     import logging
 
+    import torch
+
     from ..serve import create_app, serve
     from ..serve.auth import check_keys
     from ..steer import ControlVector
@@ -80,7 +85,8 @@ def run(args):
     options = dict(max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors, limits=bounds,
                    inline_slots=args.inline_slots, inline_per_request=args.inline_per_request, api_keys=keys,
                    cors_origins=args.cors_origin, playground_training=args.playground_training,
-                   tool_fallback=args.tool_fallback, metrics=args.metrics)
+                   tool_fallback=args.tool_fallback, metrics=args.metrics,
+                   decode_threads=args.decode_threads or max(1, torch.get_num_threads() - 1))
     if args.ray:  # each replica loads the model itself; this process only starts them
         from functools import partial
 

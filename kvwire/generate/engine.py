@@ -31,6 +31,7 @@ import queue
 import time
 import warnings
 from collections import Counter, deque
+from contextlib import contextmanager
 
 import torch
 
@@ -68,6 +69,9 @@ class Engine:
         grow: start the timeline short and double it as sequences need (see the module docstring);
             for graphs that take a write index per row, uncompiled, without `cache`. Else every row
             holds max_length positions from the first sequence on.
+        decode_threads: torch's CPU threads for decode steps (prefill keeps the pool's size): a
+            server leaves a core to its event loop, whose wake-ups stall a full team of OpenMP
+            threads at every barrier of a decode step's many small ops. None: the pool as it is.
 
     Single-threaded use: `submit` sequences, then `run(seqs)` (yields after every step) or `step()`.
     From other threads (a server): `submit` and `Sequence.cancel` are thread-safe while one thread
@@ -83,7 +87,7 @@ class Engine:
     """
 
     def __init__(self, lm, max_batch=8, max_length=None, *, prefill_chunk=256, prefix_store=None, cache=None,
-                 multiple=1, grow=False):
+                 multiple=1, grow=False, decode_threads=None):
         runner = lm.runner() if hasattr(lm, "runner") else lm
         positive_int(max_batch, "max_batch")
         positive_int(prefill_chunk, "prefill_chunk")
@@ -99,6 +103,9 @@ class Engine:
         self.vocab_size, self.device, self.tokenizer = runner.vocab_size, runner.device, runner.tokenizer
         self.capacity, self.max_length, self.multiple = max_batch, max_length, multiple
         self.prefill_chunk, self.prefix_store = prefill_chunk, prefix_store
+        if decode_threads is not None:
+            positive_int(decode_threads, "decode_threads")
+        self.decode_threads = decode_threads
         self.per_row = bool(getattr(self.cached, "row_index", False))
         self.cache = cache
         self.grow = bool(grow) and self.per_row and self.decode is None and cache is None
@@ -237,7 +244,8 @@ class Engine:
             self.prefill_seconds += time.perf_counter() - start
         if any(s is not None and s.pending is not None for s in self.rows):
             start = time.perf_counter()
-            self._decode()
+            with _threads(self.decode_threads):
+                self._decode()
             self.decode_seconds += time.perf_counter() - start
             self.decode_steps += 1
         if self.grow and self.length > GROW_FROM and not self.jobs and all(s is None for s in self.rows):
@@ -536,6 +544,20 @@ class Engine:
             self.rows = [None] * self.capacity  # lockstep batch over: the rows are free again
         if seq.listener is not None:
             seq.listener(seq)
+
+
+@contextmanager
+def _threads(n):
+    """torch's CPU pool at n threads inside (None: as it is); its size before, after."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _contiguous(rows):

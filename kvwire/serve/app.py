@@ -30,7 +30,7 @@ _EVENT = {"type": "object", "required": ["data"], "properties": {
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
                prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=None,
                inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True, tool_fallback=True,
-               metrics=True):
+               metrics=True, decode_threads=None):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health, and GET /metrics (Prometheus, `kvwire.serve.metrics`). The engine's
     thread runs while the app does (its lifespan).
@@ -68,6 +68,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
             docs/tools.md); False: such requests get a 400 naming the template.
         metrics: serve GET /metrics and record what it reports; False: neither (bench/serve_agents.py
             compares the two).
+        decode_threads: torch threads for decode steps (`Engine(decode_threads=)`); None: the pool's.
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec},
@@ -86,7 +87,8 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     if not isinstance(inline_slots, int) or inline_slots < 0:
         raise ValueError(f"inline_slots (--inline-slots) must be an int >= 0, got {inline_slots!r}")
     inline = InlineBank(lm, inline_slots, max_per_request=inline_per_request) if inline_slots else None
-    served = ServedVectors(lm, control_vectors or {}, dict(max_batch=max_batch, max_length=max_length, grow=True),
+    engine_options = dict(max_batch=max_batch, max_length=max_length, grow=True, decode_threads=decode_threads)
+    served = ServedVectors(lm, control_vectors or {}, engine_options,
                            prefix_bytes=prefix_bytes, inline=inline)
     bridge = served.bridge
     metrics = Metrics(bridge) if metrics else None
