@@ -3,6 +3,7 @@ streamed, on a ChatML template without tool support (kvwire's fallback conventio
 Hermes-style template that renders tools itself (the prompt equal to what transformers renders);
 forced calls valid against their schemas; an agent framework's tool loop; bad tool requests as 400s."""
 import json
+import re
 from typing import Literal
 
 import jsonschema
@@ -267,3 +268,17 @@ def test_smollm2_reads_its_arguments_from_the_prompt_and_an_agent_loop_runs():
         assert asked[:1] == ["Paris"]
     finally:
         server.close()
+
+
+def test_a_call_that_does_not_parse_stays_content_with_a_warning(client, served, caplog):
+    """The model's markup naming a function the request did not declare (forced here with a regex)
+    comes back as text, finish_reason "stop", and a warning in the log: never a 500."""
+    name, lm, _ = served
+    text = '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>'
+    with caplog.at_level("WARNING", logger="kvwire.serve.tools"):
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=NEW, extra_body={
+            "response_format": {"type": "regex", "regex": re.escape(text)}})
+    choice = r.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert choice.message.content == text
+    assert any("launch_rocket" in rec.getMessage() for rec in caplog.records)

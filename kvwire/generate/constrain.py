@@ -130,7 +130,8 @@ class Constraint:
     def matcher(self, tokenizer, vocab_size):
         """A new `RowMatcher` at the start of the output."""
         self.compile(tokenizer, vocab_size)
-        return RowMatcher(self._compiled[id(ll_tokenizer(tokenizer, vocab_size))].deep_copy(), vocab_size)
+        ll = ll_tokenizer(tokenizer, vocab_size)
+        return RowMatcher(self._compiled[id(ll)].deep_copy(), vocab_size, ll)
 
     def __repr__(self):
         shown = json.dumps(self.source) if not isinstance(self.source, str) else self.source
@@ -155,17 +156,35 @@ def ll_tokenizer(tokenizer, vocab_size):
 class RowMatcher:
     """One row's place in its grammar: which tokens may come next, and the tokens it took."""
 
-    def __init__(self, matcher, vocab_size):
-        self.m, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size, ll=None):
+        self.m, self.vocab_size, self.ll = matcher, vocab_size, ll
 
     def allowed(self, stop_ids):
         """(V,) bool numpy array: tokens the grammar allows next. The row's stop ids are allowed
         exactly where the output so far is complete (the grammar accepts)."""
         bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        if self.ll is not None:
+            self._without_refused_specials(allowed, stop_ids)
         if stop_ids:
             allowed[list(stop_ids)] = self.m.is_accepting()
         return allowed
+
+    def _without_refused_specials(self, allowed, stop_ids):
+        """Where the grammar forces text that an added token spells (Qwen's "<tool_call>" written out
+        in a regex), llguidance's mask offers that token's id, which it then refuses as special:
+        such ids are dropped, and when nothing is left the forced text's first non-special token
+        is allowed instead."""
+        specials = special_ids(self.ll, self.vocab_size)
+        offered = [int(t) for t in specials[allowed[specials]] if int(t) not in stop_ids]
+        refused = [t for t in offered if self.m.validate_tokens([t]) == 0]
+        if not refused:
+            return
+        allowed[refused] = False
+        if not allowed.any():
+            forced = self.m.compute_ff_bytes().decode("utf-8", "ignore")
+            for t in self.ll.greedy_tokenize(forced)[:1] if forced else []:
+                allowed[t] = self.m.validate_tokens([t]) == 1
 
     def take(self, token):
         """Advance by a sampled token; False when the grammar refused it (an error state)."""
@@ -179,6 +198,17 @@ class RowMatcher:
     @property
     def error(self):
         return self.m.get_error() if self.m.is_error() else None
+
+
+_specials = {}  # id(LLTokenizer) -> ids it treats as special (added tokens, special or not)
+
+
+def special_ids(ll, vocab_size):
+    """(k,) int array of the ids `ll` treats as special; computed once per tokenizer."""
+    key = id(ll)
+    if key not in _specials:
+        _specials[key] = np.array([t for t in range(vocab_size) if ll.is_special_token(t)], dtype=np.int64)
+    return _specials[key]
 
 
 def mask_logits(logits, seqs):
