@@ -183,7 +183,7 @@ def test_stop_strings_and_beam_search_are_refused_with_a_constraint(lm):
 def test_a_constraint_compiles_once_per_tokenizer(lm):
     c = Constraint.regex("[a-z]+")
     c.compile(lm.tokenizer, lm.vocab_size)
-    first = dict(c._compiled)
+    first = list(c._compiled)
     c.compile(lm.tokenizer, lm.vocab_size)
     assert c._compiled == first and len(first) == 1
     a, b = c.matcher(lm.tokenizer, lm.vocab_size), c.matcher(lm.tokenizer, lm.vocab_size)

@@ -32,7 +32,7 @@ KINDS = ("json_schema", "json_object", "regex", "grammar")
 # indent (llama.cpp's choice). Unbounded whitespace lets a small model spend its budget on blanks; a
 # schema's own "x-guidance" options override this.
 JSON_WHITESPACE = {"whitespace_pattern": r"( |\n[ \t]{0,20})?"}
-_tokenizers = weakref.WeakKeyDictionary()  # kvwire Tokenizer -> {vocab_size: llguidance.LLTokenizer}
+_tokenizers = weakref.WeakKeyDictionary()  # kvwire Tokenizer -> {vocab_size: Vocabulary}
 _lock = threading.Lock()
 
 
@@ -55,7 +55,7 @@ class Constraint:
         if kind not in KINDS:
             raise ValueError(f"constraint kind must be one of {KINDS}, got {kind!r}")
         self.kind, self.source, self.param = kind, source, param or kind
-        self._compiled = {}  # id(LLTokenizer) -> a fresh LLMatcher to copy per row
+        self._compiled = []  # (Vocabulary, a fresh LLMatcher to copy per row), one per vocabulary seen
 
     @classmethod
     def json_schema(cls, schema, param="json_schema"):
@@ -111,36 +111,55 @@ class Constraint:
         """Check and compile for `tokenizer` (a kvwire Tokenizer) over `vocab_size` logits; cached,
         so `matcher` is then cheap. Takes up to ~100 ms for large schemas: call it off an event loop.
         Raises `ConstraintError` naming what llguidance could not compile."""
+        self._fresh(tokenizer, vocab_size)
+        return self
+
+    def _fresh(self, tokenizer, vocab_size):
+        """(Vocabulary, the compiled LLMatcher at the start) for this tokenizer and size."""
         from llguidance import LLMatcher
 
-        ll = ll_tokenizer(tokenizer, vocab_size)
-        key = id(ll)
-        if key not in self._compiled:
+        vocab = vocabulary(tokenizer, vocab_size)
+        found = next((m for v, m in self._compiled if v is vocab), None)  # identity: ids of freed ones recur
+        if found is None:
+            ll = vocab.ll
             grammar = self.llguidance_grammar()
             error = LLMatcher.validate_grammar(grammar, ll)
             if error:
                 raise ConstraintError(f"{self.param}: the {self.kind.replace('_', ' ')} cannot be compiled: "
                                       f"{error.strip()}", self.param)
-            matcher = LLMatcher(ll, grammar, log_level=0)
-            if matcher.is_error():
-                raise ConstraintError(f"{self.param}: {matcher.get_error()}", self.param)
-            self._compiled[key] = matcher
-        return self
+            found = LLMatcher(ll, grammar, log_level=0)
+            if found.is_error():
+                raise ConstraintError(f"{self.param}: {found.get_error()}", self.param)
+            self._compiled.append((vocab, found))
+        return vocab, found
 
     def matcher(self, tokenizer, vocab_size):
         """A new `RowMatcher` at the start of the output."""
-        self.compile(tokenizer, vocab_size)
-        ll = ll_tokenizer(tokenizer, vocab_size)
-        return RowMatcher(self._compiled[id(ll)].deep_copy(), vocab_size, ll)
+        vocab, start = self._fresh(tokenizer, vocab_size)
+        return RowMatcher(start.deep_copy(), vocab)
 
     def __repr__(self):
         shown = json.dumps(self.source) if not isinstance(self.source, str) else self.source
         return f"Constraint.{self.kind}({shown:.60})"
 
 
-def ll_tokenizer(tokenizer, vocab_size):
-    """llguidance's view of a kvwire Tokenizer's vocabulary, padded to the model's `vocab_size`
-    logits; built once per tokenizer (~0.5 s for 262k tokens)."""
+class Vocabulary:
+    """llguidance's view of a kvwire Tokenizer's vocabulary over `size` logits (`ll`), and the ids it
+    treats as special (`specials`, found on first use)."""
+
+    def __init__(self, ll, size):
+        self.ll, self.size, self._specials = ll, size, None
+
+    @property
+    def specials(self):
+        if self._specials is None:
+            self._specials = np.array([t for t in range(self.size) if self.ll.is_special_token(t)], dtype=np.int64)
+        return self._specials
+
+
+def vocabulary(tokenizer, vocab_size):
+    """The `Vocabulary` of a kvwire Tokenizer padded to the model's `vocab_size` logits; built once
+    per tokenizer (~0.3 s for 49k tokens, ~2 s for 262k)."""
     from llguidance import LLTokenizer
 
     if tokenizer is None:
@@ -149,23 +168,28 @@ def ll_tokenizer(tokenizer, vocab_size):
         per_size = _tokenizers.setdefault(tokenizer, {})
         if vocab_size not in per_size:
             eos = list(tokenizer.eos_token_ids) or None
-            per_size[vocab_size] = LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+            ll = LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+            per_size[vocab_size] = Vocabulary(ll, vocab_size)
         return per_size[vocab_size]
+
+
+def ll_tokenizer(tokenizer, vocab_size):
+    """llguidance's LLTokenizer for a kvwire Tokenizer (see `vocabulary`)."""
+    return vocabulary(tokenizer, vocab_size).ll
 
 
 class RowMatcher:
     """One row's place in its grammar: which tokens may come next, and the tokens it took."""
 
-    def __init__(self, matcher, vocab_size, ll=None):
-        self.m, self.vocab_size, self.ll = matcher, vocab_size, ll
+    def __init__(self, matcher, vocab):
+        self.m, self.vocab, self.vocab_size, self.ll = matcher, vocab, vocab.size, vocab.ll
 
     def allowed(self, stop_ids):
         """(V,) bool numpy array: tokens the grammar allows next. The row's stop ids are allowed
         exactly where the output so far is complete (the grammar accepts)."""
         bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
-        if self.ll is not None:
-            self._without_refused_specials(allowed, stop_ids)
+        self._without_refused_specials(allowed, stop_ids)
         if stop_ids:
             allowed[list(stop_ids)] = self.m.is_accepting()
         return allowed
@@ -175,7 +199,7 @@ class RowMatcher:
         in a regex), llguidance's mask offers that token's id, which it then refuses as special:
         such ids are dropped, and when nothing is left the forced text's first non-special token
         is allowed instead."""
-        specials = special_ids(self.ll, self.vocab_size)
+        specials = self.vocab.specials
         offered = [int(t) for t in specials[allowed[specials]] if int(t) not in stop_ids]
         refused = [t for t in offered if self.m.validate_tokens([t]) == 0]
         if not refused:
@@ -198,17 +222,6 @@ class RowMatcher:
     @property
     def error(self):
         return self.m.get_error() if self.m.is_error() else None
-
-
-_specials = {}  # id(LLTokenizer) -> ids it treats as special (added tokens, special or not)
-
-
-def special_ids(ll, vocab_size):
-    """(k,) int array of the ids `ll` treats as special; computed once per tokenizer."""
-    key = id(ll)
-    if key not in _specials:
-        _specials[key] = np.array([t for t in range(vocab_size) if ll.is_special_token(t)], dtype=np.int64)
-    return _specials[key]
 
 
 def mask_logits(logits, seqs):
