@@ -46,7 +46,8 @@ class Handlers:
                 tools = ToolUse(body, self.tokenizer, self.tool_fallback)
             except checks.RequestError as e:
                 raise from_request_error(e) from None
-            if tools.constraint() is not None and options.constraint(body) is not None:
+            if tools.constraint is not None and body.response_format is not None and \
+                    body.response_format.type != "text":
                 raise APIError("response_format cannot be combined with a forced tool call (tool_choice "
                                f"{tools.choice!r}): the reply is the call", param="response_format")
         # rendering and tokenising take time in proportion to the text: on a worker thread, so
@@ -134,7 +135,7 @@ class Handlers:
         seed = checks.seed(body.seed, rows=n)  # choice j draws from seed + j: every one must fit
         sampler, stops = options.sampler(body), options.stop_strings(body)
         inputs = options.steer_inputs(body, self.names)
-        constraint = (tools and tools.constraint()) or options.constraint(body)
+        constraint = (tools and tools.constraint) or options.constraint(body)
         if constraint is not None:
             if stops:
                 raise APIError("stop cannot be combined with response_format (or a required tool call): the "

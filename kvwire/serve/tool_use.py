@@ -2,6 +2,7 @@
 speaks, the conversation as the template takes it, the constraint a forced call needs, and the
 reply read back into OpenAI's `tool_calls` (whole, or as stream deltas). The formats themselves are
 in `kvwire.serve.tools`."""
+import functools
 import weakref
 
 from ..generate.constrain import Constraint
@@ -60,6 +61,7 @@ class ToolUse:
         """(messages, template variables) for the chat template."""
         return prepare_messages(self.body.messages, self.tools if self.active else None, self.fmt)
 
+    @functools.cached_property
     def constraint(self):
         """The `Constraint` forcing calls for tool_choice "required" or a named function, else None."""
         if not self.active:
