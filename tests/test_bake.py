@@ -223,6 +223,43 @@ def test_gguf_f16_and_refusals(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.parametrize("quant", [GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0], ids=["f32", "q8_0"])
+def test_kvwire_loads_a_baked_llama_gguf_as_the_steered_model(quant, tmp_path):
+    """The file has blk.N.ffn_down.bias on the steered blocks only (llama.cpp reads it where a block
+    has one): those blocks get a down-projection bias, the others none; the converted config goes
+    through kvwire's weights cache and back."""
+    src = _gguf(tmp_path, "llama", quant)
+    lm = kw.load(src, progress=False)
+    vec = kw.ControlVector({0: _directions(1, seed=3)[0], 2: _directions(1, seed=4)[0]})
+    want = lm.steer(vec, 1.5)(IDS)
+    assert (want - lm(IDS)).abs().max() > 0.1
+    out = bake_steer(src, vec, 1.5, tmp_path / "s.gguf", format="gguf")
+    for baked in (kw.load(out, progress=False), kw.load(out, progress=False)):  # converted, then cached
+        assert baked.config.mlp_out_bias == (True, False, True, False) and not baked.config.mlp_bias
+        assert [b.mlp.down_proj.bias is not None for b in baked.backbone.layers] == [True, False, True, False]
+        torch.testing.assert_close(baked(IDS), want, atol=1e-4, rtol=1e-4)
+    generated = [m.generate_ids(IDS, max_new_tokens=6, ignore_eos=True).tokens for m in (baked, lm.steer(vec, 1.5))]
+    assert generated[0] == generated[1]  # through the cached graph
+
+
+@llama_cpp
+def test_a_baked_q8_0_gguf_runs_on_its_own_blocks_as_kvwire_steers(tmp_path):
+    """quantize="gguf": the untouched Q8_0 blocks on ggml's kernels, the steered blocks' F32 bias added
+    after their down projection; the same as the source's blocks steered at run time."""
+    from kvwire.quant.ggml import GGMLLinear
+
+    src = _gguf(tmp_path, "llama", GGMLQuantizationType.Q8_0)
+    vec = kw.ControlVector({1: _directions(1, seed=3)[0], 3: _directions(1, seed=4)[0]})
+    lm = kw.load(src, progress=False, quantize="gguf")
+    baked = kw.load(bake_steer(src, vec, 1.5, tmp_path / "s.gguf", format="gguf"), progress=False, quantize="gguf")
+    downs = [b.mlp.down_proj for b in baked.backbone.layers]
+    assert all(isinstance(d, GGMLLinear) for d in downs) and [d.bias is not None for d in downs] == [False, True,
+                                                                                                    False, True]
+    want = lm.steer(vec, 1.5)(IDS)
+    assert (want - lm(IDS)).abs().max() > 0.1
+    assert ((baked(IDS) - want).norm() / want.norm()).item() < 1e-4  # the same blocks; sums in another order
+
+
 def _llama_cpp_logits(path, ids):
     from llama_cpp import Llama
 

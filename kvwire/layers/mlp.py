@@ -45,14 +45,15 @@ class MLP(Layer):
 
 class GatedMLP(Layer):
     """Gated feed-forward: down_proj(act(gate_proj(x)) * up_proj(x)). x (B, T, D) -> (B, T, D).
-    `bias`: biases on all three projections (Llama's `mlp_bias`). Eager calls with tanh-GELU or SiLU
+    `bias`: biases on all three projections (Llama's `mlp_bias`); `out_bias`: down_proj's (None =
+    `bias`; a GGUF's baked steer gives only some blocks one). Eager calls with tanh-GELU or SiLU
     compute act(gate) * up in one pass where `cpu.fused()` is "kvwire" (`native.fused`)."""
 
-    def __init__(self, dim, hidden, act="gelu_pytorch_tanh", bias=False):
+    def __init__(self, dim, hidden, act="gelu_pytorch_tanh", bias=False, out_bias=None):
         super().__init__()
         self.gate_proj = Linear(dim, hidden, bias=bias)
         self.up_proj = Linear(dim, hidden, bias=bias)
-        self.down_proj = Linear(hidden, dim, bias=bias)
+        self.down_proj = Linear(hidden, dim, bias=bias if out_bias is None else out_bias)
         self.act = activation(act)
 
     def forward(self, x):

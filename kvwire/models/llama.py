@@ -3,7 +3,7 @@
 llama.cpp's converter permutes the Q/K rows of `llama` files (for its interleaved rope); loading
 undoes it. Llama 3.x's rope scaling is `rope_scaling={"rope_type": "llama3", ...}` in config.json.
 """
-from .decoder import DecoderConfig, decoder_config, decoder_family, gguf_fields
+from .decoder import DecoderConfig, decoder_config, decoder_family, gguf_biases, gguf_fields
 
 
 def config_from_hf(d):
@@ -11,10 +11,10 @@ def config_from_hf(d):
 
 
 def config_from_gguf(meta, vocab_size, source, file):
-    fields, _ = gguf_fields(meta, "llama", vocab_size, source, file,
-                            attention_bias="blk.0.attn_q.bias" in file.tensor_names)
-    return DecoderConfig(**fields)
+    fields, _ = gguf_fields(meta, "llama", vocab_size, source, file)
+    # llama.cpp reads each bias of a llama block where the file has one (a baked steer's ffn_down.bias)
+    return DecoderConfig(**fields, **gguf_biases(file.tensor_names, fields["num_hidden_layers"]))
 
 
 FAMILY = decoder_family("llama", ("llama",), config_from_hf, gguf_architecture="llama",
-                        config_from_gguf=config_from_gguf, permuted_qk=True)
+                        config_from_gguf=config_from_gguf, permuted_qk=True, optional_biases=True)

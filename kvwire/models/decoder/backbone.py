@@ -31,7 +31,8 @@ class DecoderBlock(Block):
             qk_norm=partial(RMSNorm, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None,
             qk_norm_width=c.qk_norm or "head", sliding_window=c.sliding_window if sliding else None,
             softcap=c.attn_logit_softcapping)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias,
+                            out_bias=c.mlp_out_bias[layer_idx])
         for name in NORM_PLACEMENTS[c.norm_placement]:
             setattr(self, name, RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.norm_offset))
         self.residual_multiplier = c.residual_multiplier

@@ -31,7 +31,9 @@ class DecoderConfig:
     Sizes: `num_key_value_heads` defaults to the query heads, `head_dim` to hidden / heads.
     Norms: `norm_placement` "pre" | "post" | "sandwich" (see NORM_PLACEMENTS); `norm_offset`: RMSNorm
     scales by (1 + weight) (Gemma). Biases: `attention_bias` (q, k, v), `attention_out_bias` (o;
-    None = attention_bias), `mlp_bias`. `qk_norm`: None, "head" or "full". Rotary: `rope_theta`,
+    None = attention_bias), `mlp_bias` (gate, up, down), `mlp_out_bias` (down, per layer: None =
+    mlp_bias, a bool for every layer, or one bool per layer, as a GGUF whose baked steer gave only
+    the steered blocks one; kept as a tuple). `qk_norm`: None, "head" or "full". Rotary: `rope_theta`,
     `rope_scaling` (transformers' dict: rope_type and its parameters), `partial_rotary_factor`;
     sliding layers use `local_rope_theta` unscaled when it is set (Gemma 3). `layer_types`: one of
     LAYER_TYPES per layer (None = all full); `sliding_window`: tokens a sliding layer's query sees,
@@ -60,6 +62,7 @@ class DecoderConfig:
     attention_bias: bool = False
     attention_out_bias: bool = None
     mlp_bias: bool = False
+    mlp_out_bias: tuple = None
     qk_norm: str = None
     rope_theta: float = 10_000.0
     rope_scaling: dict = None
@@ -91,6 +94,8 @@ class DecoderConfig:
         if self.attention_out_bias is None:
             set_("attention_out_bias", self.attention_bias)
         check_fields(self, _POSITIVE, layers="num_hidden_layers")
+        set_("mlp_out_bias", _per_layer_bias(self.mlp_bias if self.mlp_out_bias is None else self.mlp_out_bias,
+                                             self.num_hidden_layers))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -118,6 +123,14 @@ class DecoderConfig:
     def rotary_dim(self):
         """Leading dims of each head that rotate (Phi-3's partial rotary)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _per_layer_bias(value, n_layers):
+    """mlp_out_bias as one bool per layer, from a bool or a list of them."""
+    flags = (value,) * n_layers if type(value) is bool else value
+    if not isinstance(flags, (list, tuple)) or len(flags) != n_layers or not all(type(b) is bool for b in flags):
+        raise ValueError(f"mlp_out_bias={value!r}; expected true, false or {n_layers} of them (one per layer)")
+    return tuple(flags)
 
 
 def sliding_layer_types(n_layers, *, full_every=None, first_sliding=0):

@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 
-from ..config import GGUFMetadata
+from ..config import MAX_LAYERS, GGUFMetadata
 
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 # Llama-style checkpoints call their pre-MLP norm post_attention_layernorm (see backbone.py)
@@ -63,13 +63,16 @@ _GGUF_TOP = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "
              "output.weight": "lm_head.weight"}
 
 
-def state_from_gguf(tensors, arch, config, *, permuted_qk=False, norm_offset=False, split=None):
+def state_from_gguf(tensors, arch, config, *, permuted_qk=False, norm_offset=False, split=None,
+                    optional_biases=False):
     """(GGUF name, numpy array) pairs -> `DecoderBackbone` state dict of numpy arrays.
 
     permuted_qk: undo llama.cpp's Q/K row permutation (its `llama` converter interleaves each
     head's rotary halves for its NORM rope; transformers' GGUF loader undoes it the same way).
     norm_offset: subtract the 1 that llama.cpp folds into Gemma's norm weights.
     split(key, array, config) -> {key: array}: fused tensors (Phi-3's attn_qkv, ffn_up).
+    optional_biases: the blocks' biases are optional, each on its own (llama.cpp's `llama`): a
+    block without one of the biases the config turns on (`gguf_biases`) gets zeros.
     """
     out = {}
     for name, array in tensors:
@@ -90,7 +93,44 @@ def state_from_gguf(tensors, arch, config, *, permuted_qk=False, norm_offset=Fal
         if norm_offset and key.endswith("norm.weight"):
             array = array - 1.0
         out.update(split(key, array, config) if split else {key: array})
+    if optional_biases:
+        _zero_biases(out, config)
     return out
+
+
+# the bias groups of `DecoderConfig` (field: llama.cpp's tensors); ffn_down's is per layer (mlp_out_bias)
+_BIAS_GROUPS = {"attention_bias": ("attn_q", "attn_k", "attn_v"), "attention_out_bias": ("attn_output",),
+                "mlp_bias": ("ffn_gate", "ffn_up")}
+
+
+def gguf_biases(names, n_layers):
+    """The `DecoderConfig` bias fields of a file whose blocks may each carry any of the biases
+    llama.cpp's `llama` reads (q, k, v, attn_output, ffn_gate, ffn_up, ffn_down, every one optional):
+    a group is on where any block has one of its tensors (`state_from_gguf(optional_biases=True)`
+    gives the others zeros); ffn_down's is per block, as a baked steer writes it on the steered
+    blocks only (`kvwire.steer.bake_steer`).
+
+    Example:
+        >>> gguf_biases({"blk.1.ffn_down.bias", "blk.0.attn_q.bias"}, 2)
+        {'attention_bias': True, 'attention_out_bias': False, 'mlp_bias': False, 'mlp_out_bias': (False, True)}
+    """
+    found = [m.groups() for m in (re.fullmatch(r"blk\.(\d+)\.(\w+)\.bias", n) for n in names) if m]
+    have, down = {part for _, part in found}, {int(i) for i, part in found if part == "ffn_down"}
+    fields = {field: any(t in have for t in parts) for field, parts in _BIAS_GROUPS.items()}
+    sized = type(n_layers) is int and 0 <= n_layers <= MAX_LAYERS  # else DecoderConfig refuses the count
+    return {**fields, "mlp_out_bias": tuple(i in down for i in range(n_layers)) if down and sized else bool(down)}
+
+
+def _zero_biases(out, config):
+    """Zeros (in place) for the biases `config` gives a block that the file left out."""
+    c = config
+    rows = {"attn_q": c.num_attention_heads * c.head_dim, "attn_k": c.num_key_value_heads * c.head_dim,
+            "attn_v": c.num_key_value_heads * c.head_dim, "attn_output": c.hidden_size,
+            "ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size}
+    for i in range(c.num_hidden_layers):
+        for field, parts in _BIAS_GROUPS.items():
+            for part in parts if getattr(c, field) else ():
+                out.setdefault(f"layers.{i}.{_GGUF_BLOCK[part]}.bias", np.zeros(rows[part], np.float32))
 
 
 def unpermute_qk(rows, heads, name="tensor"):
