@@ -227,15 +227,15 @@ def test_bad_operations_are_refused_by_name():
         lm.ablate(d, when=(5, 2))
 
 
-def test_an_opaque_block_has_only_its_output():
+def test_an_opaque_block_is_its_output_and_holds_its_other_sites_inside_its_call():
     from kvwire.graph import site_calls
 
     hf = FAMILIES["llama"]()
     lm = kw.from_hf(hf, generic=True)  # blocks made of transformers' own modules: one call each
     calls = site_calls(lm.backbone, "block_out", [1])
     assert list(calls) == [1] and not calls[1].endswith("block_out")
-    with pytest.raises(ValueError, match=r"has no site 'attn_out'; its sites are \['block_out'\]"):
-        lm.ablate(torch.randn(lm.head.weight.shape[1]), site="attn_out")
+    with pytest.raises(ValueError, match=r"site 'attn_out' of block 'layers.1' is inside the call 'layers.1'"):
+        site_calls(lm.backbone, "attn_out", [1])  # edited inside the call (tests/test_steer_inner.py)
     d = _directions(lm.head.weight.shape[1], 1, 11)[0]
     want = hf_logits(hf, IDS, [(1, "block_out", lambda x: ref_ablate(x, d))])
     torch.testing.assert_close(lm.ablate(d, layers=[1])(IDS), want, atol=2e-4, rtol=2e-4)

@@ -1,13 +1,16 @@
 """Where a steering operation goes: the call of a named site in numbered blocks.
 
 Blocks of the shared decoder and GPT-2 have the sites of `kvwire.layers.site.SITES` as `Site`
-children; a block without them (one made of another library's modules, called as one layer) has
-its output, `block_out`, only. `block_out` is edited after the block's own call while the graph
-still calls its blocks (so block-level edits such as `kw.skip("layers.2")` keep working after a
-steer); an inner site opens the blocks (a "layer" depth graph).
+children; a block made of another library's modules is one call at every depth, so `block_out` is
+its call's output. `block_out` is edited after the block's own call while the graph still calls its
+blocks (so block-level edits such as `kw.skip("layers.2")` keep working after a steer); a site
+inside a block opens the blocks (a "layer" depth graph).
+Sites inside a layer that is one call (attention's `attn_heads`; a generic block's residual sites)
+are edited inside that call (`kvwire.layers.inner`): `inner_calls` finds the layer, `put_inside`
+gives a clone its edited copy, under the same name.
 """
 from ..layers.base import Block
-from ..layers.site import SITES, Site
+from ..layers.site import ALL_SITES, Site
 from .edit import numbered_blocks, summarize_indices
 from .trace import layer_calls, trace
 
@@ -20,26 +23,86 @@ def site_calls(module, site, indices=None):
         >>> site_calls(lm.backbone, "attn_out", [2])
         {2: 'layers.2.attn_out'}
     """
-    if site not in SITES:
-        raise ValueError(f"site must be one of {SITES}, got {site!r}")
+    blocks, picked = _picked(module, site, indices)
+    out = {}
+    for i in picked:
+        call = _graph_site(module, blocks[i], site)
+        if call is None:
+            inside = inner_calls(module, site, [i])
+            if inside:
+                raise ValueError(f"site {site!r} of block {blocks[i]!r} is inside the call {inside[i]!r}; it "
+                                 f"is edited inside that call (kvwire.graph.sites.inner_calls), not after a call")
+            raise ValueError(f"block {blocks[i]!r} ({type(module.get_submodule(blocks[i])).__name__}) has no site "
+                             f"{site!r}; its sites are {block_sites(module, blocks[i])}")
+        out[i] = call
+    return out
+
+
+def _picked(module, site, indices):
+    if site not in ALL_SITES:
+        raise ValueError(f"site must be one of {ALL_SITES}, got {site!r}")
     blocks = numbered_blocks(module)
     picked = sorted(blocks) if indices is None else list(indices)
     missing = [i for i in picked if i not in blocks]
     if missing:
         raise ValueError(f"blocks {missing} are not blocks of this model: it has blocks "
                          f"{summarize_indices(blocks) or 'none'}")
+    return blocks, picked
+
+
+def _graph_site(module, name, site):
+    """The call to edit after for `site` of block `name`, or None when the site is no graph call."""
+    block = module.get_submodule(name)
+    if isinstance(getattr(block, site, None), Site):
+        return f"{name}.{site}"
+    if site == "block_out" and (not isinstance(block, Block) or block.opaque):
+        return name  # one call at every depth: its output is the block's output
+    return None
+
+
+def block_sites(module, name):
+    """The sites block `name` of `module` has, graph sites and inner ones, in `ALL_SITES` order."""
+    inner = {s for call in _leaves(module, name) for s in getattr(module.get_submodule(call), "inner_sites", ())}
+    return [s for s in ALL_SITES if s in inner or _graph_site(module, name, s) is not None]
+
+
+def _leaves(module, name):
+    gm = trace(module, depth="layer")
+    return [n.target for n in layer_calls(gm) if n.target == name or n.target.startswith(name + ".")]
+
+
+def inner_calls(module, site, indices=None):
+    """{block index: dotted name of the layer call holding `site` inside it} for the blocks `indices`
+    picks, where the site is inside a one-call layer (`kvwire.layers.inner`); blocks where it is a
+    graph call, or absent, are left out.
+
+    Example:
+        >>> inner_calls(lm.backbone, "attn_heads", [2])
+        {2: 'layers.2.self_attn'}
+    """
+    blocks, picked = _picked(module, site, indices)
+    gm = trace(module, depth="layer")
     out = {}
     for i in picked:
-        block = module.get_submodule(blocks[i])
-        if isinstance(getattr(block, site, None), Site):
-            out[i] = f"{blocks[i]}.{site}"
-        elif site == "block_out" and (not isinstance(block, Block) or block.opaque):
-            out[i] = blocks[i]  # one call at every depth: its output is the block's output
-        else:
-            have = [s for s in SITES if isinstance(getattr(block, s, None), Site)] or ["block_out"]
-            raise ValueError(f"block {blocks[i]!r} ({type(block).__name__}) has no site {site!r}; "
-                             f"its sites are {have}")
+        if _graph_site(module, blocks[i], site) is not None:
+            continue
+        for node in layer_calls(gm):
+            if (node.target == blocks[i] or node.target.startswith(blocks[i] + ".")) \
+                    and site in getattr(gm.get_submodule(node.target), "inner_sites", ()):
+                out[i] = node.target
+                break
     return out
+
+
+def put_inside(gm, site, layers):
+    """Give the clone `gm` (a graph made by `kw.clone`: its containers are its own) an edited copy of
+    each layer call in `layers` ({dotted call: new layer}), with the new layer last at `site` inside
+    it (`InnerSites.with_edit`), under the same name. Returns gm."""
+    for call, layer in layers.items():
+        parent, _, attr = call.rpartition(".")
+        holder = gm.get_submodule(parent) if parent else gm
+        holder._modules[attr] = holder._modules[attr].with_edit(site, layer)
+    return gm
 
 
 def chain_ends(gm, call):
@@ -63,12 +126,19 @@ def site_targets(module, site, indices, depth=None):
     """(depth, {block index: [calls to insert after]}) for `site` of the blocks `indices`, after what
     is chained there already (one call per call of the site: usually one). depth None: "block" for
     `block_out` of blocks the graph still calls, else "layer"; give "layer" to have every target at
-    one depth with other layer-depth calls.
+    one depth with other layer-depth calls. A site inside a one-call layer gives ("inner",
+    {block index: [that layer's call]}) whatever the depth asked (see `put_inside`).
 
     Example:
         >>> site_targets(lm.backbone, "block_out", [2])
         ('block', {2: ['layers.2']})
     """
+    inside = inner_calls(module, site, indices)
+    if inside:
+        if len(inside) != len(indices):
+            raise ValueError(f"site {site!r} is inside a layer in blocks {sorted(inside)} but not in blocks "
+                             f"{sorted(set(indices) - set(inside))}; edit them apart")
+        return "inner", {i: [call] for i, call in inside.items()}
     calls = site_calls(module, site, indices)
     if depth in (None, "block") and site == "block_out":
         blocks = numbered_blocks(module)

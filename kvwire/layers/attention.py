@@ -13,6 +13,7 @@ import torch
 from ..kernels.cpu import bf16_gemm
 from ..kernels.tracing import is_exporting
 from .base import Layer
+from .inner import InnerSites
 from .linear import Linear
 from .masks import chunk_mask, ring_indices, ring_sources, slot_mask
 from .norm import as_float32
@@ -108,7 +109,7 @@ class AttentionMath:
         return out.view(B, H, T, -1)  # hd of the values
 
 
-class Attention(AttentionMath, Layer):
+class Attention(AttentionMath, InnerSites, Layer):
     """Multi-head attention with grouped key/value heads, optional rotary, QK-norm, window, soft-cap.
 
     Args:
@@ -128,6 +129,10 @@ class Attention(AttentionMath, Layer):
     flash kernel on a CPU with bf16 units (bf16 inputs, probabilities rounded to bf16 inside it; the
     merge of blocks and the cache stay float32, a single block's output goes to o_proj in bf16).
 
+    Inner site (`kvwire.layers.inner`): "attn_heads", the heads' outputs side by side, (B, T,
+    num_heads * head_dim), as the output projection reads them; head h is columns
+    [h * head_dim, (h + 1) * head_dim).
+
     Example:
         >>> attn = Attention(16, 4, 2, 4)
         >>> attn(torch.randn(2, 3, 16)).shape
@@ -135,6 +140,7 @@ class Attention(AttentionMath, Layer):
     """
 
     uses_positions = True
+    inner_sites = ("attn_heads",)
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, scale=None, bias=False, o_bias=None,
                  rotary=None, qk_norm=None, qk_norm_width="head", sliding_window=None, softcap=None):
@@ -167,15 +173,24 @@ class Attention(AttentionMath, Layer):
         mask = chunk_mask(torch.zeros((), dtype=torch.long, device=x.device), T, self.sliding_window, None)
         return self._output(self._attend(q, [(k, v, mask)], x.dtype), x.dtype)
 
-    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
+    def site_width(self, site):
+        return self.num_heads * self.head_dim
+
+    @property
+    def head_size(self):
+        """Columns per head at "attn_heads"."""
+        return self.head_dim
+
+    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache, **inputs):
         """x (B, T, D), positions (B, T), cache_index () or (B,) int (one write index for the batch,
-        or one per row), attention_mask (B, max_length) bool, cache (key, value) ->
+        or one per row), attention_mask (B, max_length) bool, cache (key, value), and the runtime
+        inputs of what is edited in at "attn_heads" ->
         (out (B, T, D), next cache). Writes the chunk into the cache in place (functionally,
         returning new tensors, while being exported or compiled, but for generation's compiled
         steps and short prompts: see `in_place_cache_writes`)."""
         q, k, v = self._project(x, positions)
         out, cache = self.attend_cached(q, k, v, cache, cache_index, attention_mask, x.dtype)
-        return self._output(out, x.dtype), cache
+        return self._output(out, x.dtype, positions, inputs), cache
 
     def _project(self, x, positions):
         B, T, _ = x.shape
@@ -201,8 +216,12 @@ class Attention(AttentionMath, Layer):
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         return q, as_float32(k), as_float32(v)
 
-    def _output(self, out, dtype):
+    def _output(self, out, dtype, positions=None, inputs=None):
         B, H, T, hd = out.shape
+        if self.edits:  # (B, H, T, hd) -> (B, T, H * hd): the heads as o_proj reads them, edited
+            heads = out.transpose(1, 2).reshape(B, T, H * hd)
+            return self.o_proj(self.edit_at("attn_heads", heads if heads.dtype == dtype else heads.to(dtype),
+                                            positions, inputs))
         if torch.compiler.is_compiling() or is_exporting():  # functional ops for compilers and exporters
             out = out.transpose(1, 2).reshape(B, T, H * hd)
             return self.o_proj(out if out.dtype == dtype else out.to(dtype))

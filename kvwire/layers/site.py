@@ -13,10 +13,18 @@ the family puts around them):
 - `resid_mid`: the stream between the two.
 They exist only as names: the cache pass drops the bare ones, so a site costs nothing in the cached
 graph until something is inserted after it.
+
+One more site lies inside the attention layer, which is one call of the graph (it owns a cache):
+- `attn_heads`: the heads' outputs side by side, (B, T, num_heads * head_dim), as the output
+  projection reads them (head h is columns [h * head_dim, (h + 1) * head_dim)); what is put there
+  runs inside the attention call (`kvwire.layers.inner`).
+A block made of another library's modules (the generic path's transformers layers) holds all its
+sites but `block_out` inside its one call, in the same way.
 """
 from .base import Layer
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "block_out")
+ALL_SITES = SITES + ("attn_heads",)  # and the per-head site, inside attention
 
 
 class Site(Layer):

@@ -3,7 +3,7 @@ site of the blocks they name (registered as `CausalLM`'s implementation of those
 import torch
 
 from ..graph import insert_after, numbered_blocks
-from ..graph.sites import site_targets
+from ..graph.sites import put_inside, site_targets
 from ..graph.edit import summarize_indices
 from .fingerprint import check_fingerprint
 from .gate import Gate, GatedInsert, Probe
@@ -84,18 +84,19 @@ def insert_at_site(lm, per_block, site, name, stem, make, gate=None):
     name None: `stem`, or `stem2`, `stem3`, ... when taken; a taken name must come with the same
     defaults (layers sharing a name share their runtime inputs). gate: a `Gate` whose probe
     opens and shuts the new layers (see `kvwire.steer.gate`)."""
-    width = lm.head.weight.shape[1]
     what = {"steer": "control vector", "sae": "the SAE"}.get(stem, "directions")
-    for d in per_block.values():
-        got = (d if isinstance(d, torch.Tensor) else torch.as_tensor(d)).shape[-1]
-        if got != width:
-            raise ValueError(f"{what} width {got} does not fit this model's hidden size {width}")
     blocks = numbered_blocks(lm.backbone)
     bad = [i for i in per_block if i not in blocks]
     if bad:
         raise ValueError(f"{what} steers blocks {bad}, but this model has blocks "
                          f"{summarize_indices(blocks) or 'none'}")
     depth, calls = site_targets(lm.backbone, site, list(per_block), "layer" if gate is not None else None)
+    for i, d in per_block.items():
+        width = lm.backbone.get_submodule(calls[i][0]).site_width(site) if depth == "inner" else lm.head.weight.shape[1]
+        got = (d if isinstance(d, torch.Tensor) else torch.as_tensor(d)).shape[-1]
+        if got != width:
+            size = "hidden size" if depth != "inner" or site != "attn_heads" else "heads' width (heads x head size)"
+            raise ValueError(f"{what} width {got} does not fit this model's {size} {width} at site {site!r}")
     taken = {m.name: m for m in lm.backbone.modules() if isinstance(m, Scheduled)}
     if name is None:
         name = next(n for n in (stem, *(f"{stem}{k}" for k in range(2, len(taken) + 3))) if n not in taken)
@@ -105,6 +106,13 @@ def insert_at_site(lm, per_block, site, name, stem, make, gate=None):
         raise ValueError(f"this model already has runtime inputs named {name!r} ({taken[name].extra_repr()}); "
                          f"layers sharing a name share their inputs: pick another name")
     index = {call: i for i, ends in calls.items() for call in ends}
+    if depth == "inner":
+        if gate is not None:
+            raise ValueError(f"site {site!r} is inside a layer's call here ({calls[next(iter(calls))][0]!r}); gated "
+                             f"operations act at sites that are graph calls (a kvwire block's residual sites)")
+        edited = lm.edit(None, depth="block" if set(index) <= set(blocks.values()) else "layer")
+        put_inside(edited.backbone, site, {call: make(per_block[i], name, device) for call, i in index.items()})
+        return edited
     if gate is None:
         return lm.edit(insert_after(list(index), lambda call, layer: make(per_block[index[call]], name, device)),
                        depth=depth)

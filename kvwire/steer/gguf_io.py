@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..layers.site import SITES
+from ..layers.site import ALL_SITES as SITES
 from .fingerprint import FIELDS
 
 ARCH = "controlvector"

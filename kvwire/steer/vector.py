@@ -6,7 +6,7 @@ import torch
 
 from ..graph import numbered_blocks, site_calls
 from ..graph.edit import summarize_indices
-from ..layers.site import SITES
+from ..layers.site import ALL_SITES as SITES
 from .fingerprint import fingerprint as model_fingerprint
 from .gguf_io import OPERATIONS, load_control_vector, save_control_vector
 from .train import METHODS, check_caa_pairs, check_positions, direction, prompt_states

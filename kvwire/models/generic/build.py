@@ -11,7 +11,8 @@ from torch import nn
 from ...graph import with_cache
 from ...layers.linear import Linear, WeightPack
 from . import seam
-from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail
+from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls
+from .sites import find_sites, install
 
 PROBE_TOKENS = 12
 TOLERANCE = 1e-4  # relative to the logits' scale, float32
@@ -74,8 +75,23 @@ def from_transformers(model):
     except (RuntimeError, IndexError, TypeError) as e:  # a layer that cannot run on a cache slot at all
         raise ValueError(f"{name}: cached decoding fails ({type(e).__name__}: {e}); its layers depend on more than "
                          f"their keys and values, which the generic path does not carry yet") from e
+    _find_sites(backbone, probe)
     _kvwire_linears(model)
     return backbone, head, config
+
+
+def _find_sites(backbone, probe):
+    """Find each decoder layer's inner sites on the probe (`kvwire.models.generic.sites`) and hook
+    their modules."""
+    with torch.no_grad():
+        x = backbone.prelude(probe)
+        calls = recorded_calls()
+        for part in backbone.layers:
+            _, args, kwargs = calls[part.index]
+            points, heads_width = find_sites(part.block, part.attention, x, args, kwargs)
+            install(points)
+            part.found_sites(points, x.shape[-1], heads_width)
+            x = part(x)
 
 
 def _kvwire_linears(model):

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ...layers.base import Block, Layer
-from . import seam
+from ...layers.inner import InnerSites
+from . import seam, sites
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 
@@ -36,6 +37,11 @@ class _Recorder(nn.Module):
             hidden = kwargs.pop("hidden_states")
         _calls.get()[self.index] = (hidden, args, kwargs)  # the running prelude's store
         return (hidden,) if self.returns_tuple else hidden
+
+
+def recorded_calls():
+    """[(hidden, args, kwargs)] per decoder layer, as the last prelude call in this context recorded them."""
+    return _calls.get()
 
 
 class Prelude(Layer):
@@ -78,9 +84,13 @@ class Prelude(Layer):
         return store[0][0]
 
 
-class DecoderLayer(Block):
+class DecoderLayer(InnerSites, Block):
     """transformers' decoder layer `index`, called with the arguments the prelude recorded: a block
     (control vectors and `layers.N` selectors count it) that is one node at every depth.
+
+    Its inner sites (`kvwire.layers.inner`; found by the build, `kvwire.models.generic.sites`) are
+    "resid_pre" and, where the layer has them, "attn_out", "resid_mid", "mlp_out", "attn_heads":
+    what is put there runs inside the transformers layer's call.
 
     Its attention (found by the build's probe) reads and writes this layer's cache in the cached
     graph: `cache_spec` gives (B, key heads, slots, key size) and (..., value size), slots the
@@ -94,15 +104,39 @@ class DecoderLayer(Block):
         self.__dict__["attention"] = attention  # the transformers attention module (a submodule of block)
         self.kv_heads, self.key_size, self.value_size, self.window = kv_heads, key_size, value_size, window
         self.plain_math = plain_math  # cached calls may use kvwire's attention math (the probe checked it)
+        self.inner_sites, self.points, self.width, self.heads_width = ("resid_pre",), {}, None, None
 
     opaque = True
+
+    def found_sites(self, points, width, heads_width):
+        """Record the inner sites the build found: points {site: (module, "output" | "input")}, the
+        residual width and the heads' width (None without an "attn_heads" site)."""
+        self.points, self.width, self.heads_width = dict(points), width, heads_width
+        self.inner_sites = ("resid_pre", *(s for s in ("attn_out", "resid_mid", "mlp_out", "attn_heads") if s in points))
+
+    def site_width(self, site):
+        return self.heads_width if site == "attn_heads" else self.width
+
+    @property
+    def head_size(self):
+        """Columns per head at "attn_heads": the attention's value size."""
+        return self.value_size
+
     def forward(self, x):
+        return self._run(x, None, None)
+
+    def _run(self, x, positions, inputs):
         calls = _calls.get()
         if calls is None:
             raise RuntimeError("a generic decoder layer runs after its model's Prelude (it takes the layer's "
                                "arguments from it); call the whole backbone")
         _, args, kwargs = calls[self.index]
-        out = self.block(x, *args, **kwargs)
+        x = self.edit_at("resid_pre", x, positions, inputs)
+        if any(site != "resid_pre" for site in self.edits):
+            with sites.running(self, x, positions, inputs):
+                out = self.block(x, *args, **kwargs)
+        else:
+            out = self.block(x, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def cache_spec(self, batch_size, max_length, dtype):
@@ -111,10 +145,10 @@ class DecoderLayer(Block):
         slots = max_length if self.window is None else max(1, min(self.window - 1, max_length))
         return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
 
-    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache):
+    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache, **inputs):
         state = seam.Attending(self.attention, self.window, cache, cache_index, attention_mask, self.plain_math)
         with seam.attending(state):
-            out = self.forward(x)
+            out = self._run(x, positions, inputs)
         if state.calls != 1:
             raise RuntimeError(f"decoder layer {self.index} called its attention {state.calls} times in one step; "
                                f"the generic cache expects one call")
