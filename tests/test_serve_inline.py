@@ -1,6 +1,7 @@
 """Vectors carried inline by requests (`steer_vectors`): == the same vector loaded by name; rows with
-different inline vectors batched == each alone; the prefix store keys on them; slots lent and given
-back; 400s and 429s naming what is wrong."""
+different inline vectors and operations (add, ablate, clamp) batched == each alone; the prefix store
+keys on them; slots lent and given back; 400s and 429s naming what is wrong. Named clamp vectors take
+their bounds per request."""
 import base64
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,6 +11,9 @@ import pytest
 import torch
 
 from kvwire.serve import create_app
+from kvwire.serve.inline import Inline, SlotSteer
+from kvwire.steer import Steer
+from kvwire.steer.ops import Ablate, Clamp
 
 from .serve_fixtures import Server, control_vectors, tiny_chat_lm
 
@@ -44,6 +48,11 @@ def inline(vector, strength=1.0, encode=b64):
     return {"directions": {str(i): encode(v) for i, v in vector.directions.items()}, "strength": strength}
 
 
+def clamp(vector, lo=None, hi=None):
+    bounds = {side: value for side, value in (("lo", lo), ("hi", hi)) if value is not None}
+    return {"directions": {str(i): b64(v) for i, v in vector.directions.items()}, "operation": "clamp", **bounds}
+
+
 def ask(api, **extra):
     r = api.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 8, "temperature": 0, "logprobs": True,
                                                **extra})
@@ -64,14 +73,16 @@ def test_an_inline_vector_equals_the_same_vector_by_name(lm, api):
 def test_rows_with_different_inline_vectors_batch_as_each_alone(lm, api, server):
     vectors = control_vectors(lm)
     asks = [dict(steer_vectors=[inline(vectors["happy"], 1.0)]), dict(steer_vectors=[inline(vectors["formal"], -1.0)]),
-            dict(steer_vectors=[inline(vectors["happy"], 0.5), inline(vectors["formal"], 1.0)]), {},
-            dict(steer={"happy": 1.0})]
+            dict(steer_vectors=[inline(vectors["happy"], 0.5), clamp(vectors["formal"], 1.0, 1.0)]), {},
+            dict(steer={"happy": 1.0}), dict(steer_vectors=[{**inline(vectors["formal"]), "operation": "ablate"}])]
     alone = [ask(api, **a) for a in asks]
-    with ThreadPoolExecutor(3) as pool:  # 4 slots: the three inline requests (4 vectors) hold them at once
+    with ThreadPoolExecutor(4) as pool:  # 4 slots: the four inline requests (4 vectors) hold them at once
         together = list(pool.map(lambda a: ask(api, **a), asks))
     for (t1, l1), (t2, l2) in zip(alone, together):
         assert t1 == t2 and l1 == pytest.approx(l2, abs=1e-4)
     assert alone[0] == alone[4]  # inline happy at 1.0 == named happy at 1.0
+    differ = {tuple(round(lp, 3) for lp in lps) for text, lps in alone[:4] + alone[5:]}
+    assert len(differ) == 5  # five different steerings (add, clamp, none, ablate), five different replies
     bank = server.app.state.served.inline
     assert bank.digests == [None] * 4  # every slot given back
 
@@ -87,7 +98,7 @@ def test_the_prefix_store_keys_on_the_vector(lm, api):
 
 def test_busy_slots_answer_429_and_are_given_back(lm, server, api):
     bank = server.app.state.served.inline
-    held = [bank.acquire({1: torch.ones(32)}) for _ in range(4)]
+    held = [bank.acquire(Inline({1: torch.ones(32)})) for _ in range(4)]
     try:
         r = api.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2,
                                                    "steer_vectors": [inline(control_vectors(lm)["happy"])]})
@@ -141,9 +152,6 @@ def test_a_named_ablation_vector_is_served_with_per_request_strength(lm):
         assert on[0] == ablated and off[0] == lm.chat(HELLO, max_new_tokens=8) and on != off
     finally:
         s.close()
-    with pytest.raises(ValueError, match="is made for 'clamp'; a server steers with vectors that add or ablate"):
-        create_app(lm, "tiny", max_batch=1, max_length=64, playground=False,
-                   control_vectors={"c": kw.ControlVector(d.directions, operation="clamp")})
 
 
 def test_an_inline_ablation_equals_the_models_ablation(lm, api):
@@ -156,7 +164,115 @@ def test_an_inline_ablation_equals_the_models_ablation(lm, api):
     assert text != ask(api)[0]
     half, _ = ask(api, steer_vectors=[{**item, "strength": 0.5}])
     assert half == lm.ablate(kw.ControlVector(formal.directions), strength=0.5).chat(HELLO, max_new_tokens=8)
-    for bad, message in [({**item, "operation": "clamp"}, "operation is 'clamp'; expected one of ['add', 'ablate']"),
+    for bad, message in [({**item, "operation": "scale"}, "operation is 'scale'; expected one of ['add', 'ablate', 'clamp']"),
                          ({"directions": {"1": [0.0] * 32}, "operation": "ablate"}, "is all zeros: it has no direction")]:
         r = api.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, "steer_vectors": [bad]})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("lo, hi", [(2.0, 2.0), (None, -3.0), (3.0, None), (-0.5, 0.5)])
+def test_an_inline_clamp_equals_the_models_clamp(lm, api, lo, hi):
+    import kvwire as kw
+
+    formal = control_vectors(lm)["formal"]
+    text, lps = ask(api, steer_vectors=[clamp(formal, lo, hi)])
+    reference = lm.clamp(kw.ControlVector(formal.directions), lo, hi)
+    assert text == reference.chat(HELLO, max_new_tokens=8)
+    assert lps != pytest.approx(ask(api)[1], abs=1e-3)  # the bounds bite: a clamp that did nothing fails here
+
+
+def test_the_slot_layer_equals_add_ablate_and_clamp_per_row():
+    """One SlotSteer, three slots (add, ablate, clamp), rows each using one (or none) == the
+    reference operation on that row alone, and a branch-free graph (it traces)."""
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(3, 8, generator=g)
+    layer = SlotSteer(3, 8)
+    layer.directions[0] = d[0]
+    layer.units[1], layer.units[2] = d[1] / d[1].norm(), d[2] / d[2].norm()
+    x = torch.randn(4, 5, 8, generator=g) * 3
+    inputs = {k: v.clone() for k, v in layer.runtime_defaults(4).items()}
+    inputs["inline0_strength"][0] = 1.5
+    inputs["inline1_strength"][1] = 0.7
+    inputs["inline2_lo"][2], inputs["inline2_hi"][2] = -0.5, 0.25
+    out = layer.forward_cached(x, positions=torch.arange(5)[None].expand(4, -1), **inputs)
+    references = [Steer(d[0], 1.5), Ablate(d[1], 0.7), Clamp(d[2], -0.5, 0.25), None]
+    for row, op in enumerate(references):
+        want = x[row:row + 1] if op is None else op(x[row:row + 1])
+        assert torch.allclose(out[row:row + 1], want, atol=1e-5), row
+    assert not torch.allclose(out, x)
+    torch.fx.symbolic_trace(layer)  # no data-dependent Python control flow
+
+
+def test_a_clamps_digest_holds_its_operation_and_bounds(server):
+    bank = server.app.state.served.inline
+    directions = {1: torch.ones(32)}
+    items = [Inline(directions, "clamp", lo=-1.0, hi=1.0), Inline(directions, "clamp", lo=-1.0, hi=2.0),
+             Inline(directions, "clamp", hi=1.0), Inline(directions, "ablate"), Inline(directions)]
+    digests = []
+    for item in items:  # one at a time: each in the same free slot
+        slot = bank.acquire(item)
+        digests.append(bank.digest(slot))
+        bank.release([slot])
+    assert len(set(digests)) == len(items)
+
+
+def test_the_prefix_store_keys_on_the_bounds(lm, api):
+    import kvwire as kw
+
+    formal = control_vectors(lm)["formal"]
+    for lo, hi in [(1.0, 1.0), (-2.0, -2.0), (1.0, 1.0)]:  # the same prompt again and again, bounds changing
+        text, _ = ask(api, steer_vectors=[clamp(formal, lo, hi)])
+        assert text == lm.clamp(kw.ControlVector(formal.directions), lo, hi).chat(HELLO, max_new_tokens=8)
+
+
+CLAMP_BAD = [
+    ({"lo": 2.0, "hi": 1.0}, "steer_vectors[0]: lo 2.0 > hi 1.0; expected lo <= hi"),
+    ({"lo": float("nan")}, "steer_vectors[0].lo is nan; expected a finite number"),
+    ({"hi": float("inf")}, "steer_vectors[0].hi is inf; expected a finite number"),
+    ({"lo": 0.0, "strength": 2.0}, "steer_vectors[0].strength is 2.0, but a clamp takes no strength"),
+    ({"operation": "add", "hi": 1.0}, "steer_vectors[0].hi is 1.0, but hi applies to operation 'clamp' only; this "
+                                      "vector's operation is 'add'"),
+    ({"directions": {"1": [0.0] * 32}, "lo": 0.0}, "steer_vectors[0].directions.1 is all zeros: it has no direction "
+                                                   "to clamp"),
+]
+
+
+@pytest.mark.parametrize("change, message", CLAMP_BAD)
+def test_bad_clamps_are_400s_naming_what_is_wrong(lm, api, change, message):
+    import json
+
+    item = {**clamp(control_vectors(lm)["formal"]), **change}
+    # NaN and Infinity as Python's json writes them (and reads them)
+    body = json.dumps({"messages": HELLO, "max_tokens": 2, "steer_vectors": [item]})
+    r = api.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"] and r.json()["error"]["param"] == "steer_vectors"
+
+
+def test_a_named_clamp_vector_takes_its_bounds_per_request(lm):
+    import kvwire as kw
+
+    d = control_vectors(lm)["formal"]
+    calm = kw.ControlVector(d.directions, operation="clamp")
+    served = {"calm": calm, "happy": control_vectors(lm)["happy"]}
+    s = Server(create_app(lm, "tiny", max_batch=2, max_length=64, control_vectors=served, playground=False,
+                          inline_slots=0))
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as api:
+            on, off = ask(api, steer={"calm": {"lo": 1.0, "hi": 1.0}}), ask(api)
+            upper = ask(api, steer={"calm": {"hi": -3.0}, "happy": 0.0})
+            unbounded = ask(api, steer={"calm": {}})  # no bounds: the clamp does nothing
+            assert unbounded[0] == off[0] and unbounded[1] == pytest.approx(off[1], abs=1e-4)
+            bad = [({"calm": 1.0}, "steer.calm is 1.0, but 'calm' is a vector made to clamp: expected its bounds"),
+                   ({"calm": {"lo": 2, "hi": 1}}, "steer.calm: lo 2 > hi 1; expected lo <= hi"),
+                   ({"happy": {"lo": 1}}, "steer.happy is {'lo': 1, 'hi': None}, but 'happy' is a vector to add or "
+                                          "ablate: expected a strength"),
+                   ({"calm": {"lo": 1, "mid": 2}}, "mid")]
+            for steer, message in bad:
+                r = api.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, "steer": steer})
+                assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert on[0] == lm.clamp(calm, 1.0, 1.0).chat(HELLO, max_new_tokens=8) != off[0]
+        assert upper[0] == lm.clamp(calm, None, -3.0).chat(HELLO, max_new_tokens=8) != off[0]
+        assert off[0] == lm.chat(HELLO, max_new_tokens=8)
+    finally:
+        s.close()

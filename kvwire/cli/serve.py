@@ -27,6 +27,18 @@ def add(commands):
                    "(default: --max-batch; 0: none)")
     s.add_argument("--inline-per-request", type=int, default=2, metavar="N",
                    help="inline vectors one request may carry (default %(default)s)")
+    s.add_argument("--sae", default=None, metavar="FOLDER",
+                   help="an SAELens SAE folder (cfg.json, sae_weights.safetensors) whose features requests set, add "
+                   "to or clamp with \"sae_features\": {INDEX: value} and \"sae_mode\"")
+    s.add_argument("--sae-site", default=None, metavar="SITE",
+                   help="the site the SAE edits (default: its hook's, e.g. block_out for hook_resid_post)")
+    s.add_argument("--sae-layer", type=int, default=None, metavar="N",
+                   help="the block the SAE edits (default: its hook's)")
+    s.add_argument("--sae-slots", type=positive, default=None, metavar="F",
+                   help="distinct SAE features in use at once, server-wide (requests asking for the same feature "
+                   "share one); more get 429 (default: 2 x --max-batch)")
+    s.add_argument("--sae-per-request", type=positive, default=4, metavar="N",
+                   help="SAE features one request may carry (default %(default)s)")
     limits.add_arguments(s)
     s.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; also $KVWIRE_API_KEYS, "
@@ -77,6 +89,7 @@ def run(args):
     if keys is not None:
         check_keys(keys)  # before the model loads: a bad key is refused at once
     vectors = {name: ControlVector.load(path) for name, path in named.items()}
+    sae = _sae(args)  # a bad folder or option is refused before the model loads
     if args.quantize == "auto" and getattr(args, "runtime", "eager") == "eager":
         from ..load import auto_quantize
 
@@ -86,16 +99,38 @@ def run(args):
                    inline_slots=args.inline_slots, inline_per_request=args.inline_per_request, api_keys=keys,
                    cors_origins=args.cors_origin, playground_training=args.playground_training,
                    tool_fallback=args.tool_fallback, metrics=args.metrics,
-                   decode_threads=args.decode_threads or max(1, torch.get_num_threads() - 1))
-    if args.ray:  # each replica loads the model itself; this process only starts them
+                   decode_threads=args.decode_threads or max(1, torch.get_num_threads() - 1), sae_slots=args.sae_slots,
+                   sae_per_request=args.sae_per_request, sae_site=args.sae_site, sae_layer=args.sae_layer)
+    if args.ray:  # each replica loads the model itself (and the SAE, from its folder); this process only starts them
         from functools import partial
 
         loader = partial(load_model, argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
-        return ray_serve.run_from_args(args, loader, **options)
+        return ray_serve.run_from_args(args, loader, sae=args.sae, **options)
     lm = load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    app = create_app(lm, args.model, **options)
+    app = create_app(lm, args.model, sae=sae, **options)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
-          f"{', '.join(vectors) or 'none'}; API keys: {len(keys) if keys else 'none, open to all'}); "
+          f"{', '.join(vectors) or 'none'}; SAE: {args.sae or 'none'}; "
+          f"API keys: {len(keys) if keys else 'none, open to all'}); "
           f"playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)
+
+
+def _sae(args):
+    """The SAE of --sae, read now (refusals name the folder), or None; --sae-site, --sae-layer and
+    --sae-slots without --sae are refused."""
+    given = [flag for flag, value in (("--sae-site", args.sae_site), ("--sae-layer", args.sae_layer),
+                                      ("--sae-slots", args.sae_slots)) if value is not None]
+    if args.sae is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} need --sae FOLDER (the SAE whose features requests steer)")
+        return None
+    from ..layers.site import ALL_SITES
+    from ..steer.sae import SAE
+
+    if args.sae_site is not None and args.sae_site not in ALL_SITES:
+        raise ValueError(f"--sae-site must be one of {list(ALL_SITES)}, got {args.sae_site!r}")
+    try:
+        return SAE.load(args.sae)
+    except ValueError as e:
+        raise ValueError(f"--sae {args.sae}: {e}") from None

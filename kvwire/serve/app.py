@@ -12,6 +12,7 @@ from .auth import APIKeys, check_keys, document_bearer
 from .errors import APIError
 from .handlers import Handlers
 from .inline import InlineBank
+from .inline_sae import FeatureBank
 from .body_limit import BodyLimit
 from .limits import FLAGS as LIMIT_FLAGS, Limits
 from .metrics import CountRequests, Metrics, install_metrics
@@ -30,7 +31,8 @@ _EVENT = {"type": "object", "required": ["data"], "properties": {
 def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, control_vectors=None,
                prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=None,
                inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True, tool_fallback=True,
-               metrics=True, decode_threads=None):
+               metrics=True, decode_threads=None, sae=None, sae_slots=None, sae_per_request=4, sae_site=None,
+               sae_layer=None):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health, and GET /metrics (Prometheus, `kvwire.serve.metrics`). The engine's
     thread runs while the app does (its lifespan).
@@ -69,6 +71,12 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         metrics: serve GET /metrics and record what it reports; False: neither (bench/serve_agents.py
             compares the two).
         decode_threads: torch threads for decode steps (`Engine(decode_threads=)`); None: the pool's.
+        sae: an `SAE` (or its SAELens folder) whose features requests set, add to or clamp with
+            `sae_features` (see `kvwire.serve.inline_sae`); None: no SAE.
+        sae_slots: SAE features in use at once, server-wide (None: 2 x max_batch); requests asking
+            for the same feature share a slot; past them a 429 with Retry-After.
+        sae_per_request: SAE features one request may carry (more: 400).
+        sae_site, sae_layer: where the SAE edits (default: its hook, as `steer_features`).
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec},
@@ -87,13 +95,19 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     if not isinstance(inline_slots, int) or inline_slots < 0:
         raise ValueError(f"inline_slots (--inline-slots) must be an int >= 0, got {inline_slots!r}")
     inline = InlineBank(lm, inline_slots, max_per_request=inline_per_request) if inline_slots else None
+    features = None
+    if sae is not None:  # first at its site: the named vectors and the inline bank go after it
+        features = FeatureBank(lm, _sae(sae), 2 * max_batch if sae_slots is None else sae_slots, sae_per_request,
+                               sae_site, sae_layer)
+        lm = features.apply(lm)
     engine_options = dict(max_batch=max_batch, max_length=max_length, grow=True, decode_threads=decode_threads)
     served = ServedVectors(lm, control_vectors or {}, engine_options,
                            prefix_bytes=prefix_bytes, inline=inline)
     bridge = served.bridge
     metrics = Metrics(bridge) if metrics else None
     bridge.max_waiting, bridge.request_seconds, bridge.metrics = limits.max_waiting, limits.request_seconds, metrics
-    handlers = Handlers(served.model, model_name, bridge, served.names, limits, inline, tool_fallback)
+    handlers = Handlers(served.model, model_name, bridge, served.names, limits, inline, tool_fallback, features,
+                        lambda: frozenset(n for n, v in served.vectors.items() if v.operation == "clamp"))
     served.listeners.append(handlers.use)
     created = int(time.time())
 
@@ -117,7 +131,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"])
-    app.state.bridge, app.state.served, app.state.metrics = bridge, served, metrics
+    app.state.bridge, app.state.served, app.state.metrics, app.state.sae = bridge, served, metrics, features
     errors.install(app)
     if api_keys is not None:
         document_bearer(app)
@@ -125,7 +139,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     if metrics is not None:
         install_metrics(app, metrics)
     if playground:
-        install_playground(app, served, model_name, training=playground_training)
+        install_playground(app, served, model_name, training=playground_training, sae=features)
 
     # a request with "stream": true is answered as server-sent events (the schema says both)
     streamed = {200: {"description": "the answer: JSON, or server-sent events of chunks with \"stream\": true",
@@ -143,7 +157,8 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
         return {"id": model_name, "object": "model", "created": created, "owned_by": "kvwire",
                 "max_length": max_length, "control_vectors": sorted(served.names),
                 "inline_vectors": None if inline is None else {"slots": inline.slots, "per_request": inline.max_per_request,
-                                                               "blocks": inline.blocks, "width": inline.width}}
+                                                               "blocks": inline.blocks, "width": inline.width},
+                "sae": None if features is None else features.describe()}
 
     @app.get("/v1/models")
     async def models():
@@ -165,6 +180,13 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
                 "running": sum(r is not None for r in engine.rows)}
 
     return app
+
+
+def _sae(sae):
+    """An `SAE`, or one read from its SAELens folder (`SAE.load`: refusals name the folder)."""
+    from ..steer.sae import SAE
+
+    return sae if isinstance(sae, SAE) else SAE.load(sae)
 
 
 def _sizes(lm, max_batch, max_length, limits, prefix_bytes, budget):

@@ -20,10 +20,12 @@ from .tool_use import ToolUse, uses_tools
 class Handlers:
     """The endpoints' logic over one served model and its engine thread (see `create_app`)."""
 
-    def __init__(self, lm, model_name, bridge, names, limits, inline=None, tool_fallback=True):
+    def __init__(self, lm, model_name, bridge, names, limits, inline=None, tool_fallback=True, sae=None,
+                 clamped=frozenset):
         self.lm, self.model_name, self.bridge, self.names = lm, model_name, bridge, tuple(names)
-        self.tokenizer, self.limits, self.inline = lm.tokenizer, limits, inline
+        self.tokenizer, self.limits, self.inline, self.sae = lm.tokenizer, limits, inline, sae
         self.tool_fallback = tool_fallback
+        self.clamped = clamped  # () -> the names of the served vectors made to clamp (they take bounds)
         # llguidance's view of the vocabulary takes ~0.3 s (49k tokens) to ~2 s (262k): built now, on a
         # thread, so the first request with a response_format does not wait for it
         threading.Thread(target=_warm_constraints, args=(lm.tokenizer, lm.vocab_size), daemon=True).start()
@@ -103,24 +105,41 @@ class Handlers:
                            param="steer_vectors", code="unsupported")
         return self.inline.parse(body.steer_vectors)
 
-    def _lend(self, inline, inputs):
-        """Lend a slot per inline vector: (row inputs with their strengths, prefix key, slots)."""
-        slots = []
-        try:
-            for directions, _, operation in inline:
-                slots.append(self.inline.acquire(directions, operation))
-        except APIError:
-            self._give_back(slots)
-            raise
-        inputs = dict(inputs)
-        for slot, (_, strength, _) in zip(slots, inline):
-            inputs.update(self.inline.inputs(slot, strength))
-        return inputs, tuple(self.inline.digest(k) for k in slots), slots
+    def _features(self, body):
+        """The request's SAE features, parsed and checked ([] when it has none)."""
+        if not body.sae_features:
+            return []
+        if self.sae is None:
+            raise APIError("this server has no SAE for sae_features (start it with --sae FOLDER)",
+                           param="sae_features", code="unsupported")
+        return self.sae.parse(body.sae_features, body.sae_mode)
 
-    def _give_back(self, slots):
-        if slots:
+    def _lend(self, inline, features, inputs):
+        """Lend a slot per inline vector and per SAE feature: (row inputs with their values, prefix
+        key, a function giving the slots back)."""
+        slots, held = [], []
+        try:
+            for item in inline:
+                slots.append(self.inline.acquire(item))
+            held = self.sae.acquire(features) if features else []
+        except APIError:
             self.inline.release(slots)
+            raise
+        inputs, key = dict(inputs), tuple(self.inline.digest(k) for k in slots)
+        for slot, item in zip(slots, inline):
+            inputs.update(self.inline.inputs(slot, item))
+        if features:
+            inputs.update(self.sae.inputs(held, features))
+            key += self.sae.key(held, features)
+
+        def give_back():  # once, whoever calls first (the reply's end or a failed submit)
+            if slots:
+                self.inline.release(slots)
+            if held:
+                self.sae.release(held)
             slots.clear()
+            held.clear()
+        return inputs, key, give_back
 
     def _check(self, body):
         if body.model is not None and body.model != self.model_name:
@@ -134,7 +153,7 @@ class Handlers:
         n = options.choices(body, len(rows))
         seed = checks.seed(body.seed, rows=n)  # choice j draws from seed + j: every one must fit
         sampler, stops = options.sampler(body), options.stop_strings(body)
-        inputs = options.steer_inputs(body, self.names)
+        inputs = options.steer_inputs(body, self.names, self.clamped())
         constraint = (tools and tools.constraint) or options.constraint(body)
         if constraint is not None:
             if stops:
@@ -145,7 +164,7 @@ class Handlers:
                 await asyncio.to_thread(constraint.compile, self.tokenizer, self.bridge.engine.vocab_size)
             except checks.RequestError as e:
                 raise from_request_error(e) from None
-        inline, slots = self._inline(body), []
+        inline, features, give_back = self._inline(body), self._features(body), _nothing
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         submits = []
         for ids in rows:
@@ -159,22 +178,26 @@ class Handlers:
                                     seed=None if seed is None else seed + j, stop_strings=stops,
                                     inputs=inputs, logprobs=logprobs, top_logprobs=top, constraint=constraint,
                                     label=f"{rid} choice {len(submits)}"))
-        if inline:  # last: a slot is lent only to a request that passed every other check
-            inputs, key, slots = self._lend(inline, inputs)
+        if inline or features:  # last: slots are lent only to a request that passed every other check
+            inputs, key, give_back = self._lend(inline, features, inputs)
             for s in submits:
                 s.update(inputs=inputs, prefix_key=key)
         try:
             run = self.bridge.run(submits)
         except BaseException:
-            self._give_back(slots)
+            give_back()
             raise
         keep = tools is not None and tools.keep_special
         texts = [ChoiceText(self.tokenizer, stops, track_tokens=logprobs, keep_special=keep) for _ in run.seqs]
-        reply = Reply(self, kind, rid, body, run, texts, n, logprobs, top, lambda: self._give_back(slots), tools)
+        reply = Reply(self, kind, rid, body, run, texts, n, logprobs, top, give_back, tools)
         if body.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await reply.whole(request)
+
+
+def _nothing():
+    pass
 
 
 def _warm_constraints(tokenizer, vocab_size):

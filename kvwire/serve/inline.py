@@ -1,44 +1,55 @@
 """Vectors a request carries inline: a bank of K slots in the served graph, lent to requests.
 
 The served model holds, after every block the bank covers, one `SlotSteer` layer: K slots, each
-a direction to add or a unit direction to project out (zero at first), and K per-row strengths
-`inline0_strength` ... `inline{K-1}_strength` (0 by default). A request's inline
-vector is written into a free slot's directions (no row is reading that slot then) and its rows set
-that slot's strength; every other row leaves it at 0. Rows with different inline vectors thus share one batch, and the
-runtime inputs stay (B,) strengths, as for named vectors. The slot is freed when the request ends.
-A request asking for more vectors than the server allows gets 400; one that finds every slot
-lent gets 429 with Retry-After. The prefix store keys each row on a digest of its slots' vectors.
+a direction to add, a unit direction to project out, or a unit direction whose projection is held
+in [lo, hi] (zero at first), and per slot k three per-row inputs: `inline{k}_strength` (0 by
+default) and `inline{k}_lo`, `inline{k}_hi` (unbounded by default). A request's inline vector is
+written into a free slot (no row is reading that slot then) and its rows set that slot's strength
+(add, ablate) or bounds (clamp); every other row leaves them at their inert defaults. Rows with
+different inline vectors and operations thus share one batch, and the runtime inputs stay (B,)
+numbers, as for named vectors. The slot is freed when the request ends. A request asking for more
+vectors than the server allows gets 400; one that finds every slot lent gets 429 with
+Retry-After. The prefix store keys each row on a digest of its slots' vectors, operations and
+bounds.
 
 Why a bank and not per-row direction inputs: the graph's inputs and the engine's per-row values
-stay what they are (B,) numbers; the cost is one small (B, K) x (K, D) product per covered block and
-step. The bank's directions are weights, so an exported graph has them
-fixed: inline vectors are a server feature.
+stay what they are, (B,) numbers; the cost is two small (B, T, K) x (K, D) products per covered
+block and step. The bank's directions are weights, so an exported graph has them fixed (and
+inert): inline vectors are a server feature.
 
-Wire format of one vector (kvwire's `steer_vectors` field): `{"directions": {"<block>": V, ...},
-"strength": s, "operation": "add" | "ablate"}` where V is base64 of D little-endian float32 (4 D
-bytes) or a JSON list of D numbers; "ablate" removes s times the component along V at those blocks.
+Several inline vectors at one block act on the same hidden state (side by side, not one after
+another); that equals applying them in turn when their directions are orthogonal. The wire
+format is read by `kvwire.serve.inline_wire`.
 """
-import base64
-import binascii
 import hashlib
 import threading
 
-import numpy as np
 import torch
 
 from ..graph import insert_after, numbered_blocks
 from ..graph.sites import site_targets
+from ..steer.ops import LIMIT
 from ..steer.schedule import Scheduled
 from .errors import APIError
+from .inline_wire import OPERATIONS, Inline, parse_vectors
+
+__all__ = ["OPERATIONS", "Inline", "InlineBank", "SlotSteer"]
 
 
 class SlotSteer(Scheduled):
-    """K steering slots in one layer; slot k adds a direction or projects one out:
-    x + s (B, K) @ directions (K, D) - ((x @ units^T) * s) @ units, s the rows' slot strengths.
+    """K steering slots in one layer; slot k adds a direction, projects one out or clamps the
+    projection on one:
 
-    A slot holds either an added direction (its row of `units` zero) or a unit direction to ablate
-    (its row of `directions` zero); both buffers are written in place by `InlineBank.acquire`.
-    Runtime inputs `<name>{k}_strength` (B,) float32 for k < K (default 0), and the schedule's
+        p = x @ units^T                                                   (B, T, K)
+        x + s @ directions + ((clip(p, lo, hi) - p) * on - p * s) @ units
+
+    with s (B, T, K) the rows' slot strengths at the scheduled positions and lo, hi (B, 1, K) their
+    bounds. An added slot's row of `units` is zero; an ablated or clamped slot's row of
+    `directions` is zero. A row's strength 0 and bounds +-float32 max leave a slot inert. Both
+    buffers are written in place by `InlineBank.acquire`.
+
+    Runtime inputs, (B,) float32 for k < K: `<name>{k}_strength` (default 0), `<name>{k}_lo`
+    (default -float32 max), `<name>{k}_hi` (default float32 max); and the schedule's
     `<name>_start`/`_end`.
     """
 
@@ -49,19 +60,22 @@ class SlotSteer(Scheduled):
         self.slots = slots
 
     def own_inputs(self):
-        return {f"{self.name}{k}_strength": torch.float32 for k in range(self.slots)}
+        return {f"{self.name}{k}_{what}": torch.float32 for k in range(self.slots) for what in ("strength", "lo", "hi")}
 
     def own_defaults(self, batch_size):
-        return {name: torch.zeros(batch_size, device=self.directions.device) for name in self.own_inputs()}
+        fill = {"strength": 0.0, "lo": -LIMIT, "hi": LIMIT}
+        return {name: torch.full((batch_size,), fill[name.rsplit("_", 1)[1]], device=self.directions.device)
+                for name in self.own_inputs()}
 
     def act(self, x, on, inputs):
-        s = torch.stack([inputs[name] for name in self.own_inputs()], dim=1)[:, None, :] * on  # (B, T, K)
+        def given(what):  # (B, 1, K): one input of every slot
+            return torch.stack([inputs[f"{self.name}{k}_{what}"] for k in range(self.slots)], dim=1)[:, None, :]
+
+        s = given("strength") * on  # (B, T, K)
         xf = x.float()
-        removed = ((xf @ self.units.T) * s) @ self.units  # (B, T, D): the ablated slots' components
-        return (xf + s @ self.directions - removed).to(x.dtype)
-
-
-OPERATIONS = ("add", "ablate")
+        p = xf @ self.units.T  # (B, T, K): projections on the ablated and clamped slots' units
+        change = (torch.minimum(torch.maximum(p, given("lo")), given("hi")) - p) * on - p * s
+        return (xf + s @ self.directions + change @ self.units).to(x.dtype)
 
 
 class InlineBank:
@@ -73,8 +87,9 @@ class InlineBank:
 
     Example:
         >>> bank = InlineBank(lm, slots=4)
-        >>> served = bank.apply(lm)             # what the engine runs
-        >>> slot = bank.acquire({12: v})        # -> 0; rows set bank.inputs(slot, 1.0)
+        >>> served = bank.apply(lm)                    # what the engine runs
+        >>> item = Inline({12: v}, "clamp", lo=-1.0, hi=1.0)
+        >>> slot = bank.acquire(item)                  # -> 0; rows set bank.inputs(slot, item)
         >>> bank.release([slot])
     """
 
@@ -89,7 +104,7 @@ class InlineBank:
         self.width = lm.head.weight.shape[1]
         self.max_per_request = min(int(max_per_request), slots)
         self.layers = {i: SlotSteer(slots, self.width, device=lm.device) for i in self.blocks}
-        self.digests = [None] * slots  # the vector a lent slot holds; None: free
+        self.digests = [None] * slots  # what a lent slot holds; None: free
         self._lock = threading.Lock()
 
     @property
@@ -103,14 +118,17 @@ class InlineBank:
         calls = {call: i for i, ends in targets.items() for call in ends}
         return lm.edit(insert_after(list(calls), lambda call, layer: self.layers[calls[call]]), depth=depth)
 
-    def inputs(self, slot, strength):
-        """The runtime inputs of a row steered by `slot` at `strength`."""
-        return {f"inline{slot}_strength": float(strength)}
+    def inputs(self, slot, item):
+        """The runtime inputs of a row steered by `item` (an `Inline`) in `slot`."""
+        if item.operation == "clamp":
+            return {f"inline{slot}_lo": -LIMIT if item.lo is None else item.lo,
+                    f"inline{slot}_hi": LIMIT if item.hi is None else item.hi}
+        return {f"inline{slot}_strength": float(item.strength)}
 
-    def acquire(self, directions, operation="add"):
-        """Lend a free slot holding `directions` ({block: (D,) float32 tensor}) to add or to ablate;
-        returns its index. Raises APIError 429 when every slot is lent."""
-        digest = operation + ":" + _digest(directions)
+    def acquire(self, item):
+        """Lend a free slot holding `item` (an `Inline`: {block: (D,) float32 tensor} and its
+        operation); returns its index. Raises APIError 429 when every slot is lent."""
+        digest = f"{item.operation}:{item.lo}:{item.hi}:{_digest(item.directions)}"
         with self._lock:
             free = next((k for k, d in enumerate(self.digests) if d is None), None)
             if free is None:
@@ -119,10 +137,10 @@ class InlineBank:
                                headers={"Retry-After": "1"})
             self.digests[free] = digest
         for i, layer in self.layers.items():  # no row reads this slot until its rows are placed
-            d = directions.get(i, torch.zeros(self.width)).to(layer.directions)
-            unit = d / d.norm() if operation == "ablate" and d.any() else torch.zeros_like(d)
-            layer.directions[free].copy_(d if operation == "add" else torch.zeros_like(d))
-            layer.units[free].copy_(unit)
+            d = item.directions.get(i, torch.zeros(self.width)).to(layer.directions)
+            added = item.operation == "add"
+            layer.directions[free].copy_(d if added else torch.zeros_like(d))
+            layer.units[free].copy_(d / d.norm() if not added and d.any() else torch.zeros_like(d))
         return free
 
     def digest(self, slot):
@@ -135,57 +153,9 @@ class InlineBank:
                 self.digests[k] = None
 
     def parse(self, vectors):
-        """A request's `steer_vectors` (list of {"directions": {block: base64 | list}, "strength": s,
-        "operation": "add" | "ablate"}) -> [({block: tensor}, strength, operation)], checked;
-        APIError 400 naming what is wrong."""
-        if not vectors:
-            return []
-        if len(vectors) > self.max_per_request:
-            raise _bad(f"steer_vectors has {len(vectors)} vectors; this server allows at most "
-                       f"{self.max_per_request} per request")
-        out = []
-        for n, item in enumerate(vectors):
-            where = f"steer_vectors[{n}]"
-            if not item.directions:
-                raise _bad(f"{where}.directions is empty; expected {{block: vector}} for blocks {self._covered()}")
-            directions = {}
-            for key, value in item.directions.items():
-                block = int(key) if str(key).lstrip("-").isdigit() else None
-                if block not in self.blocks:
-                    raise _bad(f"{where}.directions has block {key!r}; inline vectors may steer blocks "
-                               f"{self._covered()}")
-                directions[block] = self._vector(value, f"{where}.directions.{key}")
-            if not np.isfinite(item.strength):
-                raise _bad(f"{where}.strength is {item.strength}; expected a finite number")
-            if item.operation not in OPERATIONS:
-                raise _bad(f"{where}.operation is {item.operation!r}; expected one of {list(OPERATIONS)}")
-            zero = [key for key, d in directions.items() if not d.any()]
-            if item.operation == "ablate" and zero:
-                raise _bad(f"{where}.directions.{zero[0]} is all zeros: it has no direction to ablate")
-            out.append((directions, float(item.strength), item.operation))
-        return out
-
-    def _vector(self, value, where):
-        if isinstance(value, str):
-            try:
-                raw = base64.b64decode(value, validate=True)
-            except (binascii.Error, ValueError):
-                raise _bad(f"{where} is not valid base64") from None
-            if len(raw) != 4 * self.width:
-                raise _bad(f"{where} decodes to {len(raw)} bytes; expected {4 * self.width} "
-                           f"({self.width} little-endian float32)")
-            array = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-        else:
-            array = np.asarray(value, dtype=np.float64)
-            if array.shape != (self.width,):
-                raise _bad(f"{where} has {array.size} numbers; expected {self.width} (the model's width)")
-        if not np.isfinite(array).all():
-            raise _bad(f"{where} holds NaN or infinite values")
-        return torch.from_numpy(array.astype(np.float32))
-
-    def _covered(self):
-        lo, hi = self.blocks[0], self.blocks[-1]
-        return f"{lo}-{hi}" if self.blocks == list(range(lo, hi + 1)) else str(self.blocks)
+        """A request's `steer_vectors` -> [Inline], checked (`kvwire.serve.inline_wire`); APIError
+        400 naming what is wrong."""
+        return parse_vectors(vectors, self.blocks, self.width, self.max_per_request)
 
 
 def _digest(directions):
@@ -194,7 +164,3 @@ def _digest(directions):
         h.update(str(i).encode())
         h.update(directions[i].numpy().tobytes())
     return h.hexdigest()[:32]
-
-
-def _bad(message):
-    return APIError(message, param="steer_vectors", code="invalid_value")

@@ -1,7 +1,7 @@
 """The steering playground: the page at / (plain files in kvwire/serve/static/, no build step, no
 network) and kvwire's own JSON endpoints under /kvwire/ that it uses:
 
-    GET  /kvwire/info                 model, context, blocks, training methods (and the default), vectors
+    GET  /kvwire/info                 model, context, blocks, training methods (and the default), vectors, SAE
     GET  /kvwire/vectors              the loaded control vectors
     GET  /kvwire/vectors/NAME.gguf    one of them as a llama.cpp control-vector GGUF
     POST /kvwire/train                {name, positive, negative, layers?, method?, site?, operation?} -> a job (202)
@@ -55,7 +55,7 @@ class TrainRequest(BaseModel):
     operation: str = "add"
 
 
-OPERATIONS = ("add", "ablate")  # what a served vector can do (a clamp's bounds are not per request)
+OPERATIONS = ("add", "ablate", "clamp")  # what a served vector does; requests give strengths, or a clamp's bounds
 
 
 class SweepRequest(BaseModel):
@@ -139,9 +139,10 @@ class Jobs:
         return job
 
 
-def install_playground(app, served, model_name, training=True):
+def install_playground(app, served, model_name, training=True, sae=None):
     """Add the page and the /kvwire/ endpoints to `app` (see the module docstring); with
-    `training=False` the training and sweep endpoints answer 403."""
+    `training=False` the training and sweep endpoints answer 403. `sae`: the server's
+    `FeatureBank` (the page then offers SAE features), or None."""
     jobs = Jobs(served)
     # a dependency runs before the body is read and checked: refused is refused, whatever was sent
     allowed = [] if training else [Depends(_training_off)]
@@ -158,6 +159,7 @@ def install_playground(app, served, model_name, training=True):
         return {"model": model_name, "max_length": served.max_length, "blocks": sorted(served.blocks()),
                 "methods": list(METHODS), "default_method": DEFAULT_METHOD, "sites": list(SITES),
                 "operations": list(OPERATIONS), "training": training,
+                "sae": None if sae is None else sae.describe(),
                 "vectors": [served.describe(n) for n in served.names], "version": served.version}
 
     @app.get("/kvwire/vectors")

@@ -4,9 +4,10 @@ Types are strict (a "0.5" string is not a number, true is not an int), so a wron
 naming the field rather than a guess; null is taken wherever OpenAI's spec allows it (the field's
 default). Fields OpenAI has and kvwire does not use are ignored, except those that would change the
 answer (penalties, `echo`, `suffix`, `best_of`), which `unsupported` refuses. kvwire's own
-additions: `steer`, {control-vector name: strength}, `steer_vectors`, vectors carried inline (see
-`kvwire.serve.inline`), and `response_format` types "regex" and "grammar" (both endpoints take
-`response_format`).
+additions: `steer`, {control-vector name: strength} (a clamp vector: {"lo": a, "hi": b}),
+`steer_vectors`, vectors carried inline (see `kvwire.serve.inline`), `sae_features` and `sae_mode`,
+SAE features set, added to or clamped (see `kvwire.serve.inline_sae`), and `response_format` types
+"regex" and "grammar" (both endpoints take `response_format`).
 """
 from typing import Any, Literal, Union
 
@@ -22,12 +23,24 @@ class StreamOptions(BaseModel):
 
 class InlineVector(BaseModel):
     """A vector a request carries: {block: base64 of D little-endian float32, or a list of D numbers}
-    added after those blocks at `strength` (or, with operation "ablate", projected out)."""
+    added after those blocks at `strength` (default 1), projected out (operation "ablate"), or with
+    its projection held in [lo, hi] (operation "clamp"; a side left out is unbounded). See
+    `kvwire.serve.inline_wire`."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     directions: dict[str, Union[str, list[Number]]]
-    strength: Number = 1.0
-    operation: str = "add"  # or "ablate": project the direction out
+    strength: Number | None = None
+    operation: str = "add"  # or "ablate": project the direction out; or "clamp": bound its projection
+    lo: Number | None = None
+    hi: Number | None = None
+
+
+class SteerBounds(BaseModel):
+    """A named clamp vector's bounds in `steer`: {"lo": a, "hi": b}, either side left out unbounded."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lo: Number | None = None
+    hi: Number | None = None
 
 
 class JSONSchemaFormat(BaseModel):
@@ -66,8 +79,10 @@ class _Sampling(BaseModel):
     n: StrictInt | None = None  # null: 1, as OpenAI's spec allows
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    steer: dict[str, Number] | None = None
+    steer: dict[str, Union[Number, SteerBounds]] | None = None
     steer_vectors: list[InlineVector] | None = None
+    sae_features: dict[str, Union[Number, list[Number | None]]] | None = None
+    sae_mode: str | None = None
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
