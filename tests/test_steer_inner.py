@@ -190,3 +190,32 @@ def test_bad_head_input_is_refused_by_name():
     with pytest.raises(ValueError, match="gated operations act at sites that are graph calls"):
         lm.ablate(kw.steer.head_basis(lm, {1: [0]}), site="attn_heads",
                   gate=kw.Gate(torch.ones(64), layer=0, site="resid_pre"))
+
+
+@pytest.mark.parametrize("site", ["attn_heads", "resid_mid"])
+def test_training_reads_sites_inside_calls_as_the_native_graph_does(site):
+    """A vector trained at a site inside one-call layers (generic blocks; attention's heads) == the
+    same training on the native decoder of the same weights (its graph's taps, or for the heads the
+    same inner read)."""
+    from .tokenizers_for_tests import char_level
+
+    hf = FAMILIES["llama"](vocab_size=100).eval()
+    native, generic = kw.from_hf(hf), kw.from_hf(hf, generic=True)
+    native.tokenizer = generic.tokenizer = char_level()
+    pos, neg = ["good day", "happy to see", "lovely"], ["bad day", "sad to see", "awful"]
+    want = kw.ControlVector.train(native, pos, neg, layers=[1, 2], method="mean_diff", site=site, progress=False)
+    got = kw.ControlVector.train(generic, pos, neg, layers=[1, 2], method="mean_diff", site=site, progress=False)
+    assert got.site == site and sorted(got.directions) == [1, 2]
+    for i in (1, 2):
+        torch.testing.assert_close(got.directions[i], want.directions[i], atol=1e-4, rtol=1e-4)
+    if site == "attn_heads":  # the heads' width, not the hidden size
+        assert got.directions[1].numel() == native.backbone.layers[1].self_attn.site_width("attn_heads")
+        hf_states = []
+        h = _out_proj(hf, 1).register_forward_pre_hook(lambda m, a: hf_states.append(a[0][0, -1]))
+        with torch.no_grad():
+            for text in pos + neg:
+                hf(torch.tensor([native.tokenizer.encode(text)]))
+        h.remove()
+        d = torch.stack(hf_states[:3]) - torch.stack(hf_states[3:])
+        u = d.mean(0) / d.mean(0).norm()
+        torch.testing.assert_close(got.directions[1], u * (d @ u).mean(), atol=1e-4, rtol=1e-4)

@@ -12,6 +12,8 @@ import copy
 
 from torch import nn
 
+from .base import Layer
+
 
 class InnerSites:
     """Mixin for a `Layer` that is one graph call and holds named sites inside it.
@@ -73,3 +75,22 @@ class InnerSites:
     def site_width(self, site):
         """The width D of the value at `site` (what a direction put there must have)."""
         raise NotImplementedError
+
+
+class Record(Layer):
+    """Identity `x (B, T, D) -> x` that keeps the last value it saw in `seen`: reads a site inside a
+    one-call layer (`InnerSites.with_edit(site, Record())`) in eager calls.
+
+    Example:
+        >>> rec = Record()
+        >>> _ = rec(torch.ones(1, 2, 3)); rec.seen.shape
+        torch.Size([1, 2, 3])
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = x
+        return x

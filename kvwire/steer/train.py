@@ -8,7 +8,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generate.session import left_pad
-from ..graph import tap, with_cache
+from ..graph import clone, tap, with_cache
+from ..graph.sites import put_inside
+from ..layers.inner import Record
 
 METHODS = ("pca_diff", "pca_center", "mean_diff", "caa", "logistic")
 LOGISTIC_L2 = 1e-2  # ridge on the probe weight (states scaled to unit RMS): separable data stay finite
@@ -23,12 +25,14 @@ def check_positions(positions):
     raise ValueError(f"positions must be 'last', 'mean' or a negative token index such as -2, got {positions!r}")
 
 
-def prompt_states(lm, texts, calls, positions="last", batch_size=8, progress=True, depth="layer"):
+def prompt_states(lm, texts, calls, positions="last", batch_size=8, progress=True, depth="layer", inner=None):
     """What the named calls output for each text: {call: (len(texts), D)} float32.
 
     Args:
         calls: dotted call names of `lm.backbone` traced at `depth`: at "layer", `site_calls` values
             or an inserted layer's name; at "block", block names (`kw.block_calls`).
+        inner: {name: (call, site)}: states at sites inside one-call layers (`inner_calls`), read by
+            a `Record` put there and returned under `name` as well.
         positions: which tokens: "last" (the last token), "mean" (mean over the prompt's tokens,
             BOS included when the tokenizer adds one) or -k (the k-th token from the end).
     Runs the tapped backbone's cached graph on left-padded batches (pads masked out).
@@ -38,8 +42,14 @@ def prompt_states(lm, texts, calls, positions="last", batch_size=8, progress=Tru
         torch.Size([2, 640])
     """
     check_positions(positions)
-    cached = with_cache(tap(lm.backbone, calls, depth=depth))
-    out = {name: [] for name in calls}
+    module, records = lm.backbone, {}
+    if inner:
+        module = clone(lm.backbone, depth=depth)
+        for name, (call, site) in inner.items():
+            records[name] = Record()
+            put_inside(module, site, {call: records[name]})
+    cached = with_cache(tap(module, calls, depth=depth) if calls else module)
+    out = {name: [] for name in [*calls, *records]}
     batches = range(0, len(texts), batch_size)
     with torch.inference_mode():
         for start in tqdm(batches, desc="reading hidden states", disable=not progress, leave=False):
@@ -51,8 +61,9 @@ def prompt_states(lm, texts, calls, positions="last", batch_size=8, progress=Tru
             ids, pos, pads = left_pad(rows, device=lm.device)
             cache = cached.init_cache(len(rows), ids.shape[1])
             mask = torch.arange(ids.shape[1], device=lm.device)[None] >= pads[:, None]  # (B, T)
-            (_, taps), _ = cached(ids, pos, 0, mask, cache)
-            for name in calls:
+            result, _ = cached(ids, pos, 0, mask, cache)
+            taps = {**(result[1] if calls else {}), **{name: r.seen for name, r in records.items()}}
+            for name in out:
                 out[name].append(_pick(taps[name].float(), mask, positions))
     return {name: torch.cat(parts) for name, parts in out.items()}
 

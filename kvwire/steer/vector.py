@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..graph import numbered_blocks, site_calls
+from ..graph.sites import inner_calls
 from ..graph.edit import summarize_indices
 from ..layers.site import ALL_SITES as SITES
 from .fingerprint import fingerprint as model_fingerprint
@@ -124,9 +125,10 @@ class ControlVector:
         if method == "caa":
             check_caa_pairs(lm, positive, negative, positions)
         chosen = parse_layers(layers, numbered_blocks(lm.backbone))
-        calls = site_calls(lm.backbone, site, chosen)
-        states = prompt_states(lm, list(positive) + list(negative), list(calls.values()), positions, batch_size,
-                               progress)
+        inside = inner_calls(lm.backbone, site, chosen)  # sites inside one-call layers: read by a Record
+        calls = {i: f"{call}:{site}" for i, call in inside.items()} or site_calls(lm.backbone, site, chosen)
+        states = prompt_states(lm, list(positive) + list(negative), [] if inside else list(calls.values()), positions,
+                               batch_size, progress, inner={calls[i]: (call, site) for i, call in inside.items()})
         n = len(positive)
         where = (lambda i: f"block {i}") if site == "block_out" else (lambda i: f"{site} of block {i}")
         directions = {i: direction(states[call], n, method, where(i)) for i, call in calls.items()}
