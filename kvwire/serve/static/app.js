@@ -1,7 +1,9 @@
-// The page: tabs, the model and its control vectors (a slider and a number box each), sampling
-// settings; the tabs' own code is in play.js, train.js, graph.js and sweep.js.
+// The page: tabs, the model and its control vectors (a slider and a number box each; a vector made
+// to clamp has lo and hi boxes instead), SAE features, sampling settings; the tabs' own code is in
+// play.js, train.js, graph.js and sweep.js, the SAE features' in sae.js.
 import { $, download, getJSON, onBack, parseNumber, show } from "./api.js";
 import { setupPlay } from "./play.js";
+import { renderSae, setupSae } from "./sae.js";
 import { setupTrain } from "./train.js";
 import { loadGraph, setupGraph } from "./graph.js";
 import { setupSweep } from "./sweep.js";
@@ -18,14 +20,57 @@ function setupTabs() {
   });
 }
 
-// The strength of each vector as the request should carry it; throws on a box that holds no number.
+// The strength of each vector as the request should carry it, and for a vector made to clamp its
+// bounds {lo, hi} (a blank box: unbounded; both blank: left out); throws on a box that holds no number.
 export function strengths() {
   const out = {};
   for (const v of state.info.vectors) {
-    const box = $(`strength-box-${v.name}`);
-    out[v.name] = parseNumber(box.value, `the strength of "${v.name}"`);
+    if (v.operation === "clamp") {
+      const bounds = clampBounds(v.name);
+      if (Object.keys(bounds).length) out[v.name] = bounds;
+    } else {
+      const box = $(`strength-box-${v.name}`);
+      out[v.name] = parseNumber(box.value, `the strength of "${v.name}"`);
+    }
   }
   return out;
+}
+
+function clampBounds(name) {
+  const bounds = {};
+  for (const side of ["lo", "hi"]) {
+    const box = $(`${side}-box-${name}`);
+    box.classList.remove("invalid");
+    if (!box.value.trim()) continue;
+    try {
+      bounds[side] = parseNumber(box.value, `${side} of "${name}"`);
+    } catch (e) {
+      box.classList.add("invalid");
+      throw e;
+    }
+  }
+  if (bounds.lo !== undefined && bounds.hi !== undefined && bounds.lo > bounds.hi) {
+    $(`lo-box-${name}`).classList.add("invalid");
+    throw new Error(`the bounds of "${name}" are inverted: lo ${bounds.lo} > hi ${bounds.hi}`);
+  }
+  return bounds;
+}
+
+// A vector made to clamp: lo and hi boxes (blank: unbounded) instead of a strength.
+function clampControls(li, v) {
+  const kept = state.strengths[v.name] || {};
+  li.querySelector(".controls").innerHTML = `<label>lo <input type="text" inputmode="decimal" placeholder="none"></label>
+    <label>hi <input type="text" inputmode="decimal" placeholder="none"></label>`;
+  li.querySelectorAll(".controls input").forEach((box, k) => {
+    const side = ["lo", "hi"][k];
+    box.id = `${side}-box-${v.name}`;
+    box.value = kept[side] ?? "";
+    box.title = `the projection on "${v.name}" is held at or ${side === "lo" ? "above" : "below"} this`;
+    box.addEventListener("input", () => {
+      state.strengths[v.name] = { ...(state.strengths[v.name] || {}), [side]: box.value };
+      box.classList.remove("invalid");
+    });
+  });
 }
 
 function vectorItem(v) {
@@ -36,6 +81,7 @@ function vectorItem(v) {
       <a class="download" title="llama.cpp control-vector GGUF">GGUF</a></div>
     <div class="controls"><input type="range" min="-2" max="2" step="0.05">
       <input type="text" inputmode="decimal"></div><div class="hint layers"></div>`;
+  if (v.operation === "clamp") clampControls(li, v);
   li.querySelector(".name").textContent = v.name;
   const link = li.querySelector(".download");
   link.href = `/kvwire/vectors/${encodeURIComponent(v.name)}.gguf`;
@@ -46,6 +92,7 @@ function vectorItem(v) {
   });
   const acts = v.operation !== "add" || v.site !== "block_out" ? ` · ${v.operation} at ${v.site}` : "";
   li.querySelector(".layers").textContent = `blocks ${blocks(v.layers)}` + (v.method ? ` · ${v.method}` : "") + acts;
+  if (v.operation === "clamp") return li;
   const slider = li.querySelector("input[type=range]");
   const box = li.querySelector("input[type=text]");
   slider.id = `strength-${v.name}`;
@@ -90,7 +137,8 @@ export async function refresh() {
   for (const id of ["compare-vector", "sweep-vector", "graph-vector"]) {
     const select = $(id);
     const keep = select.value;
-    const names = state.info.vectors.map((v) => v.name);
+    // comparing and sweeping vary a strength: a vector made to clamp has bounds instead
+    const names = state.info.vectors.filter((v) => id === "graph-vector" || v.operation !== "clamp").map((v) => v.name);
     const options = id === "graph-vector" ? ["(none)", ...names] : names;
     select.replaceChildren(...options.map((n) => new Option(n, n)));
     if (options.includes(keep)) select.value = keep;
@@ -108,6 +156,7 @@ export async function refresh() {
       select.value = first;
     }
   }
+  renderSae(state.info.sae);
   return gone;
 }
 
@@ -124,6 +173,7 @@ async function main() {
   setupTrain(state);
   setupGraph(state);
   setupSweep(state);
+  setupSae();
   onBack(() => refresh().then((gone) => {
     if (gone.length) show(`The server is back. ${forgotten(gone)} Press Regenerate to run the request again.`);
   }).catch((e) => show(e.message, "error")));

@@ -2,6 +2,7 @@
 // requests, so the engine runs them in one batch); stop, regenerate, the request as code.
 import { $, parseList, parseNumber, show, stream, ServerGone } from "./api.js";
 import { forgotten, refresh, strengths } from "./app.js";
+import { saeFields } from "./sae.js";
 import { snippets } from "./snippet.js";
 
 let history = [];   // chat turns so far [{role, content}]
@@ -42,7 +43,7 @@ function sampling() {
 // The requests of a run: [{label, strength, path, body}], one per column. Compare mode hides the
 // chat, so its requests carry the prompt alone, not the chat's history.
 function requests(run, state) {
-  const base = { model: state.info.model, ...sampling() };
+  const base = { model: state.info.model, ...sampling(), ...saeFields() };
   const steer = strengths();
   const messages = [...(run.compare ? [] : run.history), { role: "user", content: run.prompt }];
   const content = (steerAt) => (run.mode === "chat"

@@ -8,7 +8,8 @@ function curl(req) {
 
 function python(reqs, state) {
   const first = reqs[0];
-  const { steer, messages, prompt, ...rest } = first.body;
+  const { steer, messages, prompt, sae_features: features, sae_mode: mode, ...rest } = first.body;
+  const sae = features ? `, "sae_features": ${py(features)}, "sae_mode": ${py(mode)}` : "";
   const args = Object.entries(rest).map(([k, v]) => `    ${k}=${py(v)},`);
   const chat = first.path.endsWith("chat/completions");
   const call = chat ? "client.chat.completions.create" : "client.completions.create";
@@ -16,7 +17,7 @@ function python(reqs, state) {
   const lines = ["from openai import OpenAI", "", `client = OpenAI(base_url="${location.origin}/v1", api_key="none")`];
   const read = chat ? "chunk.choices[0].delta.content or \"\"" : "chunk.choices[0].text";
   const body = (steerExpr, indent) => [
-    `${indent}stream = ${call}(`, ...[input, ...args, `    extra_body={"steer": ${steerExpr}},  # kvwire's field`, "    stream=True,"].map((l) => indent + l),
+    `${indent}stream = ${call}(`, ...[input, ...args, `    extra_body={"steer": ${steerExpr}${sae}},  # kvwire's fields`, "    stream=True,"].map((l) => indent + l),
     `${indent})`, `${indent}for chunk in stream:`, `${indent}    if chunk.choices:`, `${indent}        print(${read}, end="", flush=True)`,
     `${indent}print()`];
   if (reqs.length === 1) return [...lines, ...body(py(steer), "")].join("\n");
