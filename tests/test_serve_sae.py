@@ -228,11 +228,12 @@ def test_bad_start_up_options_are_refused_by_name(lm, sae, tmp_path):
 def test_the_command_line_refuses_nonsense_by_name(tmp_path, capsys):
     from kvwire.cli import main
 
-    for argv, message in [(["--sae", "x", "--sae-slots", "0"], "argument --sae-slots: expected a positive int, got '0'"),
-                          (["--sae", "x", "--sae-per-request", "-1"], "argument --sae-per-request: expected a positive"),
-                          (["--sae-slots", "4"], "--sae-slots need --sae FOLDER"),
-                          (["--sae", str(tmp_path), "--sae-site", "up"], "--sae-site must be one of"),
-                          (["--sae", str(tmp_path)], f"--sae {tmp_path}: {tmp_path} has no cfg.json")]:
+    cases = [(["--sae", "x", "--sae-slots", "0"], "argument --sae-slots: expected a positive int, got '0'"),
+             (["--sae", "x", "--sae-per-request", "-1"], "argument --sae-per-request: expected a positive"),
+             (["--sae-slots", "4"], "--sae-slots need --sae FOLDER"),
+             (["--sae", str(tmp_path), "--sae-site", "up"], "--sae-site must be one of"),
+             (["--sae", str(tmp_path)], f"--sae {tmp_path}: {tmp_path} has no cfg.json")]
+    for argv, message in cases:
         try:  # argparse's refusals exit; the command's own return 2
             code = main(["serve", "--model", str(tmp_path / "never-loaded.gguf"), *argv])
         except SystemExit as e:

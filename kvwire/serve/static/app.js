@@ -59,8 +59,8 @@ function clampBounds(name) {
 // A vector made to clamp: lo and hi boxes (blank: unbounded) instead of a strength.
 function clampControls(li, v) {
   const kept = state.strengths[v.name] || {};
-  li.querySelector(".controls").innerHTML = `<label>lo <input type="text" inputmode="decimal" placeholder="none"></label>
-    <label>hi <input type="text" inputmode="decimal" placeholder="none"></label>`;
+  li.querySelector(".controls").innerHTML = `<label>lo <input type="text" inputmode="decimal"
+    placeholder="none"></label> <label>hi <input type="text" inputmode="decimal" placeholder="none"></label>`;
   li.querySelectorAll(".controls input").forEach((box, k) => {
     const side = ["lo", "hi"][k];
     box.id = `${side}-box-${v.name}`;
