@@ -204,6 +204,11 @@ def test_another_site_and_block(lm, sae):
     try:
         with httpx.Client(base_url=s.url, timeout=60) as api:
             text, _ = ask(api, sae_features={"5": 8.0})
+            bank = app.state.sae  # a server without inline slots: a full SAE bank is still a 429
+            held = bank.acquire(bank.parse({str(i): 1.0 for i in range(bank.slots)}, "set"))
+            r = api.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "sae_features": {"90": 1.0}})
+            bank.release(held)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "sae_slots_busy", r.text
         assert text == steer_features(lm, sae, {5: 8.0}, layer=2, site="mlp_out").chat(HELLO, max_new_tokens=TOKENS)
         assert app.state.sae.describe()["site"] == "mlp_out"
     finally:

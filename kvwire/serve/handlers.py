@@ -123,7 +123,8 @@ class Handlers:
                 slots.append(self.inline.acquire(item))
             held = self.sae.acquire(features) if features else []
         except APIError:
-            self.inline.release(slots)
+            if slots:
+                self.inline.release(slots)
             raise
         inputs, key = dict(inputs), tuple(self.inline.digest(k) for k in slots)
         for slot, item in zip(slots, inline):
