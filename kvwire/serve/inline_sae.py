@@ -35,7 +35,7 @@ import torch
 from ..graph import insert_after
 from ..graph.sites import site_targets
 from ..steer.ops import LIMIT
-from ..steer.sae import MODES, SAE
+from ..steer.sae import MODES, SAE, hook_site
 from ..steer.schedule import Scheduled
 from .errors import APIError
 
@@ -107,7 +107,7 @@ class FeatureBank:
             hooked, layer = sae.location()
             site = hooked if site is None else site
         elif site is None:
-            site = sae.location()[0]
+            site = hook_site(sae.hook_name)[0]
         self.sae, self.site, self.block = sae, site, layer
         self.per_request = min(per_request, slots)
         self.depth, targets = site_targets(lm.backbone, site, [layer])  # refuses a site the block lacks
