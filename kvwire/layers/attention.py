@@ -234,7 +234,7 @@ def write_chunk(cache, k, v, cache_index):
     compiled or exported (but for compiled steps that write in place)."""
     k_cache, v_cache = cache
     T, slots = k.shape[2], k_cache.shape[2]
-    if torch.compiler.is_compiling() and not _writes_in_place():  # exporters and other compilers:
+    if functional_cache_writes():  # exporters and other compilers:
         # a functional, shape-free update (it reads and writes every slot of the cache)
         source, take = shared(ring_sources, cache_index, T, slots)
         return _merged(k_cache, k, source, take), _merged(v_cache, v, source, take)
@@ -269,6 +269,12 @@ def in_place_cache_writes():
 
 def _writes_in_place():
     return _compiled_in_place and not torch.is_grad_enabled() and not is_exporting()
+
+
+def functional_cache_writes():
+    """Whether a layer writing its cache (or state) should return new tensors rather than write in
+    place: while compiled or exported, but for compiled steps that write in place."""
+    return torch.compiler.is_compiling() and not _writes_in_place()
 
 
 def _merged(cache, new, source, take):

@@ -6,9 +6,9 @@ graph (CAST-style, arXiv 2409.05907, per position).
 gate is open. Both are layers of the edited graph, so the cache pass keeps them, rows of one batch
 carry their own thresholds (`<name>_threshold`) and exported models take them at run time.
 
-The gate is computed at each position from that position's own state. CAST's prompt-level
-condition (one decision from the prompt, kept for every generated token) needs a state that
-outlives the prompt; it is not offered here.
+The gate is computed at each position from that position's own state, or, with
+`Gate(scope="prompt")`, CAST's prompt-level condition: one decision from the mean of the row's
+prompt states, kept for every generated token (`kvwire.steer.latch`, a state slot in the cache).
 """
 from dataclasses import dataclass
 
@@ -20,6 +20,7 @@ from .layer import as_vector
 from .schedule import per_row
 
 KINDS = ("dot", "cosine")
+SCOPES = ("position", "prompt")
 
 
 class Probe(Layer):
@@ -71,6 +72,10 @@ class Probe(Layer):
         return self.forward_cached(x, positions=None, **inputs)
 
     def forward_cached(self, x, *, positions=None, **inputs):
+        return self.gate_of(x, inputs)
+
+    def gate_of(self, x, inputs):
+        """x (B, T, D) states -> gate (B, T, 1), with the threshold from `inputs`."""
         xf = x.float()
         score = xf @ self.direction[:, None] + self.bias  # (B, T, 1)
         if self.kind == "cosine":
@@ -86,7 +91,9 @@ class Gate:
     Args:
         direction: (D,) tensor. layer: the block whose `site` the probe reads; it must come before
             every position the gated operation acts on in the graph (an earlier block, or an earlier
-            site of the same block). Other fields: see `Probe`.
+            site of the same block). scope: "position" (each position's own state) or "prompt" (the
+            mean of the row's prompt states: one decision per prompt, `PromptProbe`). Other fields:
+            see `Probe`.
 
     Example:
         >>> harmful = kw.Gate(probe_w, layer=6, threshold=0.0)
@@ -101,10 +108,16 @@ class Gate:
     bias: float = 0.0
     sharpness: float = None
     name: str = "gate"
+    scope: str = "position"
 
     def probe(self, device=None):
-        return Probe(self.direction, self.threshold, kind=self.kind, bias=self.bias, sharpness=self.sharpness,
-                     name=self.name, device=device)
+        if self.scope not in SCOPES:
+            raise ValueError(f"gate scope must be one of {SCOPES}, got {self.scope!r}")
+        from .latch import PromptProbe  # it builds on Probe
+
+        kind = Probe if self.scope == "position" else PromptProbe
+        return kind(self.direction, self.threshold, kind=self.kind, bias=self.bias, sharpness=self.sharpness,
+                    name=self.name, device=device)
 
 
 class GatedInsert(Edit):
