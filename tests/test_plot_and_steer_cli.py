@@ -160,3 +160,24 @@ def test_generate_with_sae_features(folder, tmp_path, capsys):
     assert "--feature takes I=V (a feature index and a number), got '5=x'" in capsys.readouterr().err
     assert cli.main(args) == 2
     assert "--sae FOLDER and --feature I=V go together" in capsys.readouterr().err
+
+
+def test_generate_ablating_heads_and_training_at_the_heads_site(folder, capsys):
+    model = str(folder / "model")
+    args = ["generate", "the cat", "--model", model, "--max-new-tokens", "6", "--no-stream"]
+    lm = kw.load(model)
+    capsys.readouterr()
+    assert cli.main(args + ["--ablate-heads", "1:0,1", "--ablate-heads", "2:1"]) == 0
+    want = lm.ablate(kw.steer.head_basis(lm, {1: [0, 1], 2: [1]}), site="attn_heads").generate("the cat",
+                                                                                                max_new_tokens=6)
+    assert capsys.readouterr().out == "the cat" + want + "\n"
+    assert want != lm.generate("the cat", max_new_tokens=6)
+    assert cli.main(args + ["--ablate-heads", "1"]) == 2
+    assert "--ablate-heads takes BLOCK:H[,H...] (a block and head indices), got '1'" in capsys.readouterr().err
+    (folder / "pos.txt").write_text("the cat sat\nthe theory\n")
+    (folder / "neg.txt").write_text("the mat sat\nthe thing\n")
+    assert cli.main(["steer", "train", "--positive", str(folder / "pos.txt"), "--negative", str(folder / "neg.txt"),
+                     "--layers", "1", "--site", "attn_heads", "--method", "mean_diff", "-o", str(folder / "h.gguf"),
+                     "--model", model]) == 0
+    vec = kw.ControlVector.load(folder / "h.gguf")
+    assert vec.site == "attn_heads" and vec.width == lm.backbone.layers[1].self_attn.site_width("attn_heads")

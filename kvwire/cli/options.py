@@ -5,7 +5,7 @@ import sys
 import torch
 
 from ..kernels import switches
-from ..layers.site import SITES
+from ..layers.site import ALL_SITES as SITES
 from ..quant import SCHEMES
 
 SAMPLERS = ("greedy", "random", "top-k", "top-p", "min-p", "beam")
@@ -60,6 +60,7 @@ def load_model(args, quantize=None):
                              "file's own weights (export with kvwire export --quantize for ONNX)")
         return load_exported(args.model)
     clamps = [clamp_spec(spec) for spec in getattr(args, "clamp", None) or []]  # refused before loading
+    heads = head_specs(getattr(args, "ablate_heads", None))
     features = feature_specs(getattr(args, "sae", None), getattr(args, "feature", None))
     quantize = None if quantize == "none" else quantize
     lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
@@ -72,11 +73,30 @@ def load_model(args, quantize=None):
         lm = lm.ablate(ControlVector.load(path), site=site, when=when)
     for path, lo, hi in clamps:
         lm = lm.clamp(ControlVector.load(path), lo, hi, site=site, when=when)
+    if heads:
+        from ..steer import head_basis
+
+        lm = lm.ablate(head_basis(lm, heads), site="attn_heads", when=when, name="heads")
     if features:
         from ..steer import SAE
 
         lm = lm.steer_features(SAE.load(args.sae), features, mode=args.feature_mode, when=when)
     return lm
+
+
+def head_specs(specs):
+    """--ablate-heads B:H,H ... -> {block: [heads]} (None without any); refused by name when malformed."""
+    out = {}
+    for spec in specs or []:
+        block, sep, heads = spec.partition(":")
+        try:
+            picked = [int(h) for h in heads.split(",")]
+            out.setdefault(int(block), []).extend(picked)
+        except ValueError:
+            raise ValueError(f"--ablate-heads takes BLOCK:H[,H...] (a block and head indices), got {spec!r}") from None
+        if not sep:
+            raise ValueError(f"--ablate-heads takes BLOCK:H[,H...] (a block and head indices), got {spec!r}")
+    return out or None
 
 
 def feature_specs(sae, specs):
@@ -181,6 +201,9 @@ def steer_options(p):
     p.add_argument("--clamp", action="append", default=None, metavar="VEC.gguf=LO,HI",
                    help="hold the projection on each block's direction in [LO, HI] (either may be empty: "
                         "unbounded; repeatable)")
+    p.add_argument("--ablate-heads", action="append", default=None, metavar="B:H,H",
+                   help="zero attention heads H of block B (their outputs before the output projection, site "
+                        "attn_heads; repeatable)")
     p.add_argument("--sae", default=None, metavar="FOLDER",
                    help="a sparse autoencoder in SAELens's format (cfg.json + sae_weights.safetensors) whose "
                         "--feature values are edited at its hook")

@@ -1,7 +1,7 @@
 """`kvwire steer train` and `kvwire steer sweep`: train control vectors and sweep their strength."""
 import sys
 
-from ..layers.site import SITES
+from ..layers.site import ALL_SITES as SITES
 from ..steer.vector import DEFAULT_METHOD, METHODS
 from .options import model_options
 
