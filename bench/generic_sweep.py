@@ -7,7 +7,9 @@ tiny random model (`tiny_model`), run its own uncached forward, `kw.from_hf(gene
 (native families too), compare kvwire's logits with transformers' (float32, 1e-4 relative to their
 scale), then 12 cached greedy tokens of two prompts with transformers' uncached argmax rollout
 (teacher-forced where they differ: a step whose top two logits are within 1e-5 counts as
-agreeing). Each type runs in a forked process, so one that crashes, runs out of memory or hangs
+agreeing). For a type that passes, the sites found inside its blocks (`kvwire.models.generic.sites`)
+are listed with whether a vector added at each, at block 1, keeps cached greedy == the steered
+model's own uncached rollout. Each type runs in a forked process, so one that crashes, runs out of memory or hangs
 past `--timeout` costs its own row only. Prints a table (type | result | reason); `--write` also
 writes the docs page: counts, the reasons grouped by kind, and every type's row.
 """
@@ -68,7 +70,31 @@ def check(model_type):
         row, step, chosen, best, gap = bad[0]
         return WRONG, (f"cached greedy differs from the uncached rollout at {len(bad)} of {tokens.numel()} steps "
                        f"(first: row {row} step {step}, {chosen} where transformers picks {best}, {gap:.3g} below)")
-    return PASS, ""
+    return PASS, _sites(lm, ids)
+
+
+def _sites(lm, ids):
+    """'sites: ...' inside the blocks (those of every block), each checked steered: cached greedy ==
+    the steered model's own uncached argmax rollout ('site (differs)' where not)."""
+    import torch
+
+    import kvwire as kw
+    from tests.generic_configs import greedy_disagreements
+
+    found = [s for s in lm.backbone.layers[0].inner_sites if all(s in b.inner_sites for b in lm.backbone.layers)]
+    said = []
+    for site in found:
+        block = lm.backbone.layers[min(1, len(lm.backbone.layers) - 1)]
+        width = block.site_width(site)
+        v = torch.randn(width, generator=torch.Generator().manual_seed(0))
+        steered = lm.steer(kw.ControlVector({block.index: v}, site=site), 4.0)
+        try:
+            tokens = torch.stack(steered.generate(ids, max_new_tokens=6, ignore_eos=True))
+            bad = greedy_disagreements(lambda x: steered(x), ids, tokens)
+        except Exception as e:  # noqa: BLE001
+            bad = [_one_line(e)]
+        said.append(site if not bad else f"{site} (differs)")
+    return "sites: " + ", ".join(said + ["block_out"])
 
 
 def _one_line(e):
@@ -164,6 +190,13 @@ def page(rows, version):
               "| result | reason | types |", "|---|---|---|"]
     for (result, kind), types in sorted(groups.items(), key=lambda g: (ORDER.index(g[0][0]), -len(g[1]), g[0][1])):
         lines.append(f"| {result} | {kind.replace('|', '/')} | {', '.join(f'`{t}`' for t in sorted(types))} |")
+    sited = [r for r in rows if r[1] == PASS]
+    full = sum("attn_out" in r[2] and "resid_mid" in r[2] and "mlp_out" in r[2] and "attn_heads" in r[2]
+               and "differs" not in r[2] for r in sited)
+    lines += ["", f"Sites inside the blocks of the {len(sited)} that pass (steering, `kvwire.models.generic.sites`): "
+              f"{full} have all six (resid_pre, attn_out, resid_mid, mlp_out, attn_heads, block_out); the others "
+              f"list theirs below. A site marked \"differs\" failed the steered check (a vector added there at "
+              f"block 1: cached greedy against the steered model's own uncached rollout)."]
     lines += ["", "Every type:", "", "| type | result | reason |", "|---|---|---|"]
     for what in ORDER:
         for model_type, result, reason in sorted(r for r in rows if r[1] == what):

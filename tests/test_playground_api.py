@@ -148,3 +148,17 @@ def test_training_defaults_to_the_librarys_method(api):
     info = api.get("/kvwire/info").json()
     assert info["default_method"] == default and default in info["methods"]
     assert TrainRequest(name="x", **PAIRS).method == default
+
+
+def test_a_vector_trained_at_the_heads_site_is_served_there(lm, api):
+    assert "attn_heads" in api.get("/kvwire/info").json()["sites"]
+    job = finish(api, api.post("/kvwire/train", json={"name": "heads", **PAIRS, "layers": "1-2",
+                                                       "site": "attn_heads"}).json())
+    assert job["state"] == "done", job
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    steered = api.post("/v1/completions", json={**body, "steer": {"heads": 6.0}}).json()["choices"][0]["text"]
+    vec = kw.ControlVector.train(lm, PAIRS["positive"], PAIRS["negative"], layers="1-2", site="attn_heads",
+                                 progress=False)
+    assert vec.width == lm.backbone.layers[1].self_attn.site_width("attn_heads")
+    assert steered == lm.steer(vec, 6.0).generate("Once upon a time", max_new_tokens=8)
+    assert steered != api.post("/v1/completions", json=body).json()["choices"][0]["text"]

@@ -32,7 +32,7 @@ from typing import Union
 
 from ..generate.request import RequestError
 from ..steer import ControlVector
-from ..layers.site import SITES
+from ..layers.site import ALL_SITES as SITES
 from ..steer.vector import DEFAULT_METHOD, METHODS, _check_pairs, parse_layers
 from .errors import APIError, from_request_error
 
