@@ -12,9 +12,10 @@ from .graph import (CachedGraph, block_calls, clone, insert_after, insert_before
                     trace, with_cache)
 from .load import from_hf, load
 from .quant import quantize
-from .steer import SAE, Ablate, Clamp, ControlVector, Gate, Steer
+from .steer import SAE, Ablate, Clamp, ControlVector, Gate, Steer, patch
+from .steer.capture import Capture, capture
 
-__all__ = ["BeamSearch", "CachedGraph", "CausalLM", "ControlVector", "Engine", "Generation", "Greedy", "MinP",
-           "PrefixStore", "Random", "RequestError", "SAE", "Sequence", "Steer", "Ablate", "Clamp", "Gate", "TopK", "TopP", "block_calls", "clone", "export",
-           "from_hf", "insert_after", "insert_before", "load", "load_exported", "plot", "quantize", "replace", "select",
+__all__ = ["BeamSearch", "CachedGraph", "Capture", "CausalLM", "ControlVector", "Engine", "Generation", "Greedy", "MinP",
+           "PrefixStore", "Random", "RequestError", "SAE", "Sequence", "Steer", "Ablate", "Clamp", "Gate", "TopK", "TopP", "block_calls", "capture", "clone", "export",
+           "from_hf", "insert_after", "insert_before", "load", "load_exported", "patch", "plot", "quantize", "replace", "select",
            "skip", "tap", "trace", "with_cache"]

@@ -15,7 +15,7 @@ from .methods import GenerationMethods
 from .pool import CachePool
 from .runner import Runner
 
-_steering = {}  # what `kvwire.steer` registers: {"steer" | "ablate" | "clamp": fn(lm, ...)}
+_steering = {}  # what `kvwire.steer` registers: {"steer" | "ablate" | "clamp" | "capture": fn(lm, ...)}
 
 
 def register_steering(**ops):
@@ -293,6 +293,17 @@ class CausalLM(GenerationMethods, nn.Module):
             >>> calm = lm.steer_features(sae, {1024: 0.0, 77: 12.0})
         """
         return _steering_op("features")(self, sae, features, mode=mode, layer=layer, site=site, when=when, name=name)
+
+    def capture(self, prompts, sites="block_out", layers=None, batch_size=8):
+        """Activations at named sites for each prompt and position: a `kvwire.steer.capture.Capture`
+        ({(site, block): (B, T, D)} float32, left-padded, pads zeroed and marked by its `mask`); see
+        `kvwire.steer.capture.capture`, which this calls.
+
+        Example:
+            >>> lm.capture(["The cat sat"], sites=["attn_out", "attn_heads"], layers=[2])[("attn_out", 2)].shape
+            torch.Size([1, 4, 640])
+        """
+        return _steering_op("capture")(self, prompts, sites=sites, layers=layers, batch_size=batch_size)
 
 
 def _refuse_cpu_only(lm, device):

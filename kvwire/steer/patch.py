@@ -1,0 +1,266 @@
+"""Activation patching (`kw.patch.sweep`, `kw.patch.run`): put the clean prompt's activation at a
+(site, block, position) into the corrupted prompt's run and measure how much of the clean answer
+comes back.
+
+How a batch is patched: the clean prompt is captured once (`kvwire.steer.capture`) at every
+(site, block) asked for. The model is cloned once with a `Patch` layer at each of those sites (after
+what is chained there already; inside the call for a site inside one, as `attn_heads`), holding the
+clean values lined up with the corrupted prompt's positions (T, D). Every row of a batch is the
+corrupted prompt; before a run each `Patch` gets a (B, T) bool mask, the batch of patch rows, and
+replaces row r's value at position p by the clean one where the mask is set: one patch per row in a
+sweep, any set of patches per row in `run`. Row 0 of every batch patches nothing: the corrupted
+prompt beside the patched rows, whose spread from the corrupted prompt run alone is the measured
+noise floor (what batching alone moves the metric by).
+
+Clean and corrupted prompts of different token lengths are refused unless a `position_map`
+({corrupted position: clean position}) says which clean position feeds which corrupted one.
+"""
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..graph import clone, insert_after
+from ..graph.sites import put_inside
+from ..layers.base import Layer
+from .capture import capture, site_reads, token_rows
+
+
+class Patch(Layer):
+    """`x (B, T, D) -> x` with `x[r, p]` replaced by `values[p]` where `rows[r, p]` (None: identity).
+
+    Example:
+        >>> p = Patch(torch.ones(3, 2)); p.rows = torch.tensor([[False, True, False]])
+        >>> p(torch.zeros(1, 3, 2))[0, :, 0]
+        tensor([0., 1., 0.])
+    """
+
+    def __init__(self, values):
+        super().__init__()
+        self.register_buffer("values", values, persistent=False)  # (T, D)
+        self.rows = None  # (B, T) bool, set before each run
+
+    def forward(self, x):
+        if self.rows is None:
+            return x
+        return torch.where(self.rows[..., None], self.values.to(x.dtype), x)
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    """What patching measured. `scores`: the metric per patch ((sites, layers, positions) for a
+    sweep, (rows,) for `run`); `recovered` = (scores - corrupted) / (clean - corrupted) (1: the clean
+    answer is back; 0: no effect); `clean`, `corrupted`: the metric of each prompt run alone; `noise`:
+    the largest |metric - corrupted| of the unpatched corrupted rows beside the patched ones, and
+    `noise_floor` the same as a fraction recovered; `sites`, `layers`, `positions` (corrupted
+    positions): the sweep's axes (None for `run`); `tokens`: the corrupted prompt's token ids."""
+
+    scores: torch.Tensor
+    recovered: torch.Tensor
+    clean: float
+    corrupted: float
+    noise: float
+    noise_floor: float
+    tokens: list
+    sites: list = None
+    layers: list = None
+    positions: list = None
+
+    def to_dict(self):
+        return {"logit_diff": self.scores.tolist(), "recovered": self.recovered.tolist(), "clean": self.clean,
+                "corrupted": self.corrupted, "noise": self.noise, "noise_floor": self.noise_floor,
+                "tokens": self.tokens, "sites": self.sites, "layers": self.layers, "positions": self.positions}
+
+
+def sweep(lm, clean, corrupted, sites="block_out", positions=None, *, layers=None, answers=None, metric=None,
+          position_map=None, batch_size=16):
+    """Patch each (site, block, position) of clean into corrupted, one per row, batched.
+
+    Args:
+        clean, corrupted: one prompt each (a str or a token-id list).
+        sites: a site name or a list (`ALL_SITES`); layers: block indices (list, "A-B"; None: all).
+        positions: corrupted positions (ints, negative from the end); None: every one with a clean
+            counterpart.
+        answers: (correct, incorrect): token ids, or texts of one token each; the metric is then
+            logits[correct] - logits[incorrect] at the corrupted prompt's last position.
+        metric: instead of answers, a function of those logits (B, V) float32 -> scores (B,).
+        position_map: {corrupted position: clean position} (or a list: entry p for position p, None
+            for none); required when the prompts' token lengths differ.
+        batch_size: patch rows per run (plus the unpatched row).
+    Returns a `PatchResult` whose scores and recovered are (len(sites), len(layers), len(positions)).
+
+    Example:
+        >>> r = kw.patch.sweep(lm, "The Eiffel Tower is in", "The Colosseum is in", ["block_out"],
+        ...                    answers=(" Paris", " Rome"), position_map={0: 0, 1: 1, 2: 2, 3: 4, 4: 5})
+        >>> r.recovered.shape
+        torch.Size([1, 30, 5])
+    """
+    patcher = Patcher(lm, clean, corrupted, sites, layers, answers, metric, position_map)
+    positions = patcher.positions(positions)
+    rows = [[(s, b, p)] for s in patcher.sites for b in patcher.blocks for p in positions]
+    result = patcher.run(rows, batch_size)
+    shape = (len(patcher.sites), len(patcher.blocks), len(positions))
+    return replace(result, scores=result.scores.reshape(shape), recovered=result.recovered.reshape(shape),
+                   sites=patcher.sites, layers=patcher.blocks, positions=positions)
+
+
+def run(lm, clean, corrupted, patches, *, sites="block_out", layers=None, answers=None, metric=None,
+        position_map=None, batch_size=16):
+    """Rows of patches: `patches[r]` is a list of (site, block, position) patched together in row r
+    (position None: every corrupted position with a clean counterpart). Other arguments as `sweep`;
+    `sites` and `layers` name what the patches may use. Returns a `PatchResult` with scores (R,).
+
+    Example:
+        >>> everything = [(s, b, None) for s in ("resid_pre", "attn_heads") for b in range(4)]
+        >>> kw.patch.run(lm, clean, corrupted, [[], everything], sites=["resid_pre", "attn_heads"],
+        ...              answers=(5, 7)).recovered
+        tensor([0., 1.])
+    """
+    return Patcher(lm, clean, corrupted, sites, layers, answers, metric, position_map).run(patches, batch_size)
+
+
+class Patcher:
+    """The patched clone of `lm` for one clean/corrupted pair (see the module docstring)."""
+
+    def __init__(self, lm, clean, corrupted, sites, layers, answers, metric, position_map):
+        (self.clean_ids,), (self.ids,) = token_rows(lm, [clean], "clean"), token_rows(lm, [corrupted], "corrupted")
+        self.lm, self.map = lm, _position_map(position_map, len(self.clean_ids), len(self.ids))
+        self.metric = _metric(lm, answers, metric)
+        self.sites, self.blocks, reads = site_reads(lm, sites, layers)
+        got = capture(lm, [self.clean_ids], self.sites, self.blocks)
+        source = torch.tensor([self.map.get(p, 0) for p in range(len(self.ids))])
+        self.layers = {key: Patch(got[key][0, source].to(lm.device)) for key in reads}
+        graph = {r: key for key, r in reads.items() if isinstance(r, str)}
+        fn = insert_after(list(graph), lambda call, layer: self.layers[graph[call]]) if graph else None
+        self.module = clone(lm.backbone, fn, depth="layer")
+        for key, read in reads.items():
+            if not isinstance(read, str):
+                put_inside(self.module, key[0], {read[0]: self.layers[key]})
+
+    def positions(self, positions):
+        """Corrupted positions checked: in range (negative from the end) and with a clean counterpart."""
+        if positions is None:
+            return sorted(self.map)
+        positions = [positions] if isinstance(positions, int) else list(positions)
+        n, out = len(self.ids), []
+        for p in positions:
+            if isinstance(p, bool) or not isinstance(p, int) or not -n <= p < n:
+                raise ValueError(f"positions must be ints in [-{n}, {n}) (the corrupted prompt has {n} tokens), "
+                                 f"got {p!r}")
+            if p % n not in self.map:
+                raise ValueError(f"corrupted position {p} has no clean position in position_map "
+                                 f"{dict(sorted(self.map.items()))}")
+            out.append(p % n)
+        return out
+
+    def _scores(self, ids, masks):
+        for key, layer in self.layers.items():
+            layer.rows = None if masks is None else masks[key]
+        try:
+            logits = self.lm.head(self.module(ids)[:, -1]).float()  # (B, V) at the last position
+        finally:
+            for layer in self.layers.values():
+                layer.rows = None
+        return self.metric(logits)
+
+    def run(self, patches, batch_size=16):
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        rows = [self._row(i, row) for i, row in enumerate(patches)]
+        device, T = self.lm.device, len(self.ids)
+        with torch.inference_mode():
+            clean = float(self._scores(torch.tensor([self.clean_ids], device=device), None)[0])
+            corrupted = float(self._scores(torch.tensor([self.ids], device=device), None)[0])
+            scores, unpatched = [], []
+            for start in range(0, len(rows), batch_size):
+                chunk = [{}] + rows[start:start + batch_size]  # row 0: the unpatched corrupted prompt
+                masks = {key: torch.zeros(len(chunk), T, dtype=torch.bool, device=device) for key in self.layers}
+                for r, row in enumerate(chunk):
+                    for key, where in row.items():
+                        masks[key][r, where] = True
+                got = self._scores(torch.tensor([self.ids] * len(chunk), device=device), masks).cpu()
+                unpatched.append(got[0])
+                scores.append(got[1:])
+        if clean == corrupted:
+            raise ValueError(f"the clean and corrupted prompts give the same metric ({clean}); the fraction "
+                             f"recovered is undefined: pick answers (or a metric) they differ on")
+        scores = torch.cat(scores) if scores else torch.zeros(0)
+        noise = max((abs(float(u) - corrupted) for u in unpatched), default=0.0)
+        return PatchResult(scores, (scores - corrupted) / (clean - corrupted), clean, corrupted, noise,
+                           noise / abs(clean - corrupted), list(self.ids))
+
+    def _row(self, i, row):
+        """{(site, block): [corrupted positions]} of patches[i]."""
+        if not isinstance(row, (list, tuple)):
+            raise TypeError(f"patches[{i}] must be a list of (site, block, position), got {row!r:.60}")
+        out = {}
+        for patch in row:
+            if not (isinstance(patch, (list, tuple)) and len(patch) == 3):
+                raise ValueError(f"patches[{i}] holds {patch!r}; expected (site, block, position)")
+            site, block, position = patch
+            if (site, block) not in self.layers:
+                raise ValueError(f"patches[{i}] patches ({site!r}, {block!r}), which is not among the sites "
+                                 f"{self.sites} x layers {self.blocks} this patching was set up for")
+            out.setdefault((site, block), []).extend(self.positions(position))
+        return out
+
+
+def _position_map(given, clean, corrupted):
+    """{corrupted position: clean position}: identity for prompts of one length, else `given`."""
+    if given is None:
+        if clean != corrupted:
+            raise ValueError(f"the clean prompt has {clean} tokens and the corrupted one {corrupted}: patching "
+                             f"needs a position_map ({{corrupted position: clean position}}) for prompts of "
+                             f"different token lengths")
+        return {p: p for p in range(corrupted)}
+    if isinstance(given, (list, tuple)):
+        if len(given) != corrupted:
+            raise ValueError(f"position_map as a list needs one entry per corrupted token ({corrupted}), got "
+                             f"{len(given)}")
+        given = {p: q for p, q in enumerate(given) if q is not None}
+    if not isinstance(given, dict) or not given:
+        raise ValueError(f"position_map must be a non-empty {{corrupted position: clean position}} dict or a "
+                         f"list, got {given!r:.60}")
+    out = {}
+    for p, q in given.items():
+        for value, n, side in ((p, corrupted, "corrupted"), (q, clean, "clean")):
+            if isinstance(value, bool) or not isinstance(value, int) or not -n <= value < n:
+                raise ValueError(f"position_map entry {p!r}: {q!r}: {side} positions must be ints in "
+                                 f"[-{n}, {n}) (the {side} prompt has {n} tokens)")
+        out[p % corrupted] = q % clean
+    return out
+
+
+def _metric(lm, answers, metric):
+    """logits (B, V) -> (B,): the caller's metric, or the logit difference of two answer tokens."""
+    if (answers is None) == (metric is None):
+        raise ValueError("give either answers=(correct, incorrect) (token ids or one-token texts) or metric= "
+                         "(a function of the last position's logits (B, V) -> (B,)), not "
+                         + ("both" if metric is not None else "neither"))
+    if metric is not None:
+        if not callable(metric):
+            raise TypeError(f"metric must be a function of logits (B, V) -> (B,), got {type(metric).__name__}")
+
+        def checked(logits):
+            out = torch.as_tensor(metric(logits)).float()
+            if out.shape != logits.shape[:1]:
+                raise ValueError(f"metric returned shape {tuple(out.shape)}; expected ({logits.shape[0]},), "
+                                 f"one score per row of the logits")
+            return out
+
+        return checked
+    if not isinstance(answers, (list, tuple)) or len(answers) != 2:
+        raise ValueError(f"answers must be (correct, incorrect), got {answers!r:.60}")
+    correct, wrong = (_token(lm, a, side) for a, side in zip(answers, ("correct", "incorrect")))
+    return lambda logits: logits[:, correct] - logits[:, wrong]
+
+
+def _token(lm, answer, side):
+    if isinstance(answer, str) and lm.tokenizer is not None:
+        ids = lm.tokenizer.encode(answer, add_bos=False)
+        if len(ids) != 1:
+            raise ValueError(f"the {side} answer {answer!r} is {len(ids)} tokens ({ids}); expected one token")
+        answer = ids[0]
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < lm.vocab_size:
+        raise ValueError(f"the {side} answer must be a token id in [0, {lm.vocab_size}) or a one-token text, "
+                         f"got {answer!r}")
+    return answer
