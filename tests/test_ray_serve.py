@@ -108,6 +108,30 @@ def test_a_replica_loads_vectors_on_demand_and_answers_as_the_plain_server(vecto
     forward.close()
 
 
+def test_a_replica_loads_a_clamp_vector_when_a_request_bounds_it(tmp_path):
+    import kvwire as kw
+
+    lm = tiny_chat_lm()
+    calm = kw.ControlVector(control_vectors(lm)["formal"].directions, operation="clamp")
+    calm.save(tmp_path / "calm.gguf")
+    forward = InProcess("r3", tiny_chat_lm, "tiny", str(tmp_path), app_options={"max_batch": 2})
+    server = Server(create_app(lm, "tiny", control_vectors={"calm": calm}, max_batch=2, playground=False))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as plain:
+            head, body = forward("POST", "/v1/chat/completions", chat_body(steer={"calm": {}}))
+            assert head["status"] == 200 and head["vectors"] == []  # no bound clamps nothing: nothing to load
+            off = reply(httpx.Response(200, content=body))
+            for steer in ({"calm": {"lo": 1.0, "hi": 1.0}}, {"calm": {"hi": -3.0}}):
+                head, body = forward("POST", "/v1/chat/completions", chat_body(steer=steer))
+                assert head["status"] == 200 and head["vectors"] == ["calm"], body
+                clamped = reply(httpx.Response(200, content=body))
+                same(clamped, reply(ask(plain, "/v1/chat/completions", chat_body(steer=steer))))
+                assert clamped[1] != pytest.approx(off[1], abs=1e-3)  # the bounds bite
+    finally:
+        forward.close()
+        server.close()
+
+
 def test_a_vector_that_cannot_load_is_a_server_error_naming_it(tmp_path):
     (tmp_path / "broken.gguf").write_bytes(b"not a gguf")
     forward = InProcess("r1", tiny_chat_lm, "tiny", str(tmp_path))

@@ -68,6 +68,43 @@ def test_strength_zero_and_malformed_strengths_want_no_vector():
     assert fleet.router.holds("r1") == {"happy"}  # vectors every replica starts with
 
 
+def test_a_clamp_vector_with_a_bound_is_wanted_and_loaded():
+    steer = {"calm": {"lo": -1, "hi": 2}, "cool": {"hi": 0.5}, "open": {}, "nulls": {"lo": None, "hi": None},
+             "odd": {"lo": "low"}, "happy": 0}
+    # unbounded on both sides clamps nothing (as strength 0); a malformed bound is the replica's to refuse
+    assert wanted_vectors({"steer": steer}) == {"calm", "cool", "odd"}
+    fleet = Fleet(2)
+    assert fleet.send(chat("a", steer={"calm": {"lo": -1, "hi": 2}})) == Route("r0", frozenset({"calm"}))
+    assert fleet.send(chat("b", steer={"cool": {"hi": 0.5}, "calm": {}})) == Route("r1", frozenset({"cool"}))
+    assert fleet.send(chat("c", steer={"calm": {"lo": 0}})) == Route("r0")  # its holder, though routed more
+    assert fleet.send(chat("d", steer={"calm": {}, "cool": {"lo": None}})) == Route("r1")  # none wanted: fewest routed
+
+
+def test_the_prefix_key_holds_clamp_bounds_canonically():
+    def key(steer):
+        return prefix_keys(chat("hi", steer=steer))[0][0]
+
+    assert key({"calm": {"lo": -1, "hi": 2}}) == key({"calm": {"hi": 2.0, "lo": -1.0}})
+    assert key({"calm": {"lo": -1}}) == key({"calm": {"lo": -1.0, "hi": None}})
+    assert len({key({"calm": {"lo": -1, "hi": 2}}), key({"calm": {"lo": -1, "hi": 3}}), key({"calm": {"lo": -1}}),
+                key({"calm": {"hi": -1}}), key({"calm": -1}), key(None)}) == 6
+    assert key({"calm": {}}) == key({"calm": {"lo": None}}) == key(None)  # no bound: no steering
+
+
+def test_the_prefix_key_holds_sae_features_and_their_mode():
+    def key(**sae):
+        return prefix_keys({**chat("hi"), **sae})[0][0]
+
+    plain = key()
+    assert key(sae_features={"5": 6.0, "7": 0}) == key(sae_features={"7": 0.0, "05": 6}) == \
+        key(sae_features={"5": 6, "7": 0}, sae_mode="set")  # the order, spelling and the default mode
+    assert key(sae_features={}, sae_mode="add") == key(sae_mode="clamp") == plain  # a mode alone steers nothing
+    assert len({plain, key(sae_features={"5": 6.0}), key(sae_features={"5": 7.0}), key(sae_features={"6": 6.0}),
+                key(sae_features={"5": 6.0}, sae_mode="add"), key(sae_features={"5": [None, 6.0]}, sae_mode="clamp"),
+                key(sae_features={"5": [6.0, None]}, sae_mode="clamp")}) == 7
+    assert key(sae_features={"²": 1, "x": [True]}) != plain  # malformed: the replica refuses them, no crash here
+
+
 def test_a_conversation_returns_to_the_replica_that_served_its_earlier_turn():
     fleet = Fleet(2)
     sea, land = "Tell me all about the sea and its tides.", "Tell me all about the land and its hills."

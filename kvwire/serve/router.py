@@ -2,16 +2,18 @@
 
 Two things make a replica the right one:
 
-- It holds the request's named control vectors (`"steer": {name: strength}`, strength nonzero).
-  A replica lacking one loads it on demand, which rebuilds its steered model and swaps its engine
-  (`ServedVectors.add`): its running requests drain first and its prefix store starts empty.
+- It holds the request's named control vectors (`"steer": {name: strength}`, strength nonzero, or
+  a clamp vector's `{name: {"lo": a, "hi": b}}`, a bound given). A replica lacking one loads it on
+  demand, which rebuilds its steered model and swaps its engine (`ServedVectors.add`): its running
+  requests drain first and its prefix store starts empty.
 - It served an earlier turn of the conversation: its prefix store still holds those keys/values,
   so the next turn is not prefilled again.
 
 Prefix keys. The router holds no tokenizer, so it keys conversations by their messages, not by
 rendered tokens: key j is a hash chained over messages[:j] (canonical JSON of each message), for
-every j, seeded with the endpoint and the request's steering (the prefix store reuses keys/values
-only between sequences run with equal steering). A stored sequence serves any prefix of itself, so
+every j, seeded with the endpoint and the request's steering: named vectors' strengths and bounds,
+inline vectors, SAE features and their mode (the prefix store reuses keys/values only between
+sequences run with equal steering). A stored sequence serves any prefix of itself, so
 a replica that answered messages[:n] holds keys 1..n; the next turn, messages[:n] + [reply, user],
 finds key n there (its messages minus the new user turn and the reply before it), and a new
 conversation under a shared system prompt finds key 1. The longest key held wins, if it covers
@@ -164,13 +166,54 @@ class SteeringRouter:
 
 
 def wanted_vectors(body):
-    """The control vectors a request body steers with: names in `steer` with a nonzero number
-    (malformed values are left for the replica to refuse)."""
+    """The control vectors a request body steers with: names in `steer` with a nonzero number, and
+    clamp vectors' names with bounds {"lo": a, "hi": b}, a bound given (both left out or null is no
+    steering, as strength 0). Malformed values are left for the replica to refuse."""
+    return frozenset(_steering(body))
+
+
+def _steering(body):
+    """{name: value} of the names `wanted_vectors` gives, canonical: a strength as a float, a
+    clamp's bounds as [lo, hi] (None: unbounded)."""
     steer = body.get("steer") if isinstance(body, dict) else None
     if not isinstance(steer, dict):
-        return frozenset()
-    return frozenset(name for name, value in steer.items()
-                     if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0)
+        return {}
+    out = {}
+    for name, value in steer.items():
+        if _number(value) and value != 0:
+            out[name] = _canon(value)
+        elif isinstance(value, dict) and any(value.get(side) is not None for side in ("lo", "hi")):
+            out[name] = [_canon(value.get("lo")), _canon(value.get("hi"))]
+    return out
+
+
+def _sae(body):
+    """A request's SAE features and mode, canonical: {"mode", "features": {index: value}} with the
+    mode "set" when left out, indices without leading zeros and numbers as floats, as the server
+    reads them; {} without features (the server ignores sae_mode then)."""
+    features = body.get("sae_features")
+    if not isinstance(features, dict) or not features:
+        return {}
+    mode = body.get("sae_mode")
+    return {"mode": "set" if mode is None else mode,
+            "features": {str(int(k)) if str(k).isdecimal() else str(k): _canon(v) for k, v in features.items()}}
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _canon(value):
+    """A number as a float (1 and 1.0 steer alike), a list of them likewise; anything else (a
+    malformed value the replica refuses) as it is."""
+    if isinstance(value, list):
+        return [_canon(v) for v in value]
+    if _number(value):
+        try:
+            return float(value)
+        except OverflowError:  # an int past float's range: refused by the replica, kept apart here
+            return value
+    return value
 
 
 def prefix_keys(body):
@@ -187,9 +230,8 @@ def prefix_keys(body):
         kind, parts = "completion", [prompt]
     else:
         return ()
-    wanted = wanted_vectors(body)
-    steer = sorted((name, float(value)) for name, value in body["steer"].items() if name in wanted) if wanted else []
-    digest = _hash(_canonical({"kind": kind, "steer": steer, "inline": body.get("steer_vectors")}))
+    steering = {"kind": kind, "steer": _steering(body), "inline": body.get("steer_vectors"), "sae": _sae(body)}
+    digest = _hash(_canonical(steering))
     texts = [_canonical(part) for part in parts]
     ends = [sum(map(len, texts[:j])) for j in range(len(texts) + 1)]  # text before message j
     keys = []
