@@ -11,19 +11,27 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
+import kvwire as kw  # noqa: E402
 from kvwire.serve import create_app  # noqa: E402
 from kvwire.serve.metrics import Metrics  # noqa: E402
 
 from .serve_fixtures import Server, control_vectors, tiny_chat_lm  # noqa: E402
+from .test_sae import random_sae, write_sae  # noqa: E402
 
 HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    """Two vectors to add, one made to clamp ("calm"), inline slots and an SAE at block 1."""
     lm = tiny_chat_lm()
-    s = Server(create_app(lm, "tiny", max_batch=2, max_length=128, control_vectors=control_vectors(lm)))
+    vectors = control_vectors(lm)
+    vectors["calm"] = kw.ControlVector(vectors["formal"].directions, operation="clamp")
+    sae = write_sae(tmp_path_factory.mktemp("sae") / "blocks.1", random_sae(jumprelu=True))
+    s = Server(create_app(lm, "tiny", max_batch=2, max_length=128, control_vectors=vectors, inline_slots=2,
+                          sae=str(sae), sae_slots=4))
+    s.direction = vectors["formal"].directions[1].tolist()
     yield s
     s.close()
 
@@ -80,6 +88,29 @@ def test_prefix_hits_and_steering_are_counted(server):
         before = scrape(server)
         post(server, CHAT, messages=HELLO, max_tokens=2, steer=steer)
         assert moved(before, scrape(server), "kvwire_steered_requests_total") == counted, steer
+
+
+# (request fields, whether it steers): clamps (named, inline) and SAE features count once they do something
+STEERING = [
+    (dict(steer={"calm": {"lo": -1.0, "hi": 2.0}}), True), (dict(steer={"calm": {"hi": 0.5}}), True),
+    (dict(steer={"calm": {}, "happy": 0.0}), False), (dict(steer={"calm": {"lo": None, "hi": None}}), False),
+    (dict(steer_vectors=[{"operation": "clamp", "hi": 0.5}]), True),
+    (dict(steer_vectors=[{"operation": "clamp"}]), False),
+    (dict(steer_vectors=[{"operation": "ablate"}]), True), (dict(steer_vectors=[{"strength": 0.0}]), False),
+    (dict(sae_features={"5": 6.0}), True), (dict(sae_features={"5": 0.0}), True),  # set to 0: switched off
+    (dict(sae_features={"5": 0.0}, sae_mode="add"), False), (dict(sae_features={"5": 2.0}, sae_mode="add"), True),
+    (dict(sae_features={"5": [None, 0.5]}, sae_mode="clamp"), True),
+    (dict(sae_features={"5": [None, None]}, sae_mode="clamp"), False),
+]
+
+
+@pytest.mark.parametrize("fields, counted", STEERING)
+def test_clamps_inline_vectors_and_sae_features_count_as_steering(server, fields, counted):
+    if "steer_vectors" in fields:
+        fields = {"steer_vectors": [{"directions": {"1": server.direction}, **v} for v in fields["steer_vectors"]]}
+    before = scrape(server)
+    post(server, CHAT, messages=HELLO, max_tokens=2, **fields)
+    assert moved(before, scrape(server), "kvwire_steered_requests_total") == counted, fields
 
 
 def test_a_stream_is_counted_once_it_ends(server):

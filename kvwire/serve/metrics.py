@@ -11,10 +11,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 from starlette.routing import Match
 
+from ..steer.ops import LIMIT
+
 # seconds; a first token waits for the prompt's prefill (and the queue), a later one for one decode step
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}  # others share one label value
+# a steering input's inert value, by its name's suffix: strengths of named and inline vectors, an
+# SAE feature's added value, the bounds of clamps (named, inline) and of SAE features
+INERT = {"strength": 0.0, "add": 0.0, "lo": -LIMIT, "hi": LIMIT}
 
 
 class Metrics:
@@ -41,8 +46,9 @@ class Metrics:
                                         registry=r)
         self.cached_tokens = Counter("kvwire_prefix_cache_hit_tokens", "prompt tokens restored from the prefix "
                                      "store (usage.prompt_tokens_details.cached_tokens)", registry=r)
-        self.steered = Counter("kvwire_steered_requests", "generation requests with a nonzero steering strength "
-                               "(a served control vector or an inline one)", registry=r)
+        self.steered = Counter("kvwire_steered_requests", "generation requests that steer: a control vector's "
+                               "strength (served or inline) nonzero, a clamp's bound (served or inline) given, or "
+                               "an SAE feature set, added to or clamped", registry=r)
         self.generation_requests = Counter("kvwire_generation_requests", "generation requests over, by how their "
                                            "sequences ended (several: joined by +; timeout: --request-timeout)",
                                            ["finish_reason"], registry=r)
@@ -67,7 +73,7 @@ class Metrics:
         self.generated_tokens.inc(sum(len(s.tokens) for s in seqs))
         reasons = ["timeout"] if timed_out else sorted({s.finish_reason or "cancelled" for s in seqs})
         self.generation_requests.labels("+".join(reasons)).inc()
-        if any(k.endswith("_strength") and v for s in seqs for k, v in s.inputs.items()):
+        if any(steers(s.inputs) for s in seqs):
             self.steered.inc()
         for s in seqs:
             if s.first_token_at is not None:
@@ -81,6 +87,17 @@ class Metrics:
     def exposition(self):
         """The registry in Prometheus' text format (bytes)."""
         return generate_latest(self.registry)
+
+
+def steers(inputs):
+    """Whether a sequence's runtime inputs ({name: number}) steer it: any steering input away from
+    its inert value (`INERT`, by the name's suffix).
+
+    Example:
+        >>> steers({"happy_strength": 0.0, "calm_lo": -1.0, "calm_hi": LIMIT})   # a clamp bound given
+        True
+    """
+    return any(v != INERT.get(k.rsplit("_", 1)[-1], v) for k, v in inputs.items())
 
 
 class _EngineGauges:
