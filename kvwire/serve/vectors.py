@@ -2,6 +2,7 @@
 builds `lm.steer(v, 0.0, name=...)` over all of them and swaps the engine thread onto it (see
 `EngineThread.swap`: running requests finish on the old model, new ones wait for them)."""
 import asyncio
+import re
 
 from ..generate.engine import Engine
 from ..generate.prefix import PrefixStore
@@ -9,6 +10,24 @@ from ..graph import numbered_blocks
 from ..steer.schedule import Scheduled
 from .errors import APIError
 from .options import check_names, steered_model
+
+
+# names of the banks' runtime inputs: the inline bank's slot k reads inline{k}_strength, _lo, _hi and
+# the SAE bank's slot j sae{j}_add, _lo, _hi; each bank its schedule's inline_start/_end, sae_start/_end
+RESERVED = re.compile(r"(?:inline|sae)(?:0|[1-9][0-9]*)?")
+
+
+def check_unreserved(names):
+    """Refuse control vector names the server's banks use (`kvwire.serve.inline`,
+    `kvwire.serve.inline_sae`): a vector named N reads N_strength (or N_lo, N_hi), N_start and
+    N_end, and layers reading one input name share it, so a vector named "inline0" would take the
+    strength of requests' inline vectors in slot 0 (and they its), one named "sae" the SAE bank's
+    schedule. Refused on every server, with banks or without: a name one server takes, all take."""
+    for name in names:
+        if RESERVED.fullmatch(name):
+            raise ValueError(f"control vector name {name!r} is reserved: 'inline' and 'sae', alone or followed by a "
+                             f"slot number (inline0, sae12), name the runtime inputs of the server's inline-vector "
+                             f"and SAE-feature slots; expected another name, e.g. '{name}_style'")
 
 
 class ServedVectors:
@@ -30,6 +49,7 @@ class ServedVectors:
         from .bridge import EngineThread
 
         check_names(vectors)
+        check_unreserved(vectors)
         self.lm, self.vectors, self.inline = lm, dict(vectors), inline
         self.engine_options, self.prefix_bytes = dict(engine_options), prefix_bytes
         self.model = self._steered(self.vectors)
@@ -68,10 +88,11 @@ class ServedVectors:
         return Engine(model, **self.engine_options, prefix_store=PrefixStore(max_bytes=self.prefix_bytes))
 
     def check_new_name(self, name):
-        """Refuse a name that is not an identifier or is taken (a vector is never replaced: clients
-        may be steering with it)."""
+        """Refuse a name that is not an identifier, is reserved (`check_unreserved`) or is taken (a
+        vector is never replaced: clients may be steering with it)."""
         try:
             check_names([name])
+            check_unreserved([name])
         except ValueError as e:
             raise APIError(str(e).replace(" (--control-vector NAME=FILE)", ""), param="name",
                            code="invalid_value") from None
