@@ -158,6 +158,7 @@ BAD = [
                                     "is 96)"),
     ({"sae_features": {"-1": 1.0}}, "sae_features has feature '-1'; expected an index in [0, 96)"),
     ({"sae_features": {"x": 1.0}}, "sae_features has feature 'x'"),
+    ({"sae_features": {"\u00b2": 1.0}}, "sae_features has feature"),  # a digit to isdigit, not to int
     ({"sae_features": {"1": 1.0, "2": 1.0, "3": 1.0, "4": 1.0}},
      "sae_features has 4 features; this server allows at most 3 per request"),
     ({"sae_features": {"1": 1.0, "01": 2.0}}, "sae_features names feature 1 twice"),

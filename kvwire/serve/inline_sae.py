@@ -141,7 +141,7 @@ class FeatureBank:
                        f"per request")
         out, seen = [], set()
         for key, value in features.items():
-            index = int(key) if str(key).isdigit() else None
+            index = int(key) if str(key).isascii() and str(key).isdecimal() else None
             if index is None or index >= self.sae.d_sae:
                 raise _bad(f"sae_features has feature {key!r}; expected an index in [0, {self.sae.d_sae}) (the "
                            f"SAE's d_sae is {self.sae.d_sae})")

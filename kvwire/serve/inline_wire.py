@@ -56,7 +56,7 @@ def _one(item, where, blocks, width):
         raise _bad(f"{where}.directions is empty; expected {{block: vector}} for blocks {covered}")
     directions = {}
     for key, value in item.directions.items():
-        block = int(key) if str(key).lstrip("-").isdigit() else None
+        block = int(key) if str(key).lstrip("-").isascii() and str(key).lstrip("-").isdecimal() else None
         if block not in blocks:
             raise _bad(f"{where}.directions has block {key!r}; inline vectors may steer blocks {covered}")
         directions[block] = _vector(value, f"{where}.directions.{key}", width)

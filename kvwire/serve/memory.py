@@ -120,7 +120,7 @@ def _read(path):
 
 def _number(text):
     text = (text or "").strip()
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isascii() and text.isdecimal() else None
 
 
 def _gib(n):
