@@ -107,16 +107,21 @@ class RowRunner:
     def runtime_inputs(self):
         return self.upper.runtime_inputs
 
-    def encode(self, rows):
-        """Token-id lists -> a batch: ids, positions, mask (N, T) left-padded, and the states at the
-        boundary (N, T, D), computed here once (None without a boundary)."""
+    def encode(self, rows, chunk=64):
+        """Token-id lists -> a batch: ids, positions, mask (N, T) left-padded, lengths (N,), and the
+        states at the boundary (N, T, D), computed here once, `chunk` rows a call (None without a
+        boundary)."""
         ids, positions, pads = left_pad(rows, device=self.device)
         mask = torch.arange(ids.shape[1], device=self.device)[None] >= pads[:, None]
         states = None
         if self.lower is not None:
-            cache = self.lower.init_cache(len(rows), ids.shape[1])
-            states, _ = self.lower(ids, positions, 0, mask, cache)
-        return {"ids": ids, "positions": positions, "mask": mask, "states": states}
+            parts = []
+            for i in range(0, len(rows), chunk):
+                cache = self.lower.init_cache(len(ids[i:i + chunk]), ids.shape[1])
+                parts.append(self.lower(ids[i:i + chunk], positions[i:i + chunk], 0, mask[i:i + chunk], cache)[0])
+            states = torch.cat(parts)
+        return {"ids": ids, "positions": positions, "mask": mask, "states": states,
+                "lengths": torch.tensor([len(r) for r in rows], device=self.device)}
 
     def final(self, batch, inputs, which):
         """Final hidden states (R, T, D) of texts `which` (R,) with per-row `inputs` {name: (R,)}."""
