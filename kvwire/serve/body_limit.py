@@ -17,7 +17,7 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isascii() and declared.isdecimal() and int(declared) > self.limit:
+        if declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(send, scope, int(declared))
         seen = 0
 
