@@ -95,7 +95,7 @@ def dataset(name_or_path):
         return name_or_path
     if name_or_path in SHIPPED:
         with resources.as_file(resources.files(__package__) / "data" / SHIPPED[name_or_path]) as path:
-            return ABDataset.from_jsonl(path)
+            return ABDataset(ABDataset.from_jsonl(path).examples, name_or_path)
     if not isinstance(name_or_path, (str, Path)) or not Path(name_or_path).is_file():
         raise ValueError(f"dataset {name_or_path!r} is neither a shipped dataset ({', '.join(SHIPPED)}) nor a "
                          f"JSONL file")
