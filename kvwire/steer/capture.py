@@ -121,7 +121,11 @@ def capture(lm, prompts, sites="block_out", layers=None, batch_size=8):
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     rows = token_rows(lm, prompts)
-    _, _, reads = site_reads(lm, sites, layers)
+    return read_sites(lm, rows, site_reads(lm, sites, layers)[2], batch_size)
+
+
+def read_sites(lm, rows, reads, batch_size=8):
+    """`capture` of token-id `rows` at `reads` (from `site_reads`), unchecked."""
     calls = sorted({r for r in reads.values() if isinstance(r, str)})
     inner = {key: r[0] for key, r in reads.items() if not isinstance(r, str)}
     module, records = lm.backbone, {}

@@ -22,7 +22,7 @@ import torch
 from ..graph import clone, insert_after
 from ..graph.sites import put_inside
 from ..layers.base import Layer
-from .capture import capture, site_reads, token_rows
+from .capture import read_sites, site_reads, token_rows
 
 
 class Patch(Layer):
@@ -126,7 +126,7 @@ class Patcher:
         self.lm, self.map = lm, _position_map(position_map, len(self.clean_ids), len(self.ids))
         self.metric = _metric(lm, answers, metric)
         self.sites, self.blocks, reads = site_reads(lm, sites, layers)
-        got = capture(lm, [self.clean_ids], self.sites, self.blocks)
+        got = read_sites(lm, [self.clean_ids], reads)
         source = torch.tensor([self.map.get(p, 0) for p in range(len(self.ids))])
         self.layers = {key: Patch(got[key][0, source].to(lm.device)) for key in reads}
         graph = {r: key for key, r in reads.items() if isinstance(r, str)}
