@@ -1,4 +1,5 @@
-"""`kvwire steer train` and `kvwire steer sweep`: train control vectors and sweep their strength."""
+"""`kvwire steer train`, `sweep`, `eval` and `calibrate`: train control vectors, sweep their strength,
+measure them on an A/B dataset (steerability, side effects) and calibrate their layer and strength."""
 import sys
 
 from ..layers.site import ALL_SITES as SITES
@@ -7,7 +8,7 @@ from .options import model_options
 
 
 def add(commands):
-    st = commands.add_parser("steer", help="control vectors: `steer train`, `steer sweep`")
+    st = commands.add_parser("steer", help="control vectors: `steer train`, `sweep`, `eval`, `calibrate`")
     actions = st.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = actions.add_parser("train", help="train a control vector from contrastive prompts",
                            description="Train a control vector from paired prompts (one per line; line i of "
@@ -44,6 +45,37 @@ def add(commands):
     w.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     model_options(w)
     w.set_defaults(run=run_sweep)
+    e = actions.add_parser("eval", help="A/B logit difference, steerability and side effects per strength",
+                           description="Measure a control vector (added, ablated or clamped, as its file says) "
+                           "at each strength on an A/B dataset: the mean logit difference of the positive over "
+                           "the negative answer, each example's slope against strength, and the KL and "
+                           "perplexity change on neutral text; all strengths run as rows of one batch.")
+    c = actions.add_parser("calibrate", help="the best layer and strength under a damage limit",
+                           description="Try the vector at each block (and site) and strength; pick the highest "
+                           "mean A/B logit difference whose KL and perplexity increase on neutral text stay "
+                           "under the limits; write the report, a heatmap and the chosen vector.")
+    for p in (e, c):
+        p.add_argument("--control-vector", required=True, metavar="VEC.gguf", help="the vector to measure")
+        p.add_argument("--dataset", default="sentiment-ab", metavar="NAME|FILE",
+                       help="a shipped dataset (sentiment-ab, the default) or a JSONL file: prompt/positive/"
+                            "negative or CAA's question/answer_matching_behavior/answer_not_matching_behavior")
+        p.add_argument("--strengths", type=float, nargs="+", required=True, metavar="S", help="strengths to try")
+        p.add_argument("--neutral", default=None, metavar="FILE", help="neutral text for the side effects "
+                       "(default: the package's prose)")
+        p.add_argument("--neutral-tokens", type=int, default=128, metavar="N", help="tokens per neutral row")
+        p.add_argument("--batch-size", type=int, default=64, metavar="N", help="rows per forward (default 64)")
+        p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+        p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the result")
+        model_options(p)
+    e.set_defaults(run=run_eval)
+    c.add_argument("--layers", default=None, metavar="A-B", help="blocks to try (default: the vector's)")
+    c.add_argument("--sites", nargs="+", default=None, choices=SITES, metavar="SITE",
+                   help="sites to try (default: the vector's)")
+    c.add_argument("--max-kl", type=float, default=0.5, metavar="X", help="most KL per neutral token (default 0.5)")
+    c.add_argument("--max-ppl-increase", type=float, default=0.25, metavar="X",
+                   help="most relative perplexity increase (default 0.25: +25%%)")
+    c.add_argument("-o", "--output", default=None, metavar="VEC.gguf", help="write the chosen vector")
+    c.set_defaults(run=run_calibrate)
 
 
 def read_pairs(positive_path, negative_path):
@@ -110,3 +142,59 @@ def run_sweep(args):
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result.to_dict(), f, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
+
+
+def _measured(args):
+    """(lm, vector, dataset, neutral text) of an `eval` or `calibrate` command, checked."""
+    from ..load import load
+    from ..steer import ControlVector, dataset
+
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"--plot must name a .png, .svg or .pdf file, got {args.plot!r}")
+    data = dataset(args.dataset)
+    neutral = None
+    if args.neutral:
+        with open(args.neutral, encoding="utf-8") as f:
+            neutral = f.read()
+    vector = ControlVector.load(args.control_vector)
+    return load(args.model, dtype=args.dtype), vector, data, neutral
+
+
+def _write(result, args):
+    if args.json:
+        result.to_json(args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def run_eval(args):
+    from ..steer import evaluate
+
+    lm, vector, data, neutral = _measured(args)
+    r = evaluate(lm, vector, data, args.strengths, neutral=neutral, neutral_tokens=args.neutral_tokens,
+                 batch_size=args.batch_size)
+    print("| strength | logit diff | KL | perplexity |\n|---:|---:|---:|---:|")
+    for row in zip(r.strengths, r.logit_diff, r.kl, r.perplexity):
+        print("| {:+.2f} | {:+.3f} | {:.4f} | {:.2f} |".format(*row))
+    print(f"steerability {r.slope_mean:+.4f} ± {r.slope_std:.4f}, {100 * r.anti_steerable:.0f}% anti-steerable; "
+          f"unsteered perplexity {r.base_perplexity:.2f} ({r.neutral_tokens} tokens of {data.name or 'data'})")
+    _write(r, args)
+
+
+def run_calibrate(args):
+    from ..steer import calibrate
+
+    lm, vector, data, neutral = _measured(args)
+    r = calibrate(lm, vector, data, args.layers, args.strengths, sites=args.sites, max_kl=args.max_kl,
+                  max_ppl_increase=args.max_ppl_increase, neutral=neutral, neutral_tokens=args.neutral_tokens,
+                  batch_size=args.batch_size)
+    ch = r.choice
+    print(f"chosen: block {ch['layer']} ({ch['site']}) at strength {ch['strength']:g}: logit diff "
+          f"{ch['logit_diff']:+.3f}, KL {ch['kl']:.4f}, perplexity {100 * ch['ppl_increase']:+.1f}%")
+    _write(r, args)
+    if args.output:
+        r.vector.save(args.output)
+        scale = "strength 1 applies it" if ch["operation"] == "add" else f"use strength {ch['strength']:g}"
+        print(f"wrote {args.output} (block {ch['layer']}; {scale})", file=sys.stderr)
