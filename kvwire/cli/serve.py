@@ -58,6 +58,12 @@ def add(commands):
     s.add_argument("--no-playground-training", dest="playground_training", action="store_false",
                    help="the playground's training and sweep endpoints answer 403 (its vectors can still be listed "
                    "and downloaded)")
+    s.add_argument("--no-analysis", dest="analysis", action="store_false",
+                   help="POST /kvwire/capture and /kvwire/patch (activations, activation patching) answer 403")
+    s.add_argument("--max-capture-values", type=positive, default=None, metavar="N",
+                   help="floats one capture may hold: prompts x tokens x sites x layers x width (default 4194304)")
+    s.add_argument("--max-patch-rows", type=positive, default=None, metavar="N",
+                   help="patched runs one patching request may make: sites x layers x positions (default 1024)")
     ray_serve.add_arguments(s)
     s.set_defaults(run=run)
 
@@ -100,7 +106,8 @@ def run(args):
                    cors_origins=args.cors_origin, playground_training=args.playground_training,
                    tool_fallback=args.tool_fallback, metrics=args.metrics,
                    decode_threads=args.decode_threads or max(1, torch.get_num_threads() - 1), sae_slots=args.sae_slots,
-                   sae_per_request=args.sae_per_request, sae_site=args.sae_site, sae_layer=args.sae_layer)
+                   sae_per_request=args.sae_per_request, sae_site=args.sae_site, sae_layer=args.sae_layer,
+                   analysis=args.analysis, analysis_limits=_analysis_limits(args))
     if args.ray:  # each replica loads the model itself (and the SAE, from its folder); this process only starts them
         from functools import partial
 
@@ -114,6 +121,14 @@ def run(args):
           f"API keys: {len(keys) if keys else 'none, open to all'}); "
           f"playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)
+
+
+def _analysis_limits(args):
+    """The `AnalysisLimits` of --max-capture-values and --max-patch-rows (absent: the defaults)."""
+    from ..serve.analysis import AnalysisLimits
+
+    given = dict(capture_values=args.max_capture_values, patch_rows=args.max_patch_rows)
+    return AnalysisLimits(**{name: value for name, value in given.items() if value is not None})
 
 
 def _sae(args):

@@ -7,6 +7,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from . import errors, memory
+from .analysis import install_analysis
 from .api_docs import install_api_docs
 from .auth import APIKeys, check_keys, document_bearer
 from .errors import APIError
@@ -32,12 +33,13 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
                prefix_bytes=512 << 20, playground=True, limits=None, memory_budget=None, inline_slots=None,
                inline_per_request=2, api_keys=None, cors_origins=None, playground_training=True, tool_fallback=True,
                metrics=True, decode_threads=None, sae=None, sae_slots=None, sae_per_request=4, sae_site=None,
-               sae_layer=None):
+               sae_layer=None, analysis=True, analysis_limits=None):
     """An ASGI app serving `lm` with OpenAI's API: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health, and GET /metrics (Prometheus, `kvwire.serve.metrics`). The engine's
     thread runs while the app does (its lifespan).
     With `playground`, also the steering page at / and its JSON endpoints under /kvwire/
-    (`kvwire.serve.playground`).
+    (`kvwire.serve.playground`). POST /kvwire/capture and /kvwire/patch read activations and run
+    activation patching (`kvwire.serve.analysis`).
 
     Args:
         lm: a `CausalLM` with a tokenizer (chat needs its chat template).
@@ -77,6 +79,8 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
             for the same feature share a slot; past them a 429 with Retry-After.
         sae_per_request: SAE features one request may carry (more: 400).
         sae_site, sae_layer: where the SAE edits (default: its hook, as `steer_features`).
+        analysis: False: /kvwire/capture and /kvwire/patch answer 403.
+        analysis_limits: an `AnalysisLimits` (values a capture holds, rows a patching sweep runs).
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec},
@@ -138,6 +142,7 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
     install_api_docs(app)
     if metrics is not None:
         install_metrics(app, metrics)
+    install_analysis(app, served, model_name, enabled=analysis, limits=analysis_limits)
     if playground:
         install_playground(app, served, model_name, training=playground_training, sae=features)
 

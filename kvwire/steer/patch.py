@@ -95,7 +95,11 @@ def sweep(lm, clean, corrupted, sites="block_out", positions=None, *, layers=Non
         torch.Size([1, 30, 5])
     """
     patcher = Patcher(lm, clean, corrupted, sites, layers, answers, metric, position_map)
-    positions = patcher.positions(positions)
+    return sweep_with(patcher, patcher.positions(positions), batch_size)
+
+
+def sweep_with(patcher, positions, batch_size=16):
+    """`sweep` on a `Patcher` already built, over checked corrupted `positions` (`Patcher.positions`)."""
     rows = [[(s, b, p)] for s in patcher.sites for b in patcher.blocks for p in positions]
     result = patcher.run(rows, batch_size)
     shape = (len(patcher.sites), len(patcher.blocks), len(positions))
