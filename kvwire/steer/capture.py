@@ -115,8 +115,8 @@ def capture(lm, prompts, sites="block_out", layers=None, batch_size=8):
 
     Example:
         >>> cap = kw.capture(lm, ["The cat", "A dog sat"], sites=["attn_out", "attn_heads"], layers="1-2")
-        >>> cap[("attn_heads", 1)].shape
-        torch.Size([2, 4, 576])
+        >>> cap[("attn_heads", 1)].shape       # gemma3-270m: BOS + 3 tokens, 4 heads of 256
+        torch.Size([2, 4, 1024])
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")

@@ -90,10 +90,11 @@ def sweep(lm, clean, corrupted, sites="block_out", positions=None, *, layers=Non
     Returns a `PatchResult` whose scores and recovered are (len(sites), len(layers), len(positions)).
 
     Example:
-        >>> r = kw.patch.sweep(lm, "The Eiffel Tower is in", "The Colosseum is in", ["block_out"],
-        ...                    answers=(" Paris", " Rome"), position_map={0: 0, 1: 1, 2: 2, 3: 4, 4: 5})
+        >>> lm = kw.load("smollm2-135m-instruct")     # 6 tokens, then 5: "The", " is", " in" line up
+        >>> r = kw.patch.sweep(lm, "The Eiffel Tower is in", "The Louvre is in", ["block_out"],
+        ...                    answers=(" Paris", " Rome"), position_map={0: 0, 3: 4, 4: 5})
         >>> r.recovered.shape
-        torch.Size([1, 30, 5])
+        torch.Size([1, 30, 3])
     """
     patcher = Patcher(lm, clean, corrupted, sites, layers, answers, metric, position_map)
     return sweep_with(patcher, patcher.positions(positions), batch_size)
