@@ -72,6 +72,14 @@ def files(tmp_path_factory):
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    skip_env_report(monkeypatch)
+
+
+def skip_env_report(monkeypatch):
+    """lm-eval's results carry torch's environment report (a dozen subprocesses, seconds): not tested here."""
+    from lm_eval import evaluator
+
+    monkeypatch.setattr(evaluator, "add_env_info", lambda results: None)
 
 
 def evaluate(files, model_args, tasks):
@@ -118,6 +126,7 @@ def test_lm_eval_matches_kvwire_scores_and_generations(files, offline, steer):
                == d["answer"] for d in MC]
     assert out["results"]["kvwire_mc"]["acc,none"] == pytest.approx(sum(correct) / len(MC))
     bos = lm.tokenizer.bos_token_id
+    assert len(samples["kvwire_ppl"]) == len(TEXTS)
     for sample in samples["kvwire_ppl"]:
         (text,), [[got]] = sample["arguments"][0], sample["resps"]
         want = float(lm.score(torch.tensor([bos] + lm.tokenizer.encode(text))).sum())
@@ -152,6 +161,7 @@ def test_eval_command_writes_results(files, capsys, monkeypatch):
 
     # indexing lm-eval's own tasks (thousands of files) takes seconds; --include_path's are the ones used
     monkeypatch.setattr(tasks, "TaskManager", functools.partial(tasks.TaskManager, include_defaults=False))
+    skip_env_report(monkeypatch)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     out = files / "results"
