@@ -119,3 +119,18 @@ def test_turned_off_it_answers_403_behind_the_keys(lm):
                 assert off.json()["error"]["message"].endswith("(started with --no-analysis)")
     finally:
         server.close()
+
+
+def test_the_serve_command_reads_the_analysis_flags(capsys):
+    from kvwire.cli import parser
+    from kvwire.cli.serve import _analysis_limits
+
+    plain = parser().parse_args(["serve"])
+    assert plain.analysis is True and _analysis_limits(plain) == AnalysisLimits()
+    args = parser().parse_args(["serve", "--no-analysis", "--max-capture-values", "4096", "--max-patch-rows", "20"])
+    assert args.analysis is False and _analysis_limits(args) == LIMITS
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--max-patch-rows", "0"])
+    assert "--max-patch-rows: expected a positive int, got '0'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--max-capture-values must be a positive int, got 0"):
+        AnalysisLimits(capture_values=0)
