@@ -83,6 +83,11 @@ def run(lm, requests):
     return time.perf_counter() - wall, time.process_time() - cpu, [ll for ll, _ in out]
 
 
+def chosen(lls):
+    """The answer each question's loglikelihoods pick (4 requests a question, in order)."""
+    return [max(range(i, i + 4), key=lambda j: lls[j]) for i in range(0, len(lls), 4)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="a kvwire preset")
@@ -111,9 +116,9 @@ def main(argv=None):
               f"CPU for {n} requests of {args.docs} questions, batch {args.batch_size})")
     print(f"kvwire / hf: {wall['hf'] / wall['kvwire']:.2f}x wall, {cpu['hf'] / cpu['kvwire']:.2f}x CPU (goal >= 1.5x)")
     diff = max(abs(a - b) for a, b in zip(lls["kvwire"], lls["hf"]))
-    picks = [max(range(i, i + 4), key=lambda j, ll=ll: ll[j]) for ll in (lls["kvwire"], lls["hf"]) for i in range(0, n, 4)]
-    agree = picks[:n // 4] == picks[n // 4:]
+    agree = chosen(lls["kvwire"]) == chosen(lls["hf"])
     print(f"largest loglikelihood difference: {diff:.2e}; chosen answers {'agree' if agree else 'DIFFER'}")
+
 
 if __name__ == "__main__":
     main()

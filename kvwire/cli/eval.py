@@ -59,7 +59,8 @@ def run(args):
     manager = TaskManager(include_path=args.include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        where = f"lm-eval's tasks or {args.include_path}" if args.include_path else "lm-eval's tasks (no --include_path)"
+        where = f"lm-eval's tasks or {args.include_path}" if args.include_path else \
+            "lm-eval's tasks (no --include_path)"
         raise ValueError(f"unknown tasks {unknown}: not among {where}")
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     results = simple_evaluate(model=args.model, model_args=",".join(args.model_args), tasks=tasks,

@@ -17,7 +17,9 @@ from ..steer import ControlVector
 from .scoring import continuation_logprobs
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model that names no context length
-GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks")
+# generation options taken (lm-eval's aliases of max_gen_toks included); others are refused by name
+GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks", "max_new_tokens", "max_tokens",
+              "max_completion_tokens")
 
 
 class KvwireLM(TemplateLM):
@@ -154,7 +156,8 @@ class KvwireLM(TemplateLM):
         """A task's generation_kwargs -> (sampler, stop strings, new tokens)."""
         unknown = sorted(set(options) - set(GEN_KWARGS))
         if unknown:
-            raise ValueError(f"generation options {unknown} are not taken by the kvwire model; it takes {list(GEN_KWARGS)}")
+            raise ValueError(f"generation options {unknown} are not taken by the kvwire model; it takes "
+                             f"{list(GEN_KWARGS)}")
         kwargs = normalize_gen_kwargs(options, self._max_gen_toks)
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         stop = tuple(s for s in handle_stop_sequences(kwargs.get("until"), eos=eos) if s)
