@@ -181,6 +181,20 @@ def test_eval_command_writes_results(files, capsys, monkeypatch):
     assert "unknown tasks ['no_such_task']" in capsys.readouterr().err
 
 
+def test_ablate_and_clamp_model_args_edit_as_lm_ablate_and_clamp(files):
+    from kvwire.harness import KvwireLM
+
+    model, path = str(files / "model"), str(files / "vec.gguf")
+    lm, vec = kw.load(model), kw.ControlVector.load(path)
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    for args, want in [(dict(ablate=path), lm.ablate(vec)),
+                       (dict(clamp=path, clamp_lo=-1, clamp_hi=1), lm.clamp(vec, -1.0, 1.0)),
+                       (dict(clamp=path, clamp_hi=0.5), lm.clamp(vec, None, 0.5))]:
+        got = KvwireLM(pretrained=model, **args).lm.score(ids)
+        torch.testing.assert_close(got, want.score(ids), atol=1e-6, rtol=0)
+        assert (got - lm.score(ids)).abs().max() > 1e-2, args  # the edit changed the model
+
+
 def test_bad_model_args_are_refused(files):
     from kvwire.harness import KvwireLM
 
