@@ -44,11 +44,11 @@ def continuation_logprobs(lm, requests, batch_size=16, progress=False):
         groups.setdefault(tuple(context), []).append(i)
     longest_first = sorted(groups.items(), key=lambda g: -(len(g[0]) + max(len(requests[i][1]) for i in g[1])))
     out = [None] * len(requests)
-    batches = list(_batches(longest_first, batch_size))
+    batches, runner = list(_batches(longest_first, batch_size)), lm.runner()
     with torch.inference_mode():
         for batch in tqdm(batches, desc="scoring continuations", disable=not progress, leave=False):
             conts = [[requests[i][1] for i in members] for _, members in batch]
-            results = _score_batch(lm.runner(), [list(c) for c, _ in batch], conts)
+            results = _score_batch(runner, [list(c) for c, _ in batch], conts)
             for (_, members), scored in zip(batch, results):
                 for i, result in zip(members, scored):
                     out[i] = result
