@@ -77,8 +77,10 @@ def sweep(lm, clean, corrupted, sites="block_out", positions=None, *, layers=Non
     """Patch each (site, block, position) of clean into corrupted, one per row, batched.
 
     Args:
-        clean, corrupted: one prompt each (a str or a token-id list).
-        sites: a site name or a list (`ALL_SITES`); layers: block indices (list, "A-B"; None: all).
+        clean: the prompt whose activations are patched in (a str or a token-id list).
+        corrupted: the prompt they are patched into (likewise).
+        sites: a site name or a list (`ALL_SITES`).
+        layers: block indices (list, "A-B"; None: all).
         positions: corrupted positions (ints, negative from the end); None: every one with a clean
             counterpart.
         answers: (correct, incorrect): token ids, or texts of one token each; the metric is then
