@@ -85,6 +85,8 @@ class RowRunner:
 
     Args:
         steered: a CausalLM (any steering edits already in it).
+        split: False runs the whole model per row (no shared part; what batching saves is measured
+            against it in bench/steer_eval.py).
 
     `encode(rows)` left-pads token-id lists once; `final(batch, inputs, which)` gives the final
     hidden states (R, T, D) of rows `which` (R,) (indices into the texts) with runtime inputs
@@ -97,8 +99,8 @@ class RowRunner:
         >>> h.shape   # (2, T, D): one row per strength
     """
 
-    def __init__(self, steered):
-        call = boundary(steered.backbone)
+    def __init__(self, steered, split=True):
+        call = boundary(steered.backbone) if split else None
         self.lower = None if call is None else with_cache(_cut(steered.backbone, call, "lower"))
         self.upper = steered.cached if call is None else with_cache(_cut(steered.backbone, call, "upper"))
         self.device = steered.device

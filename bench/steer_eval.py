@@ -1,0 +1,139 @@
+"""What batching a steering evaluation's strengths as rows saves: SmolLM2, a vector at one block,
+`--strengths` strengths x `--examples` A/B examples (the shipped sentiment-ab questions, numbered to
+make 64 distinct prompts), in one run.
+
+    python bench/steer_eval.py [--threads 2] [--layers 10 15 20] [--strengths 16] [--examples 64] [--tiny]
+
+- loop: per strength, `lm.steer(vec, s)` and one batched call over the examples (the whole steered
+  model, left-padded, the head at the answer tokens only);
+- rows: kvwire's evaluation path (`kvwire.steer.rows.RowRunner`): the steered model built once, the
+  blocks below the steered one run once for the examples, the rest once per (strength, example) row,
+  `--batch` rows a call, each row's strength a runtime input.
+Both give the same A/B logit differences (checked). Prints the CPU, both wall times and their ratio
+per layer, and `kw.steer.evaluate`'s own wall time (which adds the side effects on neutral text).
+`--tiny` runs a random 4-layer llama with a character tokenizer.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import header  # noqa: E402
+
+PRESET = "smollm2-135m-instruct"
+
+
+def model(tiny):
+    import kvwire as kw
+
+    if not tiny:
+        return kw.load(PRESET, progress=False)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from tests.conftest import FAMILIES
+    from tests.tokenizers_for_tests import char_level
+
+    lm = kw.from_hf(FAMILIES["llama"](vocab_size=100, max_position_embeddings=512))
+    lm.tokenizer = char_level()
+    return lm
+
+
+def examples(n):
+    import kvwire as kw
+
+    shipped = kw.steer.dataset("sentiment-ab")
+    return kw.steer.ABDataset(tuple(_numbered(shipped[i % len(shipped)], i) for i in range(n)), "sentiment-ab x")
+
+
+def _numbered(example, i):
+    from kvwire.steer.dataset import Example
+
+    return Example(f"Question {i + 1}. {example.prompt}", example.positive, example.negative)
+
+
+def loop(lm, vec, ans, strengths):
+    """Logit differences (S, N): per strength a freshly steered model, one call over the examples."""
+    import torch
+
+    from kvwire.steer.rows import RowRunner
+    from kvwire.steer.scoring import answer_logprobs
+
+    out = []
+    for s in strengths:
+        runner = RowRunner(lm.steer(vec, s), split=False)
+        batch = runner.encode(ans.texts)
+        which = torch.arange(len(ans.texts))
+        score, _, ex = answer_logprobs(lm.head, runner.final(batch, {}, which), which, ans, batch["lengths"])
+        out.append(torch.zeros(int(ans.example.max()) + 1, dtype=torch.float64).index_add_(0, ex, score.double()))
+    return torch.stack(out)
+
+
+def rows(lm, vec, ans, strengths, chunk):
+    """Logit differences (S, N) the evaluation's way: one steered model, strengths as rows."""
+    import torch
+
+    from kvwire.steer.rows import RowRunner
+    from kvwire.steer.scoring import answer_logprobs
+
+    runner = RowRunner(lm.steer(vec, 0.0, name="eval"))
+    batch = runner.encode(ans.texts, chunk)
+    n = len(ans.texts)
+    values = torch.tensor(strengths).repeat_interleave(n)
+    texts = torch.arange(n).repeat(len(strengths))
+    diff = torch.zeros(len(strengths), int(ans.example.max()) + 1, dtype=torch.float64)
+    for start in range(0, len(values), chunk):
+        which = texts[start:start + chunk]
+        hidden = runner.final(batch, {"eval_strength": values[start:start + chunk]}, which)
+        score, r, ex = answer_logprobs(lm.head, hidden, which, ans, batch["lengths"])
+        diff.index_put_(((start + r) // n, ex), score.double(), accumulate=True)
+    return diff
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, nargs="+", default=[10, 15, 20])
+    p.add_argument("--strengths", type=int, default=16)
+    p.add_argument("--examples", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="rows a call on the rows path (default 64)")
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args(argv)
+    import torch
+
+    import kvwire as kw
+    from kvwire.steer.scoring import answers
+
+    torch.set_num_threads(args.threads)
+    lm = model(args.tiny)
+    data = examples(args.examples)
+    ans = answers(lm, data)
+    strengths = [float(s) for s in torch.linspace(-4, 4, args.strengths)]
+    width = lm.head.weight.shape[1]
+    print(header(args.threads))
+    print(f"{args.strengths} strengths x {args.examples} examples ({sum(map(len, ans.texts))} prompt tokens), "
+          f"{len(kw.block_calls(lm.backbone))} blocks")
+    print(f"{'block':>5} {'loop s':>8} {'rows s':>8} {'ratio':>6} {'max |diff|':>10}")
+    result = {}
+    with torch.inference_mode():
+        for layer in args.layers:
+            vec = kw.ControlVector({layer: torch.randn(width, generator=torch.Generator().manual_seed(layer)) * 0.5})
+            rows(lm, vec, ans, strengths[:2], args.batch)  # warm-up: first-call allocations
+            start = time.perf_counter()
+            slow = loop(lm, vec, ans, strengths)
+            t_loop = time.perf_counter() - start
+            start = time.perf_counter()
+            fast = rows(lm, vec, ans, strengths, args.batch)
+            t_rows = time.perf_counter() - start
+            gap = float((slow - fast).abs().max())
+            assert gap < 1e-3, gap
+            result[layer] = (t_loop, t_rows)
+            print(f"{layer:>5} {t_loop:>8.2f} {t_rows:>8.2f} {t_loop / t_rows:>6.2f} {gap:>10.2e}", flush=True)
+        start = time.perf_counter()
+        kw.steer.evaluate(lm, vec, data, strengths, batch_size=args.batch)
+        print(f"kw.steer.evaluate at block {layer} (with side effects on the neutral text): "
+              f"{time.perf_counter() - start:.2f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
