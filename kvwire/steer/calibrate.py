@@ -80,7 +80,9 @@ def calibrate(lm, vector, dataset, layers=None, strengths=(-2.0, -1.0, -0.5, 0.5
         sites: sites to try (`kvwire.layers.site.ALL_SITES`); None: the vector's own ("block_out").
         max_kl: the most KL(unsteered || steered) per neutral token allowed (nats); None: no limit.
         max_ppl_increase: the most perplexity / unsteered perplexity - 1 allowed; None: no limit.
-        neutral, neutral_tokens, batch_size: as `evaluate`.
+        neutral: as `evaluate`.
+        neutral_tokens: as `evaluate`.
+        batch_size: as `evaluate`.
     Returns a `Calibration`. A limit no nonzero setting meets is a ValueError naming the best
     setting found and the least damaging one.
 
