@@ -97,6 +97,7 @@ def main(argv=None):
     p.add_argument("--examples", type=int, default=64)
     p.add_argument("--batch", type=int, default=64, help="rows a call on the rows path (default 64)")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--no-evaluate", action="store_true", help="skip the kw.steer.evaluate timing")
     args = p.parse_args(argv)
     import torch
 
@@ -128,6 +129,8 @@ def main(argv=None):
             assert gap < 1e-3, gap
             result[layer] = (t_loop, t_rows)
             print(f"{layer:>5} {t_loop:>8.2f} {t_rows:>8.2f} {t_loop / t_rows:>6.2f} {gap:>10.2e}", flush=True)
+        if args.no_evaluate:
+            return result
         start = time.perf_counter()
         kw.steer.evaluate(lm, vec, data, strengths, batch_size=args.batch)
         print(f"kw.steer.evaluate at block {layer} (with side effects on the neutral text): "
