@@ -128,13 +128,13 @@ class Reference:
             S, n = len(strengths), len(ans.texts)
             diff = torch.zeros(S, len(self.data), dtype=torch.float64, device=lm.device)
             batch = runner.encode(ans.texts, self.batch_size)
-            for start, which, s_index, inputs in self._chunks(op, runner, strengths, n):
+            for which, s_index, inputs in self._chunks(op, runner, strengths, n):
                 hidden = runner.final(batch, inputs, which)
                 score, r, ex = answer_logprobs(lm.head, hidden, which, ans, batch["lengths"])
-                diff.index_put_((s_index[r], ex.to(lm.device)), score.double(), accumulate=True)
+                diff.index_put_((s_index[r], ex), score.double(), accumulate=True)
             kl, nll = [0.0] * S, [0.0] * S
             batch = runner.encode(self.windows, self.batch_size)
-            for start, which, s_index, inputs in self._chunks(op, runner, strengths, len(self.windows)):
+            for which, s_index, inputs in self._chunks(op, runner, strengths, len(self.windows)):
                 hidden = runner.final(batch, inputs, which)
                 for h, w, s in zip(hidden, which.tolist(), s_index.tolist()):
                     k, e = side_effects(next_logprobs(lm.head, h, len(self.windows[w])), self.base[w], self.next[w])
@@ -143,15 +143,15 @@ class Reference:
         return self._result(op, strengths, diff.cpu(), kl, nll)
 
     def _chunks(self, op, runner, strengths, n):
-        """(first row, texts (R,), strength index (R,), inputs {name: (R,)}) per `batch_size` rows of
-        the S x n rows (strength-major)."""
+        """(texts (R,), strength index (R,), inputs {name: (R,)}) per `batch_size` rows of the S x n
+        rows (strength-major)."""
         device = self.lm.device
         s_all = torch.arange(len(strengths), device=device).repeat_interleave(n)
         t_all = torch.arange(n, device=device).repeat(len(strengths))
         values = torch.tensor(strengths, dtype=torch.float32, device=device)
         for start in range(0, len(s_all), self.batch_size):
             which, s_index = t_all[start:start + self.batch_size], s_all[start:start + self.batch_size]
-            yield start, which, s_index, row_inputs(op, runner, values[s_index])
+            yield which, s_index, row_inputs(op, runner, values[s_index])
 
     def _result(self, op, strengths, diff, kl, nll):
         s = torch.tensor(strengths, dtype=torch.float64)

@@ -24,7 +24,8 @@ class Answers:
 
 
 def answers(lm, data):
-    """`Answers` of `data` (an ABDataset); an answer that encodes to no tokens is refused by line."""
+    """`Answers` of `data` (an ABDataset), its tensors on the model's device; an answer that encodes
+    to no tokens is refused by line."""
     texts, index, cols = [], {}, ([], [], [], [], [])
     for n, ex in enumerate(data):
         prompt = lm.encode(ex.prompt)
@@ -41,7 +42,7 @@ def answers(lm, data):
             for j, token in enumerate(tokens):
                 for col, value in zip(cols, (t, len(prompt) - 1 + j, token, n, sign)):
                     col.append(value)
-    t, p, tok, ex, sign = (torch.tensor(c) for c in cols)
+    t, p, tok, ex, sign = (torch.tensor(c, device=lm.device) for c in cols)
     return Answers(texts, t, p, tok, ex, sign.float())
 
 
@@ -56,8 +57,8 @@ def answer_logprobs(head, hidden, rows, ans, lengths):
     r, m = hit.nonzero(as_tuple=True)
     where = T - lengths[ans.text[m]] + ans.position[m]  # the padded position predicting the token
     logits = head(hidden[r, where][None])[0].float()  # (K, V): only the positions read
-    logp = torch.log_softmax(logits, -1).gather(1, ans.token[m, None].to(logits.device))[:, 0]
-    return logp * ans.sign[m].to(logp.device), r, ans.example[m]
+    logp = torch.log_softmax(logits, -1).gather(1, ans.token[m, None])[:, 0]
+    return logp * ans.sign[m], r, ans.example[m]
 
 
 def windows(lm, text, size):
