@@ -183,3 +183,16 @@ def test_bad_input(tmp_path):
         kw.steer.evaluate(lm, Operation(lambda m: m.steer(vec), lambda s: {"nope": s}, "bad"), RECORDS, [0, 1])
     with pytest.raises(TypeError, match="operation must be a kw.steer.Operation or a kw.ControlVector, got str"):
         kw.steer.evaluate(lm, "vec", RECORDS, [0, 1])
+
+
+def test_the_speed_bench_runs_both_paths_to_equal_numbers(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "bench" / "steer_eval.py"
+    spec = importlib.util.spec_from_file_location("steer_eval_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    times = bench.main(["--tiny", "--layers", "2", "--strengths", "3", "--examples", "2", "--no-evaluate"])
+    assert list(times) == [2] and all(t > 0 for t in times[2])  # it checks the two paths agree itself
+    assert "3 strengths x 2 examples" in capsys.readouterr().out
