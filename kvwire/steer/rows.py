@@ -90,7 +90,7 @@ class RowRunner:
 
     `encode(rows)` left-pads token-id lists once; `final(batch, inputs, which)` gives the final
     hidden states (R, T, D) of rows `which` (R,) (indices into the texts) with runtime inputs
-    {name: (R,) tensor} (those left out take their defaults). Rows are run `chunk` at a time.
+    {name: (R,) tensor} (those left out take their defaults); the caller picks how many rows a call.
 
     Example:
         >>> runner = RowRunner(lm.steer(vec, 0.0, name="eval"))
