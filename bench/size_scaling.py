@@ -26,7 +26,7 @@ named by size, shapes and format, and are reused by later runs. Free disk space 
 anything is written (the files, one float16 intermediate, and kvwire's float32 copy of the largest
 model, which kvwire's first load of a GGUF writes into its cache, removed here after each file);
 the run is refused if it is short. A step
-whose estimated time (ESTIMATE_S) does not fit in what is left of --budget-minutes is skipped,
+whose estimated time (ESTIMATE_S, FORMATS) does not fit in what is left of --budget-minutes is skipped,
 and the output says so.
 
 Measured per size and format, each library in a process of its own (`common.LibraryProcess`,
@@ -78,12 +78,14 @@ class Shape:
 SIZES = {"0.5b": Shape(1280, 24, 20, 4, 3584), "1.5b": Shape(2048, 28, 16, 4, 5632),
          "3b": Shape(2560, 36, 20, 4, 7680),
          "tiny": Shape(256, 2, 4, 2, 512)}  # tests only: the whole pipeline in seconds
-FORMATS = {"q4_k_m": ("Q4_K_M", "LLAMA_FTYPE_MOSTLY_Q4_K_M", 0.62), "q8_0": ("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0", 1.07)}
-# format: (label, llama.cpp file type, bytes a parameter)
+# format: (label, llama.cpp file type, bytes a parameter, seconds to quantise a billion parameters)
+FORMATS = {"q4_k_m": ("Q4_K_M", "LLAMA_FTYPE_MOSTLY_Q4_K_M", 0.62, 230),
+           "q8_0": ("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0", 1.07, 20)}
 VOCAB = 49152  # SmolLM2's tokenizer
 CONTEXT = 1024  # llama.cpp's context cells: a 512-token prompt, or 4 rows of 16 + new tokens
-# rough seconds a billion parameters on a 2-core machine, for the time budget (0.5b measured, doubled)
-ESTIMATE_S = {"write": 60, "quantize": 120, "measure": 900}
+# seconds a billion parameters takes to write as float16 and to measure in one format, for the time
+# budget: 0.5b on a 2-core machine shared with other work (a quiet one is faster)
+ESTIMATE_S = {"write": 100, "measure": 1200}
 
 
 def tokenizer_fields():
@@ -417,8 +419,8 @@ def main(argv=None):
     for size in sizes:
         billions = SIZES[size].parameters(VOCAB) / 1e9
         missing = [fmt for fmt in formats if not model_path(args.cache_dir, size, fmt).is_file()]
-        need = billions * (ESTIMATE_S["write"] * bool(missing) + ESTIMATE_S["quantize"] * len(missing)
-                           + ESTIMATE_S["measure"])
+        need = billions * (ESTIMATE_S["write"] * bool(missing) + sum(FORMATS[fmt][3] for fmt in missing)
+                           + ESTIMATE_S["measure"])  # the first format at least
         left = deadline - time.monotonic()
         if need > left:
             print(f"{size}: skipped, needs ~{need / 60:.0f} min, {left / 60:.0f} min left of --budget-minutes", flush=True)
@@ -429,9 +431,9 @@ def main(argv=None):
             left = deadline - time.monotonic()
             if fmt in failed:
                 print(f"{size} {fmt}: {failed[fmt]}", flush=True)
-            elif billions * ESTIMATE_S["measure"] / len(formats) > left:
-                print(f"{size} {fmt}: not measured, needs ~{billions * ESTIMATE_S['measure'] / len(formats) / 60:.0f} "
-                      f"min, {left / 60:.0f} min left of --budget-minutes", flush=True)
+            elif billions * ESTIMATE_S["measure"] > left:
+                print(f"{size} {fmt}: not measured, needs ~{billions * ESTIMATE_S['measure'] / 60:.0f} min, "
+                      f"{left / 60:.0f} min left of --budget-minutes", flush=True)
             else:
                 print(f"{size} {fmt}: {paths[fmt].name} ({billions:.2f}B parameters, {SIZES[size]})", flush=True)
                 done.append((size, fmt, *compare(paths[fmt], args)))

