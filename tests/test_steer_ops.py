@@ -201,6 +201,26 @@ def test_a_prompt_only_schedule_ends_at_each_rows_prompt():
     assert defaults["ablate_start"].tolist() == [0, 0] and defaults["ablate_end"].tolist() == [4, 7]
 
 
+def test_layers_of_one_name_compute_their_mask_once_per_call(monkeypatch):
+    """The positions' mask (times the strength) is made once per cached-graph call for every layer of a
+    name: 8 ablations and 4 clamps at 4 blocks make 2 masks a call; a plain call makes one a layer."""
+    from kvwire.steer import schedule
+
+    lm = kw.from_hf(FAMILIES["llama"]())
+    d = _directions(lm.head.weight.shape[1], 1, 12)[0]
+    model = lm.ablate(d, site="attn_out").ablate(d, site="mlp_out", name="ablate").clamp(d, -0.1, 0.1)
+    made, real = [], schedule.schedule_mask
+    monkeypatch.setattr(schedule, "schedule_mask", lambda *args: made.append(args) or real(*args))
+    want = model.generate(IDS, max_new_tokens=3, ignore_eos=True)[0].tolist()  # a prefill call and two steps
+    assert len(made) == 2 * 3 and {len(args) for args in made} == {4}
+    assert [args[3] is None for args in made] == [False, True] * 3  # the ablations' strength; the clamp's none
+    made.clear()
+    model(IDS)
+    assert len(made) == 12
+    monkeypatch.setattr(schedule, "schedule_mask", real)
+    assert model.generate(IDS, max_new_tokens=3, ignore_eos=True)[0].tolist() == want
+
+
 # -- bad input --------------------------------------------------------------------------------------------
 
 def test_bad_operations_are_refused_by_name():

@@ -49,6 +49,8 @@ class Steer(Scheduled):
         self.register_buffer("direction", direction)
         self.register_buffer("strength", strength_tensor(strength, direction.device))
 
+    scale_input = "strength"  # `on` comes scaled by each row's strength
+
     @property
     def generated_only(self):
         return self.when == "generated"
@@ -72,5 +74,6 @@ class Steer(Scheduled):
         return super().forward(x, gate)
 
     def act(self, x, on, inputs):
-        shift = (inputs[f"{self.name}_strength"][:, None, None] * on) * self.direction  # (B, T, D) float32
-        return x + (shift if x.dtype == torch.float32 else shift.to(x.dtype))  # a cast only where one is needed
+        if x.dtype == torch.float32:
+            return torch.addcmul(x, on, self.direction)  # x + strength * direction where scheduled, one op
+        return x + (on * self.direction).to(x.dtype)  # (B, T, D) float32, cast once

@@ -66,6 +66,8 @@ class Ablate(Scheduled):
         return f"directions={self.basis.shape[0]}, width={self.basis.shape[1]}, " \
                f"strength={self.strength.tolist()}, when={self.when!r}, name={self.name!r}"
 
+    scale_input = "strength"  # `on` comes scaled by each row's strength
+
     def own_inputs(self):
         return {f"{self.name}_strength": torch.float32}
 
@@ -73,9 +75,9 @@ class Ablate(Scheduled):
         return {f"{self.name}_strength": per_row(self.strength, batch_size, "ablation strength")}
 
     def act(self, x, on, inputs):
-        xf = x if x.dtype == torch.float32 else x.float()
-        coef = (xf @ self.basis.T) * (inputs[f"{self.name}_strength"][:, None, None] * on)  # (B, T, K)
-        out = xf - coef @ self.basis  # x less (a share of) its component in the span
+        q, xf = self.basis, x if x.dtype == torch.float32 else x.float()
+        coef = (xf @ q.T) * on  # (B, T, K): (a share of) x's coordinates in the span
+        out = xf - (coef * q if q.shape[0] == 1 else coef @ q)  # x less that component
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -126,10 +128,12 @@ class Clamp(Scheduled):
                 f"{self.name}_hi": per_row(self.hi, batch_size, "clamp hi")}
 
     def act(self, x, on, inputs):
-        lo, hi = inputs[f"{self.name}_lo"][:, None, None], inputs[f"{self.name}_hi"][:, None, None]
+        lo, hi = inputs[f"{self.name}_lo"].reshape(-1, 1, 1), inputs[f"{self.name}_hi"].reshape(-1, 1, 1)
         xf = x if x.dtype == torch.float32 else x.float()
-        for u in self.units:  # K is fixed when the graph is built: an unrolled, branch-free chain
-            p = xf @ u[:, None]  # (B, T, 1)
-            xf = xf + (on * (torch.minimum(torch.maximum(p, lo), hi) - p)) * u
+        units = self.units
+        # K is fixed when the graph is built: an unrolled, branch-free chain
+        for u in (units,) if units.shape[0] == 1 else units.split(1):  # (1, D) each
+            p = xf @ u.T  # (B, T, 1)
+            xf = torch.addcmul(xf, (torch.minimum(torch.maximum(p, lo), hi) - p) * on, u)
         return xf if x.dtype == torch.float32 else xf.to(x.dtype)
 

@@ -11,6 +11,7 @@ length: "prompt" and "generated" then cover every position it is given.
 import torch
 
 from ..layers.base import Layer
+from ..layers.shared import shared
 
 WHEN = ("all", "prompt", "generated")
 END = 2**31 - 1  # "no end": fits the int32 positions some runtimes take
@@ -41,6 +42,14 @@ def strength_tensor(strength, device):
     return strength
 
 
+def schedule_mask(positions, start, end, scale=None):
+    """(B, T, 1) float32: 1 where start <= position < end, for positions (B, T) and each row's
+    bounds start, end (B,); times `scale` (B,) per row where one is given (a strength)."""
+    # a product of two masks, not `&`: Core ML's converter has no logical and
+    on = (positions >= start[:, None]).to(torch.float32) * (positions < end[:, None]).to(torch.float32)
+    return (on if scale is None else on * scale[:, None]).unsqueeze(-1)
+
+
 def per_row(value, batch_size, what):
     """A layer's default (a number or (B,) tensor) as (batch_size,), refused naming `what` when its
     rows do not fit the batch."""
@@ -60,9 +69,14 @@ class Scheduled(Layer):
         name: prefix of its runtime inputs (layers sharing a name share them).
         when: see the module docstring.
     Its defaults are made where its buffers are (subclasses register at least one).
+
+    The mask `act` gets is computed once per cached-graph call for all the layers of one name
+    (`kvwire.layers.shared`), times the row's `<name>_<scale_input>` where the class names one
+    (its strength), so a layer's own work is its operation alone.
     """
 
     uses_positions = True
+    scale_input = None  # e.g. "strength": the (B,) runtime input the mask is scaled by
 
     def __init__(self, name, when=None):
         super().__init__()
@@ -82,7 +96,8 @@ class Scheduled(Layer):
         return {}
 
     def act(self, x, on, inputs):
-        """x (B, T, D), on (B, T, 1) float32 (1 where the schedule picks) -> x changed there."""
+        """x (B, T, D), on (B, T, 1) float32 -> x changed where `on` is not 0. `on` is 1 where the
+        schedule picks (times the row's `scale_input` where the class names one, times the gate)."""
         raise NotImplementedError
 
     def forward(self, x, gate=None):
@@ -93,9 +108,10 @@ class Scheduled(Layer):
         return self.forward_cached(x, gate, positions=positions, **inputs)
 
     def forward_cached(self, x, gate=None, *, positions, **inputs):
-        start, end = inputs[f"{self.name}_start"], inputs[f"{self.name}_end"]
-        # a product of two masks, not `&`: Core ML's converter has no logical and
-        on = ((positions >= start[:, None]).to(torch.float32) * (positions < end[:, None]).to(torch.float32)).unsqueeze(-1)
+        name = self.name
+        scale = inputs[f"{name}_{self.scale_input}"] if self.scale_input else None
+        # once per call for every layer of this name: the graph passes them the same input tensors
+        on = shared(schedule_mask, positions, inputs[f"{name}_start"], inputs[f"{name}_end"], scale)
         return self.act(x, on if gate is None else on * gate, inputs)
 
     def runtime_defaults(self, batch_size, prompt_lengths=None):
