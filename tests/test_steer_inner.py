@@ -187,9 +187,10 @@ def test_bad_head_input_is_refused_by_name():
     width = lm.backbone.layers[0].self_attn.site_width("attn_heads")
     with pytest.raises(ValueError, match=rf"width {width + 1} does not fit this model's heads' width .* {width} at"):
         lm.ablate(torch.ones(width + 1), site="attn_heads")
-    with pytest.raises(ValueError, match="gated operations act at sites that are graph calls"):
+    with pytest.raises(ValueError, match="the gate's probe at .* comes after the gated operation inside "
+                                         "'layers.1.self_attn'"):
         lm.ablate(kw.steer.head_basis(lm, {1: [0]}), site="attn_heads",
-                  gate=kw.Gate(torch.ones(64), layer=0, site="resid_pre"))
+                  gate=kw.Gate(torch.ones(lm.head.weight.shape[1]), layer=2, site="resid_pre"))
 
 
 @pytest.mark.parametrize("site", ["attn_heads", "resid_mid"])
@@ -219,3 +220,48 @@ def test_training_reads_sites_inside_calls_as_the_native_graph_does(site):
         d = torch.stack(hf_states[:3]) - torch.stack(hf_states[3:])
         u = d.mean(0) / d.mean(0).norm()
         torch.testing.assert_close(got.directions[1], u * (d @ u).mean(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, generic, site", [("llama", False, "attn_heads"), ("gemma3", True, "attn_heads"),
+                                                 ("llama", True, "resid_mid"), ("gemma3", True, "mlp_out")])
+def test_gated_operations_inside_calls_match_hooks(name, generic, site):
+    """A probe at block 0's output gates an operation inside block 2's call: the same as hooks
+    computing the gate there and scaling the operation by it; cached == uncached; a per-row threshold."""
+    from .test_steer_ops import hook_site
+
+    hf, lm = _model(name, generic)
+    width = lm.head.weight.shape[1]
+    w = _directions(width, 1, 12)[0]
+    target = lm.backbone.get_submodule(inner_calls(lm.backbone, site, [2])[2]) if site == "attn_heads" else None
+    d = _directions(target.site_width(site) if target else width, 1, 13)[0]
+    gate = kw.Gate(w, layer=0, threshold=0.0, sharpness=2.0)
+    model = lm.ablate(d, layers=[2], site=site, gate=gate)
+    seen = {}
+
+    def probe(m, a, o):
+        h = o[0] if isinstance(o, tuple) else o
+        seen["g"] = torch.sigmoid(2.0 * (h @ w))[..., None]
+
+    def op(x):
+        return x - seen["g"] * ref_ablate(x, d, 1.0).sub(x).neg()
+
+    layers = hf.model.layers
+    handles = [layers[0].register_forward_hook(probe)]
+    if site == "attn_heads":
+        handles.append(_out_proj(hf, 2).register_forward_pre_hook(lambda m, a: (op(a[0]), *a[1:])))
+    else:
+        handles += hook_site(hf, 2, site, op)
+    try:
+        with torch.no_grad():
+            want = hf(IDS).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert (want - hf(IDS).logits).abs().max() > 1e-3
+    torch.testing.assert_close(model(IDS), want, atol=2e-4, rtol=2e-4)
+    assert model.generate(IDS, max_new_tokens=6, ignore_eos=True)[0].tolist() == _rollout(model, IDS, 6)
+    shut = model.generate(IDS, max_new_tokens=6, ignore_eos=True, return_logprobs=True,
+                          inputs={"gate_threshold": torch.tensor([1e9])})  # a shut gate: the unsteered model
+    plain = lm.generate(IDS, max_new_tokens=6, ignore_eos=True, return_logprobs=True)
+    assert shut.tokens == plain.tokens
+    torch.testing.assert_close(torch.tensor(shut.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=1e-5)

@@ -70,9 +70,10 @@ def _rewire(gm):
         wanted = dict(getattr(module, "runtime_inputs", {}) or {})
         if not (needs_cache or wanted or getattr(module, "uses_positions", False)):
             continue
-        if needs_cache and (len(node.args) != 1 or node.kwargs):
+        if needs_cache and (not node.args or node.kwargs):
             raise ValueError(f"layer {node.target!r} is called with {len(node.args)} args and kwargs "
-                             f"{list(node.kwargs)}; the cache pass expects one input tensor")
+                             f"{list(node.kwargs)}; the cache pass expects its input tensor (and any further "
+                             f"inputs, a gate say) positionally")
         with graph.inserting_before(node):
             owner = graph.get_attr(node.target)
             kwargs = {"positions": inputs["positions"]}
@@ -90,7 +91,7 @@ def _rewire(gm):
                 name = node.target if count == 1 else f"{node.target}#{count}"
                 pair = graph.call_function(operator.getitem, (inputs["cache"], len(slots)))
                 kwargs.update(cache_index=inputs["cache_index"], attention_mask=inputs["attention_mask"], cache=pair)
-                result = graph.call_method("forward_cached", (owner, node.args[0]), kwargs)
+                result = graph.call_method("forward_cached", (owner, *node.args), kwargs)
                 out = graph.call_function(operator.getitem, (result, 0))
                 next_cache.append(graph.call_function(operator.getitem, (result, 1)))
                 slots.append(CacheSlot(name, module))

@@ -12,6 +12,7 @@ gives a clone its edited copy, under the same name.
 from ..layers.base import Block
 from ..layers.site import ALL_SITES, Site
 from .edit import numbered_blocks, summarize_indices
+from .release import recompile
 from .trace import layer_calls, trace
 
 
@@ -94,15 +95,29 @@ def inner_calls(module, site, indices=None):
     return out
 
 
-def put_inside(gm, site, layers):
+def put_inside(gm, site, layers, gate=None):
     """Give the clone `gm` (a graph made by `kw.clone`: its containers are its own) an edited copy of
     each layer call in `layers` ({dotted call: new layer}), with the new layer last at `site` inside
-    it (`InnerSites.with_edit`), under the same name. Returns gm."""
+    it (`InnerSites.with_edit`), under the same name. gate: the call (dotted name) of a probe whose
+    output gates the new layers: it becomes each edited call's second input. Returns gm."""
     for call, layer in layers.items():
         parent, _, attr = call.rpartition(".")
         holder = gm.get_submodule(parent) if parent else gm
-        holder._modules[attr] = holder._modules[attr].with_edit(site, layer)
-    return gm
+        holder._modules[attr] = holder._modules[attr].with_edit(site, layer, gated=gate or False)
+    if gate is None:
+        return gm
+    order = layer_calls(gm)
+    probe = next(n for n in order if n.target == gate)
+    for node in order:
+        if node.target in layers:
+            if order.index(node) < order.index(probe):
+                raise ValueError(f"the gate's probe at {gate!r} comes after the gated operation inside {node.target!r}; "
+                                 f"a probe must be read before what it gates")
+            if len(node.args) > 1 and node.args[1] is not probe:
+                raise ValueError(f"{node.target!r} is gated already by another probe; one layer's inner operations "
+                                 f"take one gate")
+            node.args = (node.args[0], probe)
+    return recompile(gm)
 
 
 def chain_ends(gm, call):

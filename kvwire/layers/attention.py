@@ -166,12 +166,12 @@ class Attention(AttentionMath, InnerSites, Layer):
         shape = (batch_size, self.num_kv_heads, self.cache_slots(max_length), self.head_dim)
         return (shape, shape)
 
-    def forward(self, x):
+    def forward(self, x, gate=None):
         T = x.shape[1]
         positions = torch.arange(T, device=x.device)[None]
         q, k, v = self._project(x, positions)
         mask = chunk_mask(torch.zeros((), dtype=torch.long, device=x.device), T, self.sliding_window, None)
-        return self._output(self._attend(q, [(k, v, mask)], x.dtype), x.dtype)
+        return self._output(self._attend(q, [(k, v, mask)], x.dtype), x.dtype, gate=gate)
 
     def site_width(self, site):
         return self.num_heads * self.head_dim
@@ -181,16 +181,16 @@ class Attention(AttentionMath, InnerSites, Layer):
         """Columns per head at "attn_heads"."""
         return self.head_dim
 
-    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache, **inputs):
+    def forward_cached(self, x, gate=None, *, positions, cache_index, attention_mask, cache, **inputs):
         """x (B, T, D), positions (B, T), cache_index () or (B,) int (one write index for the batch,
         or one per row), attention_mask (B, max_length) bool, cache (key, value), and the runtime
-        inputs of what is edited in at "attn_heads" ->
+        inputs (and gate (B, T, 1), for gated operations) of what is edited in at "attn_heads" ->
         (out (B, T, D), next cache). Writes the chunk into the cache in place (functionally,
         returning new tensors, while being exported or compiled, but for generation's compiled
         steps and short prompts: see `in_place_cache_writes`)."""
         q, k, v = self._project(x, positions)
         out, cache = self.attend_cached(q, k, v, cache, cache_index, attention_mask, x.dtype)
-        return self._output(out, x.dtype, positions, inputs), cache
+        return self._output(out, x.dtype, positions, inputs, gate), cache
 
     def _project(self, x, positions):
         B, T, _ = x.shape
@@ -216,12 +216,12 @@ class Attention(AttentionMath, InnerSites, Layer):
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         return q, as_float32(k), as_float32(v)
 
-    def _output(self, out, dtype, positions=None, inputs=None):
+    def _output(self, out, dtype, positions=None, inputs=None, gate=None):
         B, H, T, hd = out.shape
         if self.edits:  # (B, H, T, hd) -> (B, T, H * hd): the heads as o_proj reads them, edited
             heads = out.transpose(1, 2).reshape(B, T, H * hd)
             return self.o_proj(self.edit_at("attn_heads", heads if heads.dtype == dtype else heads.to(dtype),
-                                            positions, inputs))
+                                            positions, inputs, gate))
         if torch.compiler.is_compiling() or is_exporting():  # functional ops for compilers and exporters
             out = out.transpose(1, 2).reshape(B, T, H * hd)
             return self.o_proj(out if out.dtype == dtype else out.to(dtype))

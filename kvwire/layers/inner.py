@@ -29,8 +29,9 @@ class InnerSites:
         """{site: nn.Sequential of the layers put there, in order} ({} for a bare leaf)."""
         return self._modules.get("edits") or {}
 
-    def with_edit(self, site, layer):
-        """A copy of this leaf (same weights, same submodules) whose `site` chain ends with `layer`.
+    def with_edit(self, site, layer, gated=False):
+        """A copy of this leaf (same weights, same submodules) whose `site` chain ends with `layer`;
+        gated: `layer` also takes the gate the leaf is called with (its second input, (B, T, 1)).
 
         Example:
             >>> attn2 = attn.with_edit("attn_heads", kw.Ablate(head_rows))
@@ -38,7 +39,13 @@ class InnerSites:
         if site not in self.inner_sites:
             raise ValueError(f"{type(self).__name__} has no inner site {site!r}; its inner sites are "
                              f"{list(self.inner_sites) or 'none'}")
+        if gated and getattr(self, "gate_name", None) not in (None, gated):
+            raise ValueError(f"{type(self).__name__} already holds operations gated by {self.gate_name!r}; one "
+                             f"layer's inner operations take one gate, got {gated!r} as well")
         new = copy.copy(self)
+        if gated:
+            new.gate_name = gated
+            layer.takes_gate = True
         new._modules = dict(self._modules)  # a copy shares the children, not the dict that lists them
         chains = {name: list(chain) for name, chain in self.edits.items()}
         chains.setdefault(site, []).append(layer)
@@ -58,18 +65,19 @@ class InnerSites:
                     values.update(layer.runtime_defaults(batch_size, prompt_lengths))
         return values
 
-    def edit_at(self, site, x, positions=None, inputs=None):
+    def edit_at(self, site, x, positions=None, inputs=None, gate=None):
         """x (B, T, D) at `site` -> x through the site's chain: plainly (each layer's own defaults)
         when positions is None, else through each layer's `forward_cached` with its runtime inputs
-        taken from `inputs`."""
+        taken from `inputs`; layers put there gated also take `gate` (B, T, 1)."""
         if site not in self.edits:
             return x
         for layer in self.edits[site]:
             wanted = getattr(layer, "runtime_inputs", {})
+            given = (gate,) if getattr(layer, "takes_gate", False) else ()
             if positions is None or not (wanted or getattr(layer, "uses_positions", False)):
-                x = layer(x)
+                x = layer(x, *given)
             else:
-                x = layer.forward_cached(x, positions=positions, **{name: inputs[name] for name in wanted})
+                x = layer.forward_cached(x, *given, positions=positions, **{name: inputs[name] for name in wanted})
         return x
 
     def site_width(self, site):

@@ -106,12 +106,16 @@ def insert_at_site(lm, per_block, site, name, stem, make, gate=None):
         raise ValueError(f"this model already has runtime inputs named {name!r} ({taken[name].extra_repr()}); "
                          f"layers sharing a name share their inputs: pick another name")
     index = {call: i for i, ends in calls.items() for call in ends}
-    if depth == "inner":
-        if gate is not None:
-            raise ValueError(f"site {site!r} is inside a layer's call here ({calls[next(iter(calls))][0]!r}); gated "
-                             f"operations act at sites that are graph calls (a kvwire block's residual sites)")
-        edited = lm.edit(None, depth="block" if set(index) <= set(blocks.values()) else "layer")
-        put_inside(edited.backbone, site, {call: make(per_block[i], name, device) for call, i in index.items()})
+    if depth == "inner":  # inside one-call layers: copies of them hold the operations (and read the gate)
+        inside = {call: make(per_block[i], name, device) for call, i in index.items()}
+        if gate is None:
+            edited = lm.edit(None, depth="block" if set(index) <= set(blocks.values()) else "layer")
+            put_inside(edited.backbone, site, inside)
+            return edited
+        probing = _gated(lm, gate, {})  # the probe alone; the gate goes to the edited calls
+        edited = lm.edit(probing, depth="layer")
+        probe_call = next(n for n, m in edited.backbone.named_modules() if m is probing.probe)
+        put_inside(edited.backbone, site, inside, probe_call)
         return edited
     if gate is None:
         return lm.edit(insert_after(list(index), lambda call, layer: make(per_block[index[call]], name, device)),

@@ -122,18 +122,18 @@ class DecoderLayer(InnerSites, Block):
         """Columns per head at "attn_heads": the attention's value size."""
         return self.value_size
 
-    def forward(self, x):
-        return self._run(x, None, None)
+    def forward(self, x, gate=None):
+        return self._run(x, None, None, gate)
 
-    def _run(self, x, positions, inputs):
+    def _run(self, x, positions, inputs, gate=None):
         calls = _calls.get()
         if calls is None:
             raise RuntimeError("a generic decoder layer runs after its model's Prelude (it takes the layer's "
                                "arguments from it); call the whole backbone")
         _, args, kwargs = calls[self.index]
-        x = self.edit_at("resid_pre", x, positions, inputs)
+        x = self.edit_at("resid_pre", x, positions, inputs, gate)
         if any(site != "resid_pre" for site in self.edits):
-            with sites.running(self, x, positions, inputs):
+            with sites.running(self, x, positions, inputs, gate):
                 out = self.block(x, *args, **kwargs)
         else:
             out = self.block(x, *args, **kwargs)
@@ -145,10 +145,10 @@ class DecoderLayer(InnerSites, Block):
         slots = max_length if self.window is None else max(1, min(self.window - 1, max_length))
         return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
 
-    def forward_cached(self, x, *, positions, cache_index, attention_mask, cache, **inputs):
+    def forward_cached(self, x, gate=None, *, positions, cache_index, attention_mask, cache, **inputs):
         state = seam.Attending(self.attention, self.window, cache, cache_index, attention_mask, self.plain_math)
         with seam.attending(state):
-            out = self._run(x, positions, inputs)
+            out = self._run(x, positions, inputs, gate)
         if state.calls != 1:
             raise RuntimeError(f"decoder layer {self.index} called its attention {state.calls} times in one step; "
                                f"the generic cache expects one call")

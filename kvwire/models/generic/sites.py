@@ -37,11 +37,12 @@ class Running:
     x: torch.Tensor
     positions: torch.Tensor = None
     inputs: dict = None
+    gate: torch.Tensor = None
 
 
 @contextmanager
-def running(layer, x, positions, inputs):
-    token = _running.set(Running(layer, x, positions, inputs))
+def running(layer, x, positions, inputs, gate=None):
+    token = _running.set(Running(layer, x, positions, inputs, gate))
     try:
         yield
     finally:
@@ -118,7 +119,7 @@ def _edit_input(module, args):
         return None
     x = args[0]
     for site in sites:
-        x = run.layer.edit_at(site, x, run.positions, run.inputs)
+        x = run.layer.edit_at(site, x, run.positions, run.inputs, run.gate)
     return (x, *args[1:])
 
 
@@ -133,9 +134,9 @@ def _edit_output(module, args, out):
     layer = run.layer
     for site in ("attn_out", "mlp_out"):
         if site in sites:
-            w = layer.edit_at(site, w, run.positions, run.inputs)
+            w = layer.edit_at(site, w, run.positions, run.inputs, run.gate)
     if "resid_mid" in sites and "resid_mid" in layer.edits:  # the stream x + w, edited, less x
-        w = layer.edit_at("resid_mid", run.x + w, run.positions, run.inputs) - run.x
+        w = layer.edit_at("resid_mid", run.x + w, run.positions, run.inputs, run.gate) - run.x
     return (w, *out[1:]) if isinstance(out, tuple) else w
 
 
