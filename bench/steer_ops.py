@@ -11,6 +11,11 @@ after every block, what a server pays when no request carries a vector), `sae16x
 SAE 16x the width at block 4's output, 8 features set: the layer keeps only those 8 columns). Each decodes `--new` tokens greedily after an
 8-token prompt at batch 1 and 8; the best of `--rounds` interleaved rounds is kept. Prints
 tokens/s and each variant's rate over plain's, with the CPU. `--tiny` runs a random 4-layer llama.
+
+Each timed call starts without packed weight copies (`WeightPack`, freed by `clear_packs`): the
+variants share the plain model's weights, and a copy made during one variant's run (after 64
+products of one row count) would serve the next variant's, so the order of the runs, not the
+steering, would choose the head's kernel.
 """
 import argparse
 import os
@@ -71,7 +76,10 @@ def random_sae(width, features, layer, g):
 def rate(lm, batch, new):
     import torch
 
+    from kvwire.layers.linear import clear_packs
+
     ids = torch.randint(3, 90, (batch, 8), generator=torch.Generator().manual_seed(0))
+    clear_packs(lm)  # every variant from the same kernels (see the module docstring)
     start = time.perf_counter()
     lm.generate(list(ids), max_new_tokens=new, ignore_eos=True)
     return batch * new / (time.perf_counter() - start)
