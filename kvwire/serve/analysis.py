@@ -1,33 +1,49 @@
-"""kvwire's analysis endpoints: activations at named sites and activation patching, over the served
-(unsteered) model.
+"""kvwire's analysis endpoints over the served (unsteered) model: activations at named sites,
+activation patching, and the evaluation of a steering vector.
 
     POST /kvwire/capture  {input, sites?, layers?, encoding_format?} -> each prompt's activations
     POST /kvwire/patch    {clean, corrupted, answers, sites?, layers?, positions?, position_map?}
                           -> logit difference and fraction recovered per (site, layer, position)
+    POST /kvwire/evaluate {vector, strengths, dataset? | examples?, neutral?, neutral_tokens?}
+                          -> `kw.steer.evaluate(...).to_dict()`: A/B logit difference, slopes, KL and
+                          perplexity per strength
 
 Activations come as base64 of little-endian float32 with their shape (`encoding_format` "base64",
 the default) or as nested JSON lists ("float"), as OpenAI's embeddings do. What one request may ask
-is bounded (`AnalysisLimits`: values a capture holds, rows a patching sweep runs); past a bound, a
-400 names it. With `enabled=False` (`kvwire serve --no-analysis`) both answer 403.
+is bounded (`AnalysisLimits`: values a capture holds, rows a patching sweep runs, an evaluation's
+strengths, examples and neutral tokens); past a bound, a 400 names it. With `enabled=False`
+(`kvwire serve --no-analysis`) all three answer 403.
 
 They run off the event loop with the engine paused (`ServedVectors.exclusive`: they trace the
 graph, which must not overlap a forward on the engine's thread).
 """
 import asyncio
 import base64
+import binascii
+import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
+import numpy as np
+import torch
 from fastapi import Depends
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
-from ..generate.request import RequestError
-from ..steer import patch
+from ..generate.request import RequestError, length
+from ..layers.site import ALL_SITES
+from ..steer import ABDataset, ControlVector, dataset as shipped_dataset, evaluate, patch
 from ..steer.capture import Capture, read_sites, site_reads, token_rows
+from ..steer.dataset import SHIPPED
+from ..steer.evaluate import check_strengths
+from ..steer.gguf_io import OPERATIONS
 from .errors import APIError, from_request_error
+from .schemas import EvaluateRequest
 
 Prompt = Union[StrictStr, list[StrictInt]]
-FLAGS = {"capture_values": "--max-capture-values", "patch_rows": "--max-patch-rows"}
+# how a bound is named in its messages: the `kvwire serve` flag where there is one
+FLAGS = {"capture_values": "--max-capture-values", "patch_rows": "--max-patch-rows",
+         "eval_strengths": "eval_strengths", "eval_examples": "eval_examples",
+         "eval_neutral_tokens": "eval_neutral_tokens"}
 
 
 @dataclass(frozen=True)
@@ -38,13 +54,22 @@ class AnalysisLimits:
         capture_values: floats a capture holds at most: prompts x longest prompt's tokens x
             (sites x layers) x width (4 bytes each; base64 adds a third).
         patch_rows: patched runs a patching request makes at most: sites x layers x positions.
+        eval_strengths: strengths an evaluation measures at most (each is a row per example and
+            per neutral row).
+        eval_examples: A/B examples an evaluation request may carry at most.
+        eval_neutral_tokens: tokens of neutral text an evaluation request may carry at most (its
+            `neutral`, and its `neutral_tokens` per row).
 
     Example:
-        >>> create_app(lm, analysis_limits=AnalysisLimits(capture_values=1 << 20, patch_rows=256))
+        >>> create_app(lm, analysis_limits=AnalysisLimits(capture_values=1 << 20, patch_rows=256,
+        ...                                               eval_strengths=11))
     """
 
     capture_values: int = 1 << 22
     patch_rows: int = 1024
+    eval_strengths: int = 41
+    eval_examples: int = 256
+    eval_neutral_tokens: int = 4096
 
     def __post_init__(self):
         for name, flag in FLAGS.items():
@@ -73,8 +98,8 @@ class PatchRequest(BaseModel):
 
 
 def install_analysis(app, served, model_name, enabled=True, limits=None):
-    """Add POST /kvwire/capture and /kvwire/patch to `app` over `served.lm` (see the module
-    docstring); with `enabled=False` both answer 403."""
+    """Add POST /kvwire/capture, /kvwire/patch and /kvwire/evaluate to `app` over `served.lm` (see
+    the module docstring); with `enabled=False` all three answer 403."""
     limits = AnalysisLimits() if limits is None else limits
     allowed = [] if enabled else [Depends(_analysis_off)]
 
@@ -89,16 +114,22 @@ def install_analysis(app, served, model_name, enabled=True, limits=None):
         result = await asyncio.to_thread(served.exclusive, _run, _patch, served.lm, body, limits)
         return {"object": "kvwire.patch", "model": model_name, **result.to_dict()}
 
+    @app.post("/kvwire/evaluate", dependencies=allowed)
+    async def evaluating(body: EvaluateRequest):
+        result = await asyncio.to_thread(served.exclusive, _run, _evaluate, served, body, limits)
+        return {"object": "kvwire.evaluation", "model": model_name,
+                "vector": body.vector if isinstance(body.vector, str) else None, **_finite(result.to_dict())}
+
 
 def _analysis_off():
-    raise APIError("this server does not capture activations or run activation patching (started with "
-                   "--no-analysis)", code="analysis_disabled", status=403, type="permission_error")
+    raise APIError("this server does not capture activations, run activation patching or evaluate vectors "
+                   "(started with --no-analysis)", code="analysis_disabled", status=403, type="permission_error")
 
 
-def _run(fn, lm, body, limits):
-    """fn(lm, body, limits) with the library's refusals as 400s naming what was sent."""
+def _run(fn, *args):
+    """fn(*args) with the library's refusals as 400s naming what was sent."""
     try:
-        return fn(lm, body, limits)
+        return fn(*args)
     except RequestError as e:
         raise from_request_error(e) from None
     except (ValueError, TypeError) as e:
@@ -146,6 +177,125 @@ def _patch(lm, body, limits):
                        f"{len(positions)} positions); this server runs at most {limits.patch_rows} "
                        f"({FLAGS['patch_rows']})", param="positions", code="patch_too_large")
     return patch.sweep_with(patcher, positions)
+
+
+def _evaluate(served, body, limits):
+    """`kw.steer.evaluate` of the request's vector on the base model, each bound checked first."""
+    lm = served.lm
+    if len(body.strengths) > limits.eval_strengths:
+        raise _too_many("strengths", f"{len(body.strengths)} strengths", limits.eval_strengths, "eval_strengths")
+    try:
+        strengths = check_strengths(body.strengths)
+    except ValueError as e:
+        raise APIError(str(e), param="strengths", code="invalid_value") from None
+    vector = _eval_vector(served, body.vector)
+    data = _eval_dataset(body, limits)
+    if not 2 <= body.neutral_tokens <= limits.eval_neutral_tokens:
+        raise APIError(f"neutral_tokens is {body.neutral_tokens}; expected 2 to {limits.eval_neutral_tokens} "
+                       f"tokens per neutral row ({FLAGS['eval_neutral_tokens']})", param="neutral_tokens",
+                       code="invalid_value")
+    length(body.neutral_tokens, lm.max_context, "a row of neutral_tokens", "neutral_tokens")  # one sequence
+    if body.neutral is not None:
+        texts = [body.neutral] if isinstance(body.neutral, str) else body.neutral
+        if not texts or not all(t.strip() for t in texts):
+            raise APIError(f"neutral must be a text or a list of texts, none blank, got {body.neutral!r:.60}",
+                           param="neutral", code="invalid_value")
+        tokens = sum(len(lm.encode(t)) for t in texts)
+        if tokens > limits.eval_neutral_tokens:
+            raise _too_many("neutral", f"{tokens} tokens", limits.eval_neutral_tokens, "eval_neutral_tokens")
+    try:
+        return evaluate(lm, vector, data, strengths, neutral=body.neutral, neutral_tokens=body.neutral_tokens)
+    except RequestError as e:  # an example past the model's context: the library names the line
+        raise APIError(str(e), param="examples" if body.examples is not None else "dataset", code=e.code) from None
+
+
+def _too_many(param, got, most, limit):
+    return APIError(f"{param} has {got}; this server evaluates at most {most} ({FLAGS[limit]})", param=param,
+                    code="evaluation_too_large")
+
+
+def _eval_vector(served, vector):
+    """A served vector by name, or a `ControlVector` from an inline `EvalVector`."""
+    if isinstance(vector, str):
+        if vector not in served.vectors:
+            raise APIError(f"no control vector named {vector!r}; loaded: {', '.join(served.names) or 'none'}",
+                           param="vector", code="not_found", status=404)
+        return served.vectors[vector]
+    blocks, width = served.blocks(), served.lm.head.weight.shape[1]
+    if vector.operation not in OPERATIONS:
+        raise _bad_vector(f"vector.operation is {vector.operation!r}; expected one of {list(OPERATIONS)}")
+    if vector.site not in ALL_SITES:
+        raise _bad_vector(f"vector.site is {vector.site!r}; expected one of {list(ALL_SITES)}")
+    if not vector.directions:
+        raise _bad_vector(f"vector.directions is empty; expected {{block: vector}} for blocks {sorted(blocks)}")
+    directions = {}
+    for key, value in vector.directions.items():
+        if not (key.isascii() and key.isdecimal() and int(key) in blocks):
+            raise _bad_vector(f"vector.directions has block {key!r}; the model's blocks are {min(blocks)} to "
+                              f"{max(blocks)}")
+        directions[int(key)] = _direction(value, f"vector.directions.{key}", width)
+        if vector.operation != "add" and not directions[int(key)].any():
+            raise _bad_vector(f"vector.directions.{key} is all zeros: it has no direction to {vector.operation}")
+    return ControlVector(directions, operation=vector.operation, site=vector.site)
+
+
+def _direction(value, where, width):
+    """base64 of `width` little-endian float32, or a list of `width` numbers -> (width,) float32."""
+    if isinstance(value, str):
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad_vector(f"{where} is not valid base64") from None
+        if len(raw) != 4 * width:
+            raise _bad_vector(f"{where} decodes to {len(raw)} bytes; expected {4 * width} ({width} little-endian "
+                              f"float32)")
+        array = np.frombuffer(raw, dtype="<f4")
+    elif len(value) != width:
+        raise _bad_vector(f"{where} has {len(value)} numbers; expected {width} (the model's width)")
+    else:
+        array = np.asarray(value, dtype=np.float64)
+    if not np.isfinite(array).all():
+        raise _bad_vector(f"{where} holds NaN or infinite values")
+    return torch.from_numpy(array.astype(np.float32))
+
+
+def _bad_vector(message):
+    return APIError(message, param="vector", code="invalid_value")
+
+
+def _eval_dataset(body, limits):
+    """The request's A/B examples, or a shipped dataset by name (never a path: the server reads no
+    files a client names)."""
+    if body.examples is not None:
+        if body.dataset is not None:
+            raise APIError(f"give dataset or examples, not both; got dataset {body.dataset!r} and "
+                           f"{len(body.examples)} examples", param="dataset", code="invalid_value")
+        if len(body.examples) > limits.eval_examples:
+            raise _too_many("examples", f"{len(body.examples)} examples", limits.eval_examples, "eval_examples")
+        try:
+            return ABDataset.from_records([e.model_dump() for e in body.examples], "examples", "examples")
+        except ValueError as e:
+            raise APIError(str(e), param="examples", code="invalid_value") from None
+    name = "sentiment-ab" if body.dataset is None else body.dataset
+    if name not in SHIPPED:
+        raise APIError(f"dataset {name!r} is not a shipped dataset; expected one of {sorted(SHIPPED)}, or the A/B "
+                       f"examples themselves in examples", param="dataset", code="invalid_value")
+    data = shipped_dataset(name)
+    if len(data) > limits.eval_examples:
+        raise _too_many("dataset", f"{len(data)} examples", limits.eval_examples, "eval_examples")
+    return data
+
+
+def _finite(value):
+    """`value` (nested dicts and lists) with every float that is not finite as None: JSON has no
+    NaN or infinity (a perplexity past float range)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _rows(got: Capture, encoding):

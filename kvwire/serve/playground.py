@@ -1,13 +1,17 @@
 """The steering playground: the page at / (plain files in kvwire/serve/static/, no build step, no
 network) and kvwire's own JSON endpoints under /kvwire/ that it uses:
 
-    GET  /kvwire/info                 model, context, blocks, training methods (and the default), vectors, SAE
+    GET  /kvwire/info                 model, context, blocks, training methods (and the default), vectors, SAE,
+                                      the shipped A/B datasets (the evaluation panel's choices)
     GET  /kvwire/vectors              the loaded control vectors
     GET  /kvwire/vectors/NAME.gguf    one of them as a llama.cpp control-vector GGUF
     POST /kvwire/train                {name, positive, negative, layers?, method?, site?, operation?} -> a job (202)
     GET  /kvwire/jobs/ID              the job's state: queued/training/installing/done/error
     GET  /kvwire/graph                {svg, steer_nodes}: kw.plot of the served backbone
     POST /kvwire/sweep                {vector, strengths, prompt?, ...} -> kw.steer.sweep's data
+
+The page's Evaluate tab posts to /kvwire/evaluate, an analysis endpoint (`kvwire.serve.analysis`;
+`--no-analysis` turns it off, and the tab then shows the 403's message).
 
 With `training=False` (`kvwire serve --no-playground-training`) /kvwire/train and /kvwire/sweep
 answer 403: the page still lists, draws and hands out the vectors the server was started with, but
@@ -33,6 +37,7 @@ from typing import Union
 from ..generate.request import RequestError
 from ..steer import ControlVector
 from ..layers.site import ALL_SITES as SITES
+from ..steer.dataset import SHIPPED as DATASETS
 from ..steer.vector import DEFAULT_METHOD, METHODS, _check_pairs, parse_layers
 from .errors import APIError, from_request_error
 
@@ -159,7 +164,7 @@ def install_playground(app, served, model_name, training=True, sae=None):
         return {"model": model_name, "max_length": served.max_length, "blocks": sorted(served.blocks()),
                 "methods": list(METHODS), "default_method": DEFAULT_METHOD, "sites": list(SITES),
                 "operations": list(OPERATIONS), "training": training,
-                "sae": None if sae is None else sae.describe(),
+                "sae": None if sae is None else sae.describe(), "datasets": sorted(DATASETS),
                 "vectors": [served.describe(n) for n in served.names], "version": served.version}
 
     @app.get("/kvwire/vectors")

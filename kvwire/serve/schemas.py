@@ -7,11 +7,13 @@ answer (penalties, `echo`, `suffix`, `best_of`), which `unsupported` refuses. kv
 additions: `steer`, {control-vector name: strength} (a clamp vector: {"lo": a, "hi": b}),
 `steer_vectors`, vectors carried inline (see `kvwire.serve.inline`), `sae_features` and `sae_mode`,
 SAE features set, added to or clamped (see `kvwire.serve.inline_sae`), and `response_format` types
-"regex" and "grammar" (both endpoints take `response_format`).
+"regex" and "grammar" (both endpoints take `response_format`). The body of kvwire's `POST /kvwire/evaluate` is here too
+(`EvaluateRequest`; see `kvwire.serve.analysis`).
 """
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -138,6 +140,55 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: StrictInt | None = None
+
+
+class EvalVector(BaseModel):
+    """A vector `POST /kvwire/evaluate` carries: {block: base64 of D little-endian float32, or a list
+    of D numbers}, its operation ("add": s times it added; "ablate": the fraction s of it projected
+    out; "clamp": its projection held at s) and the block site it acts at."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    directions: dict[str, Union[str, list[Number]]]
+    operation: str = "add"
+    site: str = "block_out"
+
+
+class EvalExample(BaseModel):
+    """One A/B example: the prompt, and the answers that show the behaviour (positive) or not."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    prompt: StrictStr
+    positive: StrictStr
+    negative: StrictStr
+
+
+class EvaluateRequest(BaseModel):
+    """POST /kvwire/evaluate: `kw.steer.evaluate` of `vector` (a served vector's name, or one inline)
+    at `strengths` on a shipped `dataset` (default "sentiment-ab") or on `examples`, with side effects
+    on `neutral` text (default: the package's neutral prose) cut into rows of `neutral_tokens`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    vector: Union[StrictStr, EvalVector]
+    strengths: list[Number]
+    dataset: StrictStr | None = None
+    examples: list[EvalExample] | None = None
+    neutral: Union[StrictStr, list[StrictStr], None] = None
+    neutral_tokens: StrictInt = 128
+
+    @field_validator("vector", mode="wrap")
+    @classmethod
+    def _inline_vector(cls, value, handler):
+        # pydantic would report the union's first member (a name: "should be a valid string") for
+        # an object; the client wants what is wrong with the object
+        if not isinstance(value, dict):
+            return handler(value)
+        try:
+            return EvalVector.model_validate(value)
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "object"
+            raise PydanticCustomError("invalid_vector", "the inline vector's {field}: {why}",
+                                      {"field": field, "why": first["msg"][:1].lower() + first["msg"][1:]}) from None
 
 
 def unsupported(request):

@@ -1,12 +1,13 @@
 // The page: tabs, the model and its control vectors (a slider and a number box each; a vector made
 // to clamp has lo and hi boxes instead), SAE features, sampling settings; the tabs' own code is in
-// play.js, train.js, graph.js and sweep.js, the SAE features' in sae.js.
+// play.js, train.js, graph.js, sweep.js and evaluate.js, the SAE features' in sae.js.
 import { $, download, getJSON, onBack, parseNumber, show } from "./api.js";
 import { setupPlay } from "./play.js";
 import { renderSae, setupSae } from "./sae.js";
 import { setupTrain } from "./train.js";
 import { loadGraph, setupGraph } from "./graph.js";
 import { setupSweep } from "./sweep.js";
+import { renderDatasets, setupEvaluate } from "./evaluate.js";
 
 export const state = { info: null, strengths: {} };
 
@@ -134,11 +135,13 @@ export async function refresh() {
   const list = $("vector-list");
   list.replaceChildren(...state.info.vectors.map(vectorItem));
   $("no-vectors").hidden = state.info.vectors.length > 0;
-  for (const id of ["compare-vector", "sweep-vector", "graph-vector"]) {
+  for (const id of ["compare-vector", "sweep-vector", "graph-vector", "eval-vector"]) {
     const select = $(id);
     const keep = select.value;
-    // comparing and sweeping vary a strength: a vector made to clamp has bounds instead
-    const names = state.info.vectors.filter((v) => id === "graph-vector" || v.operation !== "clamp").map((v) => v.name);
+    // comparing and sweeping vary a strength: a vector made to clamp has bounds instead (an
+    // evaluation's strength of one is the value its projection is held at)
+    const every = id === "graph-vector" || id === "eval-vector";
+    const names = state.info.vectors.filter((v) => every || v.operation !== "clamp").map((v) => v.name);
     const options = id === "graph-vector" ? ["(none)", ...names] : names;
     select.replaceChildren(...options.map((n) => new Option(n, n)));
     if (options.includes(keep)) select.value = keep;
@@ -157,6 +160,7 @@ export async function refresh() {
     }
   }
   renderSae(state.info.sae);
+  renderDatasets(state.info.datasets || []);
   return gone;
 }
 
@@ -173,6 +177,7 @@ async function main() {
   setupTrain(state);
   setupGraph(state);
   setupSweep(state);
+  setupEvaluate();
   setupSae();
   onBack(() => refresh().then((gone) => {
     if (gone.length) show(`The server is back. ${forgotten(gone)} Press Regenerate to run the request again.`);
