@@ -1,18 +1,21 @@
-"""Decode speed at several sizes of torch's CPU thread pool, on an idle machine and on one that other
-work keeps busy.
+"""Decode speed at several sizes of torch's CPU thread pool and with kvwire's default (the pool sized
+by each step's load), on an idle machine and on one that other work keeps busy, beside llama.cpp.
 
     python bench/threads.py [--model gemma3-270m | smollm2-135m-instruct | tiny] [--variant float32]
-                            [--threads 1 2] [--busy 1] [--new-tokens 32] [--repeat 3]
+                            [--threads 1 2] [--peer llama.cpp] [--busy 1] [--new-tokens 32] [--repeat 3]
 
-Each thread count runs in a fresh process with KVWIRE_THREADS set (the default: unset, torch's own
-choice), its pool sized as kvwire's commands size it before any model work (`--threads` /
-KVWIRE_THREADS), so no count inherits another's pool, caches or warm-up. Decode tokens/s at batch 1 after a 16-token
-prompt: (new tokens - 1) / (time of N tokens - time of 1 token), the best of --repeat runs of each.
-With `--busy N`, every thread count is timed again in the same run while N processes spin (a
-`while True: pass` each, stopped afterwards): torch's OpenMP threads wait at every barrier for a
-core a spinner holds, so on a busy machine fewer threads can be faster. The table gives tokens/s
-and the ratio to the default thread count in the same condition; a worker that fails gets "-" and
-a line saying why. The 1-minute load average before the idle runs tells how idle the machine was.
+Each row runs in a fresh process: kvwire with KVWIRE_THREADS set to each count (pinned: kept
+whatever the load), kvwire's default ("auto": KVWIRE_THREADS unset, so each engine step runs on one
+thread fewer for every core other processes keep busy, `kvwire.kernels.threads`), and with `--peer
+llama.cpp` llama.cpp (llama-cpp-python) on the preset's GGUF at each count and at the machine's
+default count (the cores, as its CLI). Decode tokens/s at batch 1 after a 16-token prompt: (new
+tokens - 1) / (time of N tokens - time of 1 token), the best of --repeat runs of each.
+With `--busy N`, every row is timed again in the same run while N processes spin (a
+`while True: pass` each, stopped afterwards): OpenMP threads wait at every barrier for a core a
+spinner holds. The table gives tokens/s per condition and busy / idle; the summary gives kvwire's
+default under load against its idle speed and against llama.cpp under the same load. A worker that
+fails gets "-" and a line saying why. The 1-minute load average before the idle runs tells how idle
+the machine was.
 
 `--model tiny` is a random 2-layer llama built in the worker (no download), for tests.
 """
@@ -51,10 +54,15 @@ def tiny_model(dtype):
 
 
 def worker(args):
-    """{"threads": torch's pool size, "decode": tokens/s} in this process, its pool sized first."""
+    """{"threads": torch's pool size, "decode": tokens/s, "stepped_on": the thread count kvwire's
+    engines last chose (None: pinned)} in this process, its pool sized first; `--lib llama.cpp`
+    times llama.cpp on the preset's GGUF with `--threads-of-peer` threads instead."""
     import torch
 
+    if args.lib == "llama.cpp":
+        return llama_cpp_worker(args)
     from kvwire.cli.options import use_threads
+    from kvwire.kernels.threads import adaptive
 
     use_threads(argparse.Namespace())  # KVWIRE_THREADS, as every kvwire command reads it
     if args.model == "tiny":
@@ -66,10 +74,32 @@ def worker(args):
         lm = load_variant(args.variant, args.model)
         encode = lm.tokenizer.encode
     ids = torch.tensor(prompt_ids(encode, 16, 1))
+    rate = decode_rate(lambda n: lm.generate(ids, max_new_tokens=n, ignore_eos=True), args)
+    governor = adaptive()  # the process's one, which every engine of these calls followed
+    return {"threads": torch.get_num_threads(), "decode": rate, "stepped_on": governor and governor.n}
 
+
+def llama_cpp_worker(args):
+    from llama_cpp import Llama
+
+    from kvwire.models.presets import PRESETS
+
+    llm = Llama(PRESETS[args.model](), n_threads=args.peer_threads, n_ctx=256, verbose=False)
+    ids = prompt_ids(lambda text: llm.tokenize(text.encode()), 16, 1)[0]
+
+    def generate(n):
+        llm.reset()
+        for count, _ in enumerate(llm.generate(ids, temp=0.0), start=1):
+            if count == n:
+                break
+    return {"threads": args.peer_threads, "decode": decode_rate(generate, args), "stepped_on": None}
+
+
+def decode_rate(generate, args):
+    """(new tokens - 1) / (time of N tokens - time of 1), the best of --repeat runs of each."""
     def seconds(n):
         start = time.perf_counter()
-        lm.generate(ids, max_new_tokens=n, ignore_eos=True)
+        generate(n)
         return time.perf_counter() - start
     seconds(2)  # warm up (a compiled variant compiles here)
     best = {1: float("inf"), args.new_tokens: float("inf")}
@@ -77,8 +107,7 @@ def worker(args):
         for n in best:
             best[n] = min(best[n], seconds(n))
     first, last = best[1], best[args.new_tokens]
-    rate = (args.new_tokens - 1) / (last - first) if last > first else float("nan")
-    return {"threads": torch.get_num_threads(), "decode": rate}
+    return (args.new_tokens - 1) / (last - first) if last > first else float("nan")
 
 
 @contextmanager
@@ -100,32 +129,66 @@ def fresh_default():
     return int(out.stdout.split()[-1])
 
 
-def measure(counts, default, args):
-    """{count: Worker} for each thread count, each in a fresh process (`default`: KVWIRE_THREADS unset)."""
+def rows_of(args, default):
+    """[(library, threads)]: kvwire pinned at each count, kvwire's default ("auto": KVWIRE_THREADS
+    unset, the pool sized by torch and each step by the machine's load), then the peer's counts."""
+    rows = [("kvwire", n) for n in sorted(set(args.threads))] + [("kvwire", "auto")]
+    if args.peer:
+        rows += [(args.peer, n) for n in sorted({*args.threads, default})]
+    return rows
+
+
+def measure(rows, args):
+    """{row: Worker}, each row in a fresh process."""
     forwarded = ["--worker", "--model", args.model, "--variant", args.variant, "--new-tokens", str(args.new_tokens),
                  "--repeat", str(args.repeat)]
-    return {n: run_worker(__file__, forwarded, {"KVWIRE_THREADS": "" if n == default else str(n)}, args.timeout)
-            for n in counts}
+    results = {}
+    for lib, n in rows:
+        if lib == "kvwire":
+            results[lib, n] = run_worker(__file__, forwarded, {"KVWIRE_THREADS": "" if n == "auto" else str(n)},
+                                         args.timeout)
+        else:
+            results[lib, n] = run_worker(__file__, forwarded + ["--lib", lib, "--peer-threads", str(n)], {},
+                                         args.timeout)
+    return results
 
 
-def table(conditions, counts, default):
-    """Rows of tokens/s and the ratio to the default thread count, a column pair per condition."""
-    lines = [f"{'threads':14}" + "".join(f"{name + ' tok/s':>16}{'vs default':>12}" for name in conditions)]
-    for n in counts:
-        cells = ""
-        for results in conditions.values():
-            base, this = results[default], results[n]
-            if not this.ok:
-                cells += f"{'-':>16}{'':>12}"
-                continue
-            ratio = f"{this.value['decode'] / base.value['decode']:.2f}x" if base.ok else "-"
-            cells += f"{this.value['decode']:16.2f}{ratio:>12}"
-        lines.append(f"{label(n, default):14}" + cells)
+def table(conditions, rows):
+    """A row per (library, threads): tokens/s in each condition and, with a busy run, busy / idle."""
+    names = list(conditions)
+    lines = [f"{'library':10}{'threads':>9}" + "".join(f"{name + ' tok/s':>14}" for name in names)
+             + (f"{'busy/idle':>11}" if "busy" in conditions else "")]
+    for row in rows:
+        got = [conditions[name][row] for name in names]
+        cells = "".join(f"{r.value['decode']:14.2f}" if r.ok else f"{'-':>14}" for r in got)
+        if "busy" in conditions:
+            idle, busy = conditions["idle"][row], conditions["busy"][row]
+            cells += f"{busy.value['decode'] / idle.value['decode']:10.2f}x" if idle.ok and busy.ok else f"{'-':>11}"
+        lines.append(f"{row[0]:10}{str(row[1]):>9}" + cells)
     return lines
 
 
-def label(n, default):
-    return f"{n} (default)" if n == default else str(n)
+def summary(conditions, default):
+    """The goal's two ratios: kvwire's default busy / idle, and busy kvwire / busy peer (at the peer's
+    default count, the cores, and at its best count)."""
+    if "busy" not in conditions:
+        return []
+    idle, busy = conditions["idle"], conditions["busy"]
+    auto = ("kvwire", "auto")
+    if not (idle[auto].ok and busy[auto].ok):
+        return []
+    lines = [f"kvwire (default) under load: {busy[auto].value['decode'] / idle[auto].value['decode']:.2f}x of its "
+             f"idle decode"]
+    peers = {row: r.value["decode"] for row, r in busy.items() if row[0] != "kvwire" and r.ok}
+    if peers:
+        at_default = [rate for (lib, n), rate in peers.items() if n == default]
+        best_row = max(peers, key=peers.get)
+        if at_default:
+            lines.append(f"kvwire (default) / {best_row[0]} at {default} threads (its default), both under load: "
+                         f"{busy[auto].value['decode'] / at_default[0]:.2f}x")
+        lines.append(f"kvwire (default) / {best_row[0]} at its best count ({best_row[1]}), both under load: "
+                     f"{busy[auto].value['decode'] / peers[best_row]:.2f}x")
+    return lines
 
 
 def parser():
@@ -134,41 +197,52 @@ def parser():
     p.add_argument("--variant", default="float32", help="as bench/generate.py's variants (float32, bfloat16, "
                                                         "float32+gguf, ...+compile)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
-                   help="thread counts besides torch's default (default: 1 2)")
-    p.add_argument("--busy", type=int, default=0, metavar="N", help="also time every count while N processes spin")
+                   help="pinned thread counts timed besides kvwire's default (default: 1 2)")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None,
+                   help="also time llama.cpp on the preset's GGUF at each count (and at torch's default count)")
+    p.add_argument("--busy", type=int, default=0, metavar="N", help="also time every row while N processes spin")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3, help="runs of each length in a worker, the best kept")
     p.add_argument("--timeout", type=float, default=600, help="seconds for one worker")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one thread count's process
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one row's process
+    p.add_argument("--lib", default="kvwire", help=argparse.SUPPRESS)
+    p.add_argument("--peer-threads", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    default = fresh_default()  # what a worker gets with KVWIRE_THREADS unset
-    counts = sorted({*args.threads, default})
+    if args.peer and args.model == "tiny":
+        p.error("--peer needs a preset's GGUF; --model tiny has none")
+    default = fresh_default()  # torch's pool in a fresh process: kvwire's default count, llama.cpp's CLI's
+    rows = rows_of(args, default)
     print(header(default), flush=True)
     print(cpu_paths(), flush=True)
     print(f"model: {args.model} {args.variant}, batch 1, {args.new_tokens} new tokens after a 16-token prompt, "
-          f"best of {args.repeat}; each thread count in a fresh process (KVWIRE_THREADS)"
-          + (f"; busy: {args.busy} spinning process{'es' * (args.busy != 1)}" if args.busy else ""), flush=True)
+          f"best of {args.repeat}; each row in a fresh process (kvwire's counts pinned by KVWIRE_THREADS; auto: "
+          f"unset)" + (f"; busy: {args.busy} spinning process{'es' * (args.busy != 1)}" if args.busy else ""),
+          flush=True)
     # other work on the machine makes "idle" busy too: the load average says how idle it was
     print(f"load average before the idle runs: {os.getloadavg()[0]:.2f}", flush=True)
-    conditions = {"idle": measure(counts, default, args)}
+    conditions = {"idle": measure(rows, args)}
     if args.busy:
         with spinners(args.busy):
-            conditions["busy"] = measure(counts, default, args)
-    for line in table(conditions, counts, default):
+            conditions["busy"] = measure(rows, args)
+    for line in table(conditions, rows) + summary(conditions, default):
         print(line)
     for name, results in conditions.items():
-        for n, result in results.items():
+        for (lib, n), result in results.items():
             if not result.ok:
-                print(f"{name}, {label(n, default)} threads: not timed: {result.failure}")
-            elif result.value["threads"] != n:
-                print(f"{name}, {label(n, default)} threads: the worker's pool had {result.value['threads']}")
+                print(f"{name}, {lib} {n}: not timed: {result.failure}")
+            elif lib == "kvwire" and n != "auto" and result.value["threads"] != n:
+                print(f"{name}, {lib} {n}: the worker's pool had {result.value['threads']}")
+            elif (lib, n) == ("kvwire", "auto"):
+                print(f"{name}, kvwire auto: a pool of {result.value['threads']}, steps last on "
+                      f"{result.value['stepped_on']}")
 
 
 if __name__ == "__main__":

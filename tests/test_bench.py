@@ -246,23 +246,37 @@ def test_decode_rate_counts_the_tokens_after_the_first_arrival():
 
 
 def test_threads_bench_times_each_count_in_a_pool_of_that_size(capsys):
-    """bench/threads.py on a tiny model: a row per thread count (1 and torch's default), each worker's
-    pool the size asked for (a mismatch or a failed worker prints a line), the default's ratio 1.00x;
-    spinners stop when their block ends."""
+    """bench/threads.py on a tiny model: a row per pinned count and one for kvwire's default (auto),
+    each worker's pool the size asked for (a mismatch or a failed worker prints a line); spinners
+    stop when their block ends; a peer needs a preset."""
     # 16 tokens, best of 2: the decode rate is a difference of two timings, which 3 tokens on a busy
     # machine can make zero or negative (nan)
     threads.main(["--model", "tiny", "--threads", "1", "--new-tokens", "16", "--repeat", "2"])
     lines = capsys.readouterr().out.splitlines()
-    rows = lines[lines.index(next(line for line in lines if line.startswith("threads"))) + 1:]
-    counts = [row.split()[0] for row in rows]
-    assert counts[0] == "1" and all(c.isdigit() for c in counts) and len(rows) == len({*counts}) <= 2
-    for row in rows:
-        rate, ratio = row.split()[-2:]
-        assert float(rate) > 0 and ratio.endswith("x")
-    assert [row.split()[-1] for row in rows if "(default)" in row] == ["1.00x"]
+    rows = lines[lines.index(next(line for line in lines if line.startswith("library"))) + 1:]
+    table = [row.split() for row in rows if row.startswith("kvwire ")]
+    assert [cells[:2] for cells in table] == [["kvwire", "1"], ["kvwire", "auto"]]
+    assert all(float(cells[2]) > 0 for cells in table)
+    assert not any("not timed" in row or "the worker's pool had" in row for row in rows), rows
+    assert any(row.startswith("idle, kvwire auto: a pool of ") for row in rows)
     with threads.spinners(2) as procs:
         assert [p.poll() for p in procs] == [None, None]
     assert all(p.returncode is not None for p in procs)
+    with pytest.raises(SystemExit):
+        threads.main(["--model", "tiny", "--peer", "llama.cpp"])
+
+
+def test_threads_bench_summary_gives_the_goal_ratios():
+    ok = lambda rate: common.Worker(value={"decode": rate})  # noqa: E731
+    conditions = {"idle": {("kvwire", "auto"): ok(60.0), ("llama.cpp", 1): ok(50.0), ("llama.cpp", 2): ok(55.0)},
+                  "busy": {("kvwire", "auto"): ok(45.0), ("llama.cpp", 1): ok(30.0), ("llama.cpp", 2): ok(10.0)}}
+    assert threads.summary(conditions, 2) == [
+        "kvwire (default) under load: 0.75x of its idle decode",
+        "kvwire (default) / llama.cpp at 2 threads (its default), both under load: 4.50x",
+        "kvwire (default) / llama.cpp at its best count (1), both under load: 1.50x"]
+    lines = threads.table(conditions, [("kvwire", "auto"), ("llama.cpp", 2)])
+    assert lines[1].split() == ["kvwire", "auto", "60.00", "45.00", "0.75x"]
+    assert lines[2].split() == ["llama.cpp", "2", "55.00", "10.00", "0.18x"]
 
 
 def test_generic_sweep_rows_and_page(tmp_path, capsys):

@@ -125,14 +125,16 @@ def test_threads_switch_and_option_size_torchs_pool(monkeypatch, capsys, tmp_pat
     import torch
 
     from kvwire import cli
+    from kvwire.kernels import threads
 
+    monkeypatch.setattr(threads, "_pinned", None)  # the commands pin it; given back after the test
     before = torch.get_num_threads()
     want = 2 if before != 2 else 3
     try:
         # a command that fails after the pool is sized: a model file that does not exist
         missing = str(tmp_path / "missing.gguf")
         assert cli.main(["score", str(tmp_path / "t.txt"), "--model", missing, "--threads", str(want)]) == 2
-        assert torch.get_num_threads() == want
+        assert torch.get_num_threads() == want and threads.pinned() == want  # kept under load too
         monkeypatch.setenv("KVWIRE_THREADS", "1")
         assert cli.main(["score", str(tmp_path / "t.txt"), "--model", missing]) == 2
         assert torch.get_num_threads() == 1

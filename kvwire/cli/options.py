@@ -2,9 +2,7 @@
 import argparse
 import sys
 
-import torch
-
-from ..kernels import switches
+from ..kernels import switches, threads
 from ..layers.site import ALL_SITES as SITES
 from ..quant import SCHEMES
 
@@ -168,7 +166,7 @@ def use_threads(args):
     """Size torch's CPU thread pool as --threads (or KVWIRE_THREADS) asks, before any model work."""
     n = getattr(args, "threads", None) or switches.threads()
     if n is not None:
-        torch.set_num_threads(n)
+        threads.pin(n)  # a count the user chose: engines keep it under load too
 
 
 def sampling_options(p, max_new_tokens=None):
@@ -226,6 +224,6 @@ def quantize_option(p, default=None):
 def model_options(p):
     p.add_argument("--model", default="gemma3-270m", help="preset name, GGUF file or HF folder (default: %(default)s)")
     p.add_argument("--threads", type=positive, default=None, metavar="N",
-                   help="threads of torch's CPU pool (default: $KVWIRE_THREADS, else one per core); 1 is often "
-                        "faster on a machine busy with other work")
+                   help="threads of torch's CPU pool, kept whatever else runs (default: $KVWIRE_THREADS, else one "
+                        "per core, and one fewer for each core other processes keep busy)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")

@@ -31,11 +31,11 @@ import queue
 import time
 import warnings
 from collections import Counter, deque
-from contextlib import contextmanager
 
 import torch
 
 from ..io.heap import give_back_freed_memory
+from ..kernels.threads import adaptive, pool
 from .constrain import mask_logits
 from .loop import Stopper, nonfinite_error
 from .pick import choose, take_rows
@@ -72,6 +72,9 @@ class Engine:
         decode_threads: torch's CPU threads for decode steps (prefill keeps the pool's size): a
             server leaves a core to its event loop, whose wake-ups stall a full team of OpenMP
             threads at every barrier of a decode step's many small ops. None: the pool as it is.
+        adapt_threads: run each step on one thread fewer for every core other processes keep busy
+            (`kvwire.kernels.threads.Threads`; never more than the pool's size at construction).
+            None (default): adapt unless a command pinned the pool (`--threads`, `KVWIRE_THREADS`).
 
     Single-threaded use: `submit` sequences, then `run(seqs)` (yields after every step) or `step()`.
     From other threads (a server): `submit` and `Sequence.cancel` are thread-safe while one thread
@@ -87,7 +90,7 @@ class Engine:
     """
 
     def __init__(self, lm, max_batch=8, max_length=None, *, prefill_chunk=256, prefix_store=None, cache=None,
-                 multiple=1, grow=False, decode_threads=None):
+                 multiple=1, grow=False, decode_threads=None, adapt_threads=None):
         runner = lm.runner() if hasattr(lm, "runner") else lm
         positive_int(max_batch, "max_batch")
         positive_int(prefill_chunk, "prefill_chunk")
@@ -106,6 +109,10 @@ class Engine:
         if decode_threads is not None:
             positive_int(decode_threads, "decode_threads")
         self.decode_threads = decode_threads
+        if adapt_threads not in (None, True, False):
+            raise TypeError(f"adapt_threads={adapt_threads!r}; expected None, True or False")
+        self.threads = adaptive() if adapt_threads is None else \
+            (adaptive(force=True) if adapt_threads else None)  # kvwire.kernels.threads.Threads or None
         self.per_row = bool(getattr(self.cached, "row_index", False))
         self.cache = cache
         self.grow = bool(grow) and self.per_row and self.decode is None and cache is None
@@ -232,6 +239,11 @@ class Engine:
             self.waiting.append(self._inbox.get())
         self._drop_cancelled()
         self._admit()
+        free = self.threads.for_step() if self.threads is not None and not self.idle else None
+        with pool(free):
+            self._step(free)
+
+    def _step(self, free):
         if self.jobs:
             # prefill chunks up to `prefill_chunk` prompt tokens a step, oldest job first: a burst of
             # short prompts (or of prefix hits with a few new tokens each) joins in one step, while
@@ -244,7 +256,7 @@ class Engine:
             self.prefill_seconds += time.perf_counter() - start
         if any(s is not None and s.pending is not None for s in self.rows):
             start = time.perf_counter()
-            with _threads(self.decode_threads):
+            with pool(_fewest(self.decode_threads, free)):
                 self._decode()
             self.decode_seconds += time.perf_counter() - start
             self.decode_steps += 1
@@ -546,18 +558,10 @@ class Engine:
             seq.listener(seq)
 
 
-@contextmanager
-def _threads(n):
-    """torch's CPU pool at n threads inside (None: as it is); its size before, after."""
-    before = torch.get_num_threads()
-    if n is None or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def _fewest(*counts):
+    """The smallest of the thread counts given (None: no bound), or None."""
+    given = [n for n in counts if n is not None]
+    return min(given) if given else None
 
 
 def _contiguous(rows):

@@ -42,8 +42,9 @@ TABLE = {s.name: s for s in (
            "x16: kvwire's kernel on repacked blocks (the default with AVX-512 VNNI); ggml: ggml's own"),
     Switch("KVWIRE_CACHE", None, str(Path("~") / ".cache" / "kvwire"), "where converted models and built kernels go",
            "a folder; created when first written"),
-    Switch("KVWIRE_THREADS", None, "torch's default (one per core)", "the threads of torch's CPU pool in kvwire's "
-           "commands", "a positive int; a command's --threads wins over it"),
+    Switch("KVWIRE_THREADS", None, "torch's default (one per core), each step on one fewer per core other "
+           "processes keep busy", "the threads of torch's CPU pool in kvwire's commands",
+           "a positive int, kept whatever the load; a command's --threads wins over it"),
     Switch("KVWIRE_API_KEYS", None, "none (no key needed)", "keys `kvwire serve` takes besides its --api-key flags",
            "comma-separated keys; kept off the command line, where other users of the machine can read them",
            secret=True),
