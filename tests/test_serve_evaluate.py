@@ -143,6 +143,10 @@ def test_bad_fields_are_4xx_naming_them(api, lm):
             f"vector.directions.1 decodes to 3 bytes; expected {4 * width} ({width} little-endian float32)")
     refused(api, {"vector": {"directions": {"1": "not base64!"}}}, 400, "vector",
             "vector.directions.1 is not valid base64")
+    refused(api, {"vector": {"directions": {"1": [1e39] + [0.5] * (width - 1)}}}, 400, "vector",
+            "vector.directions.1 holds NaN, infinite or past-float32 values")
+    nan = base64.b64encode(np.full(width, np.nan, dtype="<f4").tobytes()).decode()
+    refused(api, {"vector": {"directions": {"1": nan}}}, 400, "vector", "vector.directions.1 holds NaN")
     refused(api, {"vector": {"directions": {"1": [0.0] * width}, "operation": "ablate"}}, 400, "vector",
             "vector.directions.1 is all zeros: it has no direction to ablate")
     refused(api, {"vector": {**inline, "strength": 2}}, 400, "vector",

@@ -249,14 +249,15 @@ def _direction(value, where, width):
         if len(raw) != 4 * width:
             raise _bad_vector(f"{where} decodes to {len(raw)} bytes; expected {4 * width} ({width} little-endian "
                               f"float32)")
-        array = np.frombuffer(raw, dtype="<f4")
+        array = np.frombuffer(raw, dtype="<f4").astype(np.float32)
     elif len(value) != width:
         raise _bad_vector(f"{where} has {len(value)} numbers; expected {width} (the model's width)")
     else:
-        array = np.asarray(value, dtype=np.float64)
+        with np.errstate(over="ignore"):  # a number past float32's range becomes inf: refused below
+            array = np.asarray(value, dtype=np.float64).astype(np.float32)
     if not np.isfinite(array).all():
-        raise _bad_vector(f"{where} holds NaN or infinite values")
-    return torch.from_numpy(array.astype(np.float32))
+        raise _bad_vector(f"{where} holds NaN, infinite or past-float32 values")
+    return torch.from_numpy(array)
 
 
 def _bad_vector(message):
