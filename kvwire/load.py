@@ -2,6 +2,7 @@
 import dataclasses
 import itertools
 import json
+import os
 import time
 import warnings
 from collections import Counter
@@ -29,6 +30,7 @@ from .quant import quantize as quantize_lm
 from .kernels.ggml.lib import GGMLUnavailable, ggml_dirs
 from .quant.ggml import qtype_of, use_gguf_blocks
 from .quant.ggml.linear import FLOAT_TYPES, QUANTIZE_TYPES
+from .quant.ggml.sources import dequantized_rows, float_state, row_sources
 
 
 def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu", head=None,
@@ -86,16 +88,15 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
     if quantize == "gguf" and not (Path(source).is_file() and Path(source).suffix.lower() == ".gguf"):
         raise ValueError(f"quantize='gguf' keeps a GGUF file's own blocks; {str(name_or_path)!r} is not a .gguf "
                          f"file (use a ggml type such as 'q8_0' to quantise other weights)")
-    # a GGUF's cache entry (a digest of the file: ~14 ms), found once for the load and the kept head
-    entry = weights_cache.entry_for(source) if quantize == "gguf" and head is not None else None
-    lm = _load(source, dtype, progress, entry, generic, trust_remote_code).to(device)
-    if quantize == "gguf":
-        lm = use_gguf_blocks(lm, source, head, entry if entry is not None and weights_cache.is_complete(entry) else None)
+    if quantize == "gguf":  # (on the CPU: checked above)
+        lm = load_gguf_blocks(source, dtype, progress, head)
         if getattr(lm.head, "quantized", None) is not None:  # else a float head reads the whole table each step
             # of the float weights file only norms are read from now on (the embedding reads the GGUF's table)
             give_back_file_pages(t for t in itertools.chain(lm.parameters(), lm.buffers()) if t.is_floating_point())
-    elif quantize is not None:
-        lm = quantize_lm(lm, quantize)
+    else:
+        lm = _load(source, dtype, progress, None, generic, trust_remote_code).to(device)
+        if quantize is not None:
+            lm = quantize_lm(lm, quantize)
     give_back_freed_memory()  # what reading the tokenizer and converting weights freed (io/heap.py)
     return lm
 
@@ -145,8 +146,10 @@ def _load(name_or_path, dtype, progress, entry=None, generic=False, trust_remote
                      f"a GGUF file or a Hugging Face checkpoint folder")
 
 
-def build(family, config, state, tokenizer=None, dtype=torch.float32):
-    """A CausalLM of `family` from a config and a backbone state dict (numpy or torch tensors)."""
+def build(family, config, state, tokenizer=None, dtype=torch.float32, stand_ins=()):
+    """A CausalLM of `family` from a config and a backbone state dict (numpy or torch tensors).
+    `stand_ins`: keys that may be missing from `state`; they get a zero-memory stand-in of their shape
+    (a weight a GGUF load puts on the file's blocks before anything reads it: `_is_stand_in`)."""
     try:
         with torch.device("meta"):
             backbone = family.backbone(config)
@@ -157,7 +160,10 @@ def build(family, config, state, tokenizer=None, dtype=torch.float32):
         if not value.is_floating_point():
             raise ValueError(f"{family.name} checkpoint tensor {key!r} has dtype {value.dtype}; expected floats")
     tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
-    expected = set(backbone.state_dict())
+    shapes = {k: v.shape for k, v in backbone.state_dict().items()}
+    tensors.update({k: torch.zeros((), dtype=dtype).expand(shapes[k]) for k in stand_ins
+                    if k in shapes and k not in tensors})
+    expected = set(shapes)
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"{family.name} checkpoint does not match the model: missing {missing[:8]}, "
@@ -202,10 +208,65 @@ def load_gguf(path, dtype=torch.float32, progress=True, entry=None):
     return lm
 
 
-def _cached_config(entry):
-    """(family, config) of a complete cache entry; None when there is none, or when its config has
-    fields the family's config no longer has (written by an older kvwire: the file is converted again)."""
-    if not weights_cache.is_complete(entry):
+def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
+    """A GGUF file's model on its own blocks (`load(quantize="gguf")`, `use_gguf_blocks`), converting
+    only the tensors it holds as floats (norms, float tables, the float copies of a quantised embedding
+    or head that its lookups and logits do not read): the weights that run on blocks are never
+    dequantised. Those floats are cached (`weights_cache.FLOATS`); an entry of every tensor (a float
+    load's) is used as it is. Outputs equal those of the float load's weights put on the blocks."""
+    entry = weights_cache.entry_for(path)  # a digest of the file: ~14 ms
+    if _cached_config(entry) is not None:
+        return use_gguf_blocks(load_gguf(path, dtype, progress, entry), path, head, entry)
+    start, cached = time.perf_counter(), _cached_config(entry, weights_cache.FLOATS)
+    with _about(path):
+        gguf = GGUFFile(path)
+        if cached is not None:
+            (family, config), tokenizer = cached, Tokenizer.load(entry)
+            floats = _cached_weights(entry, dtype, "floats")
+        else:
+            family = by_gguf_architecture(gguf.architecture, path)
+            tokenizer = tokenizer_from_gguf(gguf)
+            config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path), gguf)
+            floats = float_state(family, gguf, config, progress)
+            if floats is None:  # a converter that changes a quantised tensor's values: a float load converts it
+                return use_gguf_blocks(load_gguf(path, dtype, progress, entry), path, head, entry)
+            _check_finite(floats)
+        sources = row_sources(family, gguf, config)
+        lm = build(family, config, floats, tokenizer, dtype, stand_ins=sources)
+        # held here, so that no tensor made while swapping can take a dropped stand-in's id
+        named = itertools.chain(lm.backbone.named_parameters(remove_duplicate=False), lm.backbone.named_buffers())
+        stand_ins = {id(t): (k, t) for k, t in named if _is_stand_in(t)}
+        lm = use_gguf_blocks(lm, path, head, entry)
+        # what no block replaced stays float: the embedding and head tables a float load would hold
+        left = {stand_ins[id(t)][0]: t for t in itertools.chain(lm.parameters(), lm.buffers()) if id(t) in stand_ins}
+        del stand_ins
+        if left:
+            values = {k: dequantized_rows(gguf, sources[k]) for k in sorted(left)}
+            _check_finite(values)
+            floats = {**floats, **values}
+    if cached is None or left:
+        try:
+            _save_entry(entry, family, config, floats, tokenizer, dtype, "floats", weights_cache.FLOATS)
+            values = {k: v for k, v in _cached_weights(entry, dtype, "floats").items() if k in left}  # mapped
+        except OSError as e:  # a read-only or full disk costs speed next time, not this load
+            warnings.warn(f"kvwire: could not cache the converted weights in {entry}: {e}")
+    for key, param in left.items():
+        param.data = torch.as_tensor(values[key]).to(dtype)
+    if progress and cached is None:
+        print(f"kvwire: read {Path(path).name} in {time.perf_counter() - start:.1f} s (cached in {entry})")
+    return lm
+
+
+def _is_stand_in(tensor):
+    """Whether `tensor` is `build`'s stand-in: one value seen at every index (no stride moves)."""
+    return tensor.dim() > 0 and not any(tensor.stride())
+
+
+def _cached_config(entry, marker=weights_cache.WHOLE):
+    """(family, config) of a complete cache entry (of every tensor, or of `marker`'s kind); None when
+    there is none, or when its config has fields the family's config no longer has (written by an older
+    kvwire: the file is converted again)."""
+    if not weights_cache.is_complete(entry, marker):
         return None
     meta = json.loads((entry / "config.json").read_text())
     family = FAMILIES[meta["family"]]
@@ -226,12 +287,12 @@ def _refresh_tokenizer(path, entry):
     return tokenizer
 
 
-def _cached_weights(entry, dtype):
+def _cached_weights(entry, dtype, stem="weights"):
     """The cached state dict in `dtype`, memory-mapped. Other dtypes than float32 get a file of
     their own on first use, so a bfloat16 load maps half the bytes instead of converting."""
-    path = _weights_path(entry, dtype)
+    path = _weights_path(entry, dtype, stem)
     if dtype != torch.float32 and not path.is_file():
-        state = {k: v.to(dtype) for k, v in load_file(str(entry / "weights.safetensors")).items()}
+        state = {k: v.to(dtype) for k, v in load_file(str(_weights_path(entry, torch.float32, stem))).items()}
         try:
             save_file(state, str(path))
         except OSError:
@@ -239,24 +300,33 @@ def _cached_weights(entry, dtype):
     return load_file(str(path))
 
 
-def _weights_path(entry, dtype):
-    name = "weights.safetensors" if dtype == torch.float32 else f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
+def _weights_path(entry, dtype, stem="weights"):
+    name = f"{stem}.safetensors" if dtype == torch.float32 else f"{stem}-{str(dtype).removeprefix('torch.')}.safetensors"
     return entry / name
 
 
-def _save_entry(entry, family, config, state, tokenizer, dtype=torch.float32):
+def _save_entry(entry, family, config, state, tokenizer, dtype=torch.float32, stem="weights",
+                marker=weights_cache.WHOLE):
     """The float32 weights, and `dtype`'s own file when it is another (so the next load of that dtype
     maps it at once: converting from float32 there touched the whole 1 GB float32 file, a 1.9 GB peak
     for the default model in bfloat16 against 0.94 GB mapping its own file)."""
     entry.mkdir(parents=True, exist_ok=True)
     tensors = {k: (torch.from_numpy(v) if not isinstance(v, torch.Tensor) else v).float().contiguous()
                for k, v in state.items()}
-    save_file(tensors, str(entry / "weights.safetensors"))
+    _save_file(tensors, _weights_path(entry, torch.float32, stem))
     if dtype != torch.float32:
-        save_file({k: v.to(dtype) for k, v in tensors.items()}, str(_weights_path(entry, dtype)))
+        _save_file({k: v.to(dtype) for k, v in tensors.items()}, _weights_path(entry, dtype, stem))
     (entry / "config.json").write_text(json.dumps({"family": family.name, "config": dataclasses.asdict(config)}))
     tokenizer.save(entry)
-    weights_cache.mark_complete(entry)
+    weights_cache.mark_complete(entry, marker)
+
+
+def _save_file(tensors, path):
+    """safetensors' save_file through a new file put in place: a model mapping the old one keeps its
+    pages (truncating a mapped file would fault its next read)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
 
 
 def load_hf_folder(folder, dtype=torch.float32, generic=False, trust_remote_code=False):

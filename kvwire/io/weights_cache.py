@@ -1,7 +1,11 @@
 """A disk cache of converted GGUF models, so a second load memory-maps safetensors instead of
-dequantising again. Keyed by the file's path, size, modification time and a digest of its first
-16 MiB (the whole header of any model we know) and last 1 MiB: a file rewritten within the
-clock's granularity (same size, same mtime) must not load the entry of the file it replaced."""
+dequantising again. An entry is complete (`WHOLE`) with every tensor in float32, or (`FLOATS`) with
+only those a load on the file's own blocks (quantize="gguf") holds as floats; such a load also keeps
+its repacked blocks there (`quant.ggml.packed`).
+
+Keyed by the file's path, size, modification time and a digest of its first 16 MiB (the whole
+header of any model we know) and last 1 MiB: a file rewritten within the clock's granularity (same
+size, same mtime) must not load the entry of the file it replaced."""
 import hashlib
 import json
 from pathlib import Path
@@ -31,9 +35,12 @@ def sample_digest(path, size):
     return h.hexdigest()
 
 
-def is_complete(folder):
-    return (folder / "done").is_file()
+WHOLE, FLOATS = "done", "floats-done"  # the markers of the two kinds of complete entry
 
 
-def mark_complete(folder):
-    (folder / "done").write_text("ok")
+def is_complete(folder, marker=WHOLE):
+    return (folder / marker).is_file()
+
+
+def mark_complete(folder, marker=WHOLE):
+    (folder / marker).write_text("ok")

@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 from ...io.gguf import GGUFFile
 from ...layers.embedding import TokenEmbedding
 from ..targets import linears, quantizable_head
-from .linear import FLOAT_TYPES, GGMLLinear, qtype_of, x16_layout
+from .linear import X16, GGMLLinear, qtype_of, x16_layout
+from .packed import PackedBlocks
+from .sources import row_sources
 
 # llama.cpp's fallbacks when a row is not a whole number of 256-weight K-quant blocks
 # (Gemma 3 270M's 640-wide rows): a 32-weight format with at least as many bits
@@ -73,8 +75,10 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
     rows at a time, each chunk's pages given back once read: the file's head is never held whole
     (Gemma 3's 178 MB Q8_0 head to a 115 MB Q5_0 one: a 0.62 GB peak over the load and a 512-token
     prompt, against 0.85 GB re-quantising a loaded head with `kw.quantize(lm, "q5_0", layers=False)`).
-    `cache`: a folder (the file's kvwire cache entry) where the re-quantised head is kept, so the
-    next load reads it instead of quantising again (~0.9 s for Gemma 3's); None: nothing kept.
+    `cache`: a folder (the file's kvwire cache entry) where the re-quantised head and the blocks this
+    load copies (repacked for x16, rows reordered) are kept (`packed.PackedBlocks`), so the next load
+    maps them instead of making them again (~0.9 s for Gemma 3's head, most of a warm load for a
+    repacked model); None: nothing kept.
 
     Which tensor (and which of its rows) feeds which weight is found by running the family's GGUF
     converter on row numbers instead of values: converters may split or reorder whole rows (GPT-2
@@ -84,17 +88,19 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
 
     gguf = GGUFFile(path)
     family = by_gguf_architecture(gguf.architecture, path)
-    sources = _row_sources(family, gguf, lm.config)
+    sources = row_sources(family, gguf, lm.config)
+    packed = None if cache is None else PackedBlocks(cache)
     swapped = 0
     for parent, name, child in linears(lm):
         key = _key_of(lm, child.weight)
         if key in sources:
-            setattr(parent, name, _blocks_for(gguf, sources[key], child.weight, child.bias))
+            setattr(parent, name, _blocks_for(gguf, sources[key], child.weight, child.bias, packed=(packed, key)))
             swapped += 1
     head_key = _key_of(lm, lm.head.weight)
     if head_key in sources:
         target = quantizable_head(lm)
-        target.quantized = _blocks_for(gguf, sources[head_key], lm.head.weight, None, head, cache)
+        target.quantized = _blocks_for(gguf, sources[head_key], lm.head.weight, None, head, cache,
+                                       packed=(packed, head_key))
         swapped += 1
     elif head is not None:
         raise ValueError(f"{path} has no quantised head to re-quantise to {head!r} (its head is float): load "
@@ -105,39 +111,20 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
             embedding.quantized = _blocks_for(gguf, sources[key], embedding.weight, None, kernel="ggml")
     if not swapped:
         raise ValueError(f"{path} holds no quantised linear weights for ggml kernels (all float?)")
+    if packed is not None:
+        packed.save()
     lm.prefill_call_tokens = PREFILL_CALL_TOKENS
     lm.reset_caches()
     return lm
 
 
-def _row_sources(family, gguf, config):
-    """{backbone key: (tensor name, row numbers)} for every quantised 2-D tensor of the file."""
-    quantised = {i for i, (_, dims, kind, _) in enumerate(gguf.infos) if len(dims) == 2 and kind not in FLOAT_TYPES}
-
-    def stand_ins():
-        for i, (name, dims, kind, _) in enumerate(gguf.infos):
-            shape = list(reversed(dims))
-            if i in quantised:  # (rows, 1): tensor index in the high bits, row in the low
-                yield name, ((np.int64(i) << 32) + np.arange(shape[0], dtype=np.int64))[:, None]
-            else:
-                yield name, np.broadcast_to(np.float32(0), shape)  # costs no memory
-    sources = {}
-    for key, value in family.state_from_gguf(stand_ins(), config).items():
-        value = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-        if value.dtype != np.int64 or value.ndim != 2 or value.shape[1] != 1:
-            continue
-        tensors = np.unique(value[:, 0] >> 32)
-        if len(tensors) != 1 or tensors[0] not in quantised:
-            raise ValueError(f"{family.name}'s GGUF converter mixes rows of several tensors into {key!r}")
-        sources[key] = (gguf.infos[int(tensors[0])][0], value[:, 0] & 0xFFFFFFFF)
-    return sources
-
-
-def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None, kernel=None):
+def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None, kernel=None, packed=(None, None)):
     """A GGMLLinear on the rows `source` names, after checking that they are `weight`'s rows: the
     C kernels read `in_features` weights a row of the type unchecked. `requantize`: a ggml type the
     rows are re-quantised to instead (from the file's blocks, their pages given back chunk by chunk).
-    `kernel`: "ggml" keeps the file's layout (no copy), None the CPU's choice (`ggml_kernel`)."""
+    `kernel`: "ggml" keeps the file's layout (no copy), None the CPU's choice (`ggml_kernel`).
+    `packed`: (a `PackedBlocks` or None, the weight's name there): where blocks copied from the file
+    (repacked, rows reordered) are read from when an earlier load kept them, and kept for the next."""
     name, rows = source
     qtype, blocks = gguf.blocks(name)
     dims = next(d for n, d, _, _ in gguf.infos if n == name)
@@ -146,11 +133,12 @@ def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None, kernel=
         raise ValueError(f"{gguf.path}: GGUF tensor {name!r} of dimensions {dims} gives {len(rows)} rows of "
                          f"{dims[0]} for a weight of shape {tuple(weight.shape)}")
     whole = len(rows) == blocks.shape[0] and np.array_equal(rows, np.arange(len(rows)))
-    picked = torch.from_numpy(blocks if whole else np.ascontiguousarray(blocks[rows]))
+    store, key = packed
     # rows repacked for x16 are not read from the file again: their pages go back as they are copied
     release = (lambda start, stop: gguf.forget(blocks[start:stop])) if whole else None
     try:  # GGMLLinear checks the row bytes against ggml's own size for the type
         if requantize is not None:
+            picked = torch.from_numpy(blocks if whole else np.ascontiguousarray(blocks[rows]))
             target = fitting(requantize, weight.shape[1])
             layout = "x16" if x16_layout(target) else "ggml"
             kept = None if cache is None else cache / f"{name}.{target.name.lower()}.{layout}.safetensors"
@@ -159,7 +147,15 @@ def _blocks_for(gguf, source, weight, bias, requantize=None, cache=None, kernel=
                 module = _requantized(GGMLLinear(picked, qtype, weight.shape[1], bias, kernel="ggml"), target, release)
                 _keep(kept, module)
         else:
+            kernel_type = X16[qtype] if x16_layout(qtype, kernel) else int(qtype)
+            mapped = None if store is None or (whole and kernel_type == int(qtype)) else \
+                store.get(key, kernel_type, (len(rows), blocks.shape[1]), rows)
+            if mapped is not None:  # the copy an earlier load made, memory-mapped: the file's blocks are not read
+                return GGMLLinear.in_kernel_layout(mapped, qtype, weight.shape[1], bias, kernel)
+            picked = torch.from_numpy(blocks if whole else np.ascontiguousarray(blocks[rows]))
             module = GGMLLinear(picked, qtype, weight.shape[1], bias, kernel=kernel, release=release)
+            if store is not None and (not whole or module.blocks.data_ptr() != picked.data_ptr()):  # a copy
+                store.put(key, module.blocks, module.kernel_type, rows)
     except ValueError as e:
         raise ValueError(f"{gguf.path}: GGUF tensor {name!r}: {e}") from e
     if whole and module.blocks.data_ptr() != picked.data_ptr():  # copied: the file's pages are not read again
@@ -201,6 +197,7 @@ def _keep(file, module):
         return
     tmp = None
     try:
+        file.parent.mkdir(parents=True, exist_ok=True)  # a load on blocks may come before any float entry
         fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
         os.close(fd)
         save_file({"blocks": module.blocks.contiguous()}, tmp)

@@ -1,0 +1,85 @@
+"""Which rows of which GGUF tensor feed each backbone weight, and the weights a model on the file's
+blocks still holds as floats, found by running the family's GGUF converter on stand-ins.
+
+Converters may split or reorder whole rows of a tensor (GPT-2 splits the fused q/k/v, llama's Q/K
+rows are un-permuted), never mix values within a row: a quantised tensor's rows given as their row
+numbers come out where the rows go, with no block dequantised.
+"""
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from tqdm.auto import tqdm
+
+from .linear import FLOAT_TYPES
+
+
+def quantised(gguf):
+    """Indices (into `gguf.infos`) of the 2-D tensors held in a quantised block format."""
+    return {i for i, (_, dims, kind, _) in enumerate(gguf.infos) if len(dims) == 2 and kind not in FLOAT_TYPES}
+
+
+def row_sources(family, gguf, config):
+    """{backbone key: (tensor name, row numbers)} for every quantised 2-D tensor of the file."""
+    blocks = quantised(gguf)
+
+    def stand_ins():
+        for i, (name, dims, kind, _) in enumerate(gguf.infos):
+            yield name, _row_numbers(i, dims) if i in blocks else np.broadcast_to(np.float32(0), list(reversed(dims)))
+    sources = {}
+    for key, value in family.state_from_gguf(stand_ins(), config).items():
+        source = _source(gguf, blocks, key, value)
+        if source is not None:
+            sources[key] = source
+    return sources
+
+
+def float_state(family, gguf, config, progress=True):
+    """The backbone tensors converted as a float load converts them, except those that come whole rows
+    of a quantised tensor (those can run on the file's blocks; `row_sources` names them): (out, in)
+    float32 arrays of the file's float tensors (norms, F16 / F32 tables), no block dequantised.
+    None when the converter made anything else of a quantised tensor (changed its values or mixed
+    it in): then only a float load of every tensor converts the file right."""
+    blocks = quantised(gguf)
+
+    def tensors():
+        for i, (name, dims, _, _) in enumerate(tqdm(gguf.infos, desc=f"reading {len(gguf.infos)} tensors",
+                                                    disable=not progress, leave=False)):
+            yield name, _row_numbers(i, dims) if i in blocks else gguf.tensor(name)
+    state = {}
+    for key, value in family.state_from_gguf(tensors(), config).items():
+        array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if array.dtype == np.int64:  # row numbers: whole rows of one quantised tensor, or a converter we cannot follow
+            if _source(gguf, blocks, key, array) is None:
+                return None
+        elif array.dtype != np.float32:  # float32 values promoted by a quantised tensor's row numbers
+            return None
+        else:
+            state[key] = value
+    return state
+
+
+def dequantized_rows(gguf, source):
+    """The float32 (rows, in) weight that `source` (tensor name, row numbers) names, dequantised by the
+    gguf package as a float load dequantises it: the same values."""
+    name, rows = source
+    qtype, blocks = gguf.blocks(name)
+    values = np.require(dequantize(blocks, qtype), dtype=np.float32, requirements=["C"])
+    whole = len(rows) == values.shape[0] and np.array_equal(rows, np.arange(len(rows)))
+    return values if whole else np.ascontiguousarray(values[rows])
+
+
+def _row_numbers(index, dims):
+    """(rows, 1) int64: tensor `index` in the high bits, the row in the low ones."""
+    return ((np.int64(index) << 32) + np.arange(dims[-1] if len(dims) > 1 else 1, dtype=np.int64))[:, None]
+
+
+def _source(gguf, blocks, key, value):
+    """(tensor name, row numbers) when `value` is whole rows of one quantised tensor's stand-in, else None
+    (a float stand-in's value). Rows of several tensors mixed into one weight raise."""
+    value = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if value.dtype != np.int64 or value.ndim != 2 or value.shape[1] != 1:
+        return None
+    tensors = np.unique(value[:, 0] >> 32)
+    if len(tensors) != 1 or tensors[0] not in blocks:
+        raise ValueError(f"{gguf.path}: the GGUF converter mixes rows of several tensors into {key!r}")
+    return gguf.infos[int(tensors[0])][0], value[:, 0] & 0xFFFFFFFF
