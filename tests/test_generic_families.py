@@ -28,10 +28,10 @@ SCALE = 1.5  # the edit: the middle block's output scaled
 STRENGTH = 0.5  # the control vector's strength; its direction has the block output's RMS
 
 
-def _no_attention(cls, layer):
-    return (f"{cls}: decoder layer 0 ({layer}) has no attention that transformers' attention interface sees; "
-            f"the generic path caches layers with one attention call each (recurrent and state-space layers are "
-            f"not supported yet)")
+def _no_cache(cls, layer):
+    return (f"{cls}: decoder layer 0 ({layer}) has no attention that transformers' attention interface sees and "
+            f"takes no `cache` argument; the generic path caches attention and the state of layers that keep it in "
+            f"transformers' Cache API")
 
 
 def _not_cached(cls, position):
@@ -43,21 +43,15 @@ def _not_cached(cls, position):
 # type -> (exception, message) of kw.from_hf, as the run gives them
 AT_BUILD = {
     # attention computed inside the module (ALiBi added to the scores), not through the interface
-    "bloom": (ValueError, _no_attention("BloomForCausalLM", "BloomBlock")),
-    "mpt": (ValueError, _no_attention("MptForCausalLM", "MptBlock")),
-    # recurrent and state-space layers
-    "qwen3_next": (ValueError, _no_attention("Qwen3NextForCausalLM", "Qwen3NextDecoderLayer")),
-    "qwen3_5_text": (ValueError, _no_attention("Qwen3_5ForCausalLM", "Qwen3_5DecoderLayer")),
-    "lfm2": (ValueError, _no_attention("Lfm2ForCausalLM", "Lfm2DecoderLayer")),
-    "olmo_hybrid": (ValueError, _no_attention("OlmoHybridForCausalLM", "OlmoHybridLinearAttentionDecoderLayer")),
-    "granitemoehybrid": (ValueError, _no_attention("GraniteMoeHybridForCausalLM", "GraniteMoeHybridDecoderLayer")),
-    "mamba2": (ValueError, _no_attention("Mamba2ForCausalLM", "Mamba2Block")),
-    "jamba": (ValueError, _no_attention("JambaForCausalLM", "JambaMambaDecoderLayer")),
+    "bloom": (ValueError, _no_cache("BloomForCausalLM", "BloomBlock")),
+    "mpt": (ValueError, _no_cache("MptForCausalLM", "MptBlock")),
     # refused by the build's cached-decoding check: Llama 4's chunked attention (each token sees its
-    # own chunk of attention_chunk_size only, neither a full nor a sliding mask); Falcon-H1's Mamba
-    # mixer beside the attention of every layer (its state is not cached)
+    # own chunk of attention_chunk_size only, neither a full nor a sliding mask)
     "llama4_text": (ValueError, _not_cached("Llama4ForCausalLM", 6)),
-    "falcon_h1": (ValueError, _not_cached("FalconH1ForCausalLM", 8)),
+    # Falcon-H1's Mamba mixer beside the attention of every layer: keys/values and state in one layer
+    "falcon_h1": (ValueError, "FalconH1ForCausalLM: decoder layer 0 (FalconH1DecoderLayer) keeps attention "
+                              "keys/values and recurrent state (conv, recurrent) in one layer; the generic path caches "
+                              "one or the other per layer (not both yet)"),
     # keys longer than the chunk (compressed keys appended to the window's: per-layer state)
     "deepseek_v4": (ValueError, "DeepseekV4ForCausalLM: cached decoding fails (RuntimeError: The size of tensor a "
                                 "(15) must match the size of tensor b (13) at non-singleton dimension 3); its layers "

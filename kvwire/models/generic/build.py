@@ -10,8 +10,8 @@ from torch import nn
 
 from ...graph import with_cache
 from ...layers.linear import Linear, WeightPack
-from . import seam
-from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls
+from . import seam, state as state_slots
+from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls, takes, with_arguments
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
@@ -21,9 +21,13 @@ TOLERANCE = 1e-4  # relative to the logits' scale, float32
 def from_transformers(model):
     """(backbone, head, config) of the generic path for a transformers causal LM (weights shared).
 
+    Decoder layers whose mixer keeps recurrent, convolution or linear-attention state in
+    transformers' Cache API (Mamba, short convolutions, gated delta-nets) get a state slot
+    (`kvwire.models.generic.state`) instead of keys and values.
+
     Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention, a
-    decoder layer whose attention transformers' interface never sees, or a forward the split does
-    not reproduce.
+    decoder layer whose attention transformers' interface never sees and that keeps no state in
+    the Cache API, one keeping both keys/values and state, or a forward the split does not reproduce.
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name = type(model).__name__
@@ -44,12 +48,12 @@ def from_transformers(model):
     parts = []
     for i, layer in enumerate(layers):
         calls = seen["attention"][i]
+        if not calls:  # a recurrent or state-space mixer, or nothing cached: the probe below decides
+            parts.append(DecoderLayer(layer, i))
+            continue
         if len(calls) != 1:
-            what = "no attention that transformers' attention interface sees" if not calls else \
-                f"{len(calls)} attention calls"
-            raise ValueError(f"{name}: decoder layer {i} ({type(layer).__name__}) has {what}; the generic path "
-                             f"caches layers with one attention call each (recurrent and state-space layers "
-                             f"are not supported yet)")
+            raise ValueError(f"{name}: decoder layer {i} ({type(layer).__name__}) has {len(calls)} attention calls; "
+                             f"the generic path caches layers with one attention call each")
         module, kv_heads, key_size, value_size, window, plain_math = calls[0]
         if not getattr(module, "is_causal", True):
             raise ValueError(f"{name}: decoder layer {i}'s attention ({type(module).__name__}) is bidirectional; "
@@ -59,6 +63,7 @@ def from_transformers(model):
     stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
     backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"]), parts,
                                Tail([getattr(base, n) for n in tail_names]), stem)
+    _find_states(name, model, backbone, probe)
     head = Head(model, base_name, plain=True, output_class=seen["output_class"])
     with torch.no_grad():
         hidden = backbone(probe)
@@ -78,6 +83,54 @@ def from_transformers(model):
     _find_sites(backbone, probe)
     _kvwire_linears(model)
     return backbone, head, config
+
+
+def _find_states(name, model, backbone, probe):
+    """Give each decoder layer without an attention call the states its mixer keeps in transformers'
+    Cache API (`kvwire.models.generic.state`), found by running every layer once on its recorded
+    probe call with transformers' own lazily initialised cache layers. Refused: a layer without
+    attention that takes no cache or writes keys/values to it itself, and a layer keeping both
+    keys/values and state. A layer that keeps nothing stays uncached."""
+    # cache layers are indexed by the mixers' own layer_idx, which need not be the decoder layer's
+    count = max([len(backbone.layers)] + [m.layer_idx + 1 for m in model.modules()
+                                           if isinstance(getattr(m, "layer_idx", None), int)])
+    with torch.no_grad():
+        backbone.prelude(probe)
+        calls = recorded_calls()
+        for part in backbone.layers:
+            hidden, args, kwargs = calls[part.index]
+            layer = type(part.block).__name__
+            plain = f"{name}: decoder layer {part.index} ({layer}) has no attention that transformers' attention " \
+                    f"interface sees"
+            if not takes(part.block, "cache", kwargs):
+                if part.attention is None:
+                    raise ValueError(f"{plain} and takes no `cache` argument; the generic path caches attention and "
+                                     f"the state of layers that keep it in transformers' Cache API")
+                continue
+            cache = state_slots.probe_cache(count)
+            args_, kwargs_ = with_arguments(part.block, args, kwargs, {"cache": cache})
+            try:
+                part.block(hidden, *args_, **kwargs_)
+            except Exception as e:  # noqa: BLE001 - a layer that cannot run on a cache at all
+                if part.attention is not None:
+                    continue  # its attention is cached through the interface, as without this probe
+                raise ValueError(f"{plain}, and running it on a transformers cache fails ({type(e).__name__}: "
+                                 f"{e}); the generic path caches attention and the state of layers that keep it "
+                                 f"in transformers' Cache API") from e
+            states = state_slots.found_states(cache)
+            if part.attention is not None:
+                if states:
+                    raise ValueError(f"{name}: decoder layer {part.index} ({layer}) keeps attention keys/values and "
+                                     f"recurrent state ({', '.join(sorted({s.kind for s in states}))}) in one layer; "
+                                     f"the generic path caches one or the other per layer (not both yet)")
+                continue
+            if state_slots.wrote_keys(cache):
+                raise ValueError(f"{plain} and computes attention itself (its keys and values go to the cache "
+                                 f"directly); the generic path caches attention that the interface sees and "
+                                 f"recurrent, convolution and linear-attention state")
+            if states:
+                part.states = state_slots.StateCache(states, count)
+            # else a layer with nothing to cache (a feed-forward block): the cached check below has the last word
 
 
 def _find_sites(backbone, probe):
@@ -187,7 +240,8 @@ def _watch(model, base, layers, probe):
     hooks = [child.register_forward_hook(lambda m, a, o, n=n: order.append(n)) for n, child in base.named_children()
              if child is not layers]
     hooks += [layer.register_forward_hook(lambda m, a, o: order.append(marker)) for layer in layers]
-    hooks.append(layers[0].register_forward_hook(lambda m, a, o: returns_tuple.append(isinstance(o, tuple))))
+    hooks.append(layers[0].register_forward_hook(lambda m, a, o: returns_tuple.append(
+        len(o) if isinstance(o, tuple) else 0)))
     outputs = []
     hooks.append(base.register_forward_hook(lambda m, a, o: outputs.append(type(o))))
 
@@ -205,7 +259,7 @@ def _watch(model, base, layers, probe):
     layers_at = [k for k, n in enumerate(order) if n == marker]
     tail = [n for n in order[layers_at[-1] + 1:]] if layers_at else []
     return {"logits": logits.float(), "attention": attention, "tail": list(dict.fromkeys(tail)),
-            "returns_tuple": bool(returns_tuple and returns_tuple[0]), "output_class": outputs[0] if outputs else None}
+            "returns_tuple": returns_tuple[0] if returns_tuple else 0, "output_class": outputs[0] if outputs else None}
 
 
 def _name_of(base, layers):

@@ -11,24 +11,36 @@ final norm). The arguments travel from the prelude to the layers through a per-c
 the layer graph between them stays plain tensors: insert, tap, steer and cache it as any other.
 """
 import contextvars
+import inspect
 
 import torch
 from torch import nn
 
 from ...layers.base import Block, Layer
 from ...layers.inner import InnerSites
-from . import seam, sites
+from . import seam, sites, state as state_slots
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 
 
 class _Recorder(nn.Module):
     """Stands in for decoder layer `index` during the prelude: keeps its input and arguments, returns
-    its input."""
+    its input (in a tuple as long as the layer's own, `returns_tuple`, where it returns one). What
+    the model's forward reads from its layers (a block type, say) it reads from the layer itself."""
 
-    def __init__(self, index, returns_tuple):
+    def __init__(self, index, returns_tuple, layer=None):
         super().__init__()
-        self.index, self.returns_tuple = index, returns_tuple
+        self.index, self.returns_tuple = index, int(returns_tuple)
+        self.__dict__["layer"] = layer  # not a submodule: its weights belong to the backbone's parts
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = self.__dict__.get("layer")
+            if layer is None:
+                raise
+            return getattr(layer, name)
 
     def forward(self, *args, **kwargs):
         if args:
@@ -36,7 +48,7 @@ class _Recorder(nn.Module):
         else:
             hidden = kwargs.pop("hidden_states")
         _calls.get()[self.index] = (hidden, args, kwargs)  # the running prelude's store
-        return (hidden,) if self.returns_tuple else hidden
+        return (hidden,) + (None,) * (self.returns_tuple - 1) if self.returns_tuple else hidden
 
 
 def recorded_calls():
@@ -61,8 +73,8 @@ class Prelude(Layer):
         self.__dict__["base"] = base  # not a submodule: its weights belong to the backbone's parts
         self.layers_name, self.returns_tuple = layers_name, returns_tuple
         # made once: a call only swaps them in (not a submodule: they hold no weights)
-        self.__dict__["recorders"] = nn.ModuleList(_Recorder(i, returns_tuple)
-                                                   for i in range(len(getattr(base, layers_name))))
+        self.__dict__["recorders"] = nn.ModuleList(_Recorder(i, returns_tuple, layer)
+                                                   for i, layer in enumerate(getattr(base, layers_name)))
 
     def forward(self, token_ids):
         B, T = token_ids.shape
@@ -94,13 +106,15 @@ class DecoderLayer(InnerSites, Block):
 
     Its attention (found by the build's probe) reads and writes this layer's cache in the cached
     graph: `cache_spec` gives (B, key heads, slots, key size) and (..., value size), slots the
-    window - 1 of a sliding layer or max_length.
+    window - 1 of a sliding layer or max_length. A layer whose mixer keeps recurrent state instead
+    (`states`, a `kvwire.models.generic.state.StateCache`) holds a state slot: (B, 1, 1, conv sizes)
+    and (B, 1, 1, recurrent sizes), read and written through transformers' Cache API.
     """
 
     def __init__(self, layer, index, attention=None, kv_heads=None, key_size=None, value_size=None, window=None,
-                 plain_math=False):
+                 plain_math=False, states=None):
         super().__init__()
-        self.block, self.index = layer, index
+        self.block, self.index, self.states = layer, index, states
         self.__dict__["attention"] = attention  # the transformers attention module (a submodule of block)
         self.kv_heads, self.key_size, self.value_size, self.window = kv_heads, key_size, value_size, window
         self.plain_math = plain_math  # cached calls may use kvwire's attention math (the probe checked it)
@@ -125,12 +139,14 @@ class DecoderLayer(InnerSites, Block):
     def forward(self, x, gate=None):
         return self._run(x, None, None, gate)
 
-    def _run(self, x, positions, inputs, gate=None):
+    def _run(self, x, positions, inputs, gate=None, given=None):
         calls = _calls.get()
         if calls is None:
             raise RuntimeError("a generic decoder layer runs after its model's Prelude (it takes the layer's "
                                "arguments from it); call the whole backbone")
         _, args, kwargs = calls[self.index]
+        if given:
+            args, kwargs = with_arguments(self.block, args, kwargs, given)
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
         if any(site != "resid_pre" for site in self.edits):
             with sites.running(self, x, positions, inputs, gate):
@@ -140,12 +156,23 @@ class DecoderLayer(InnerSites, Block):
         return out[0] if isinstance(out, tuple) else out
 
     def cache_spec(self, batch_size, max_length, dtype):
+        if self.states is not None:
+            return state_slots.spec(self.states.states, batch_size)
         if self.attention is None:
             return None
         slots = max_length if self.window is None else max(1, min(self.window - 1, max_length))
         return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
 
-    def forward_cached(self, x, gate=None, *, positions, cache_index, attention_mask, cache, **inputs):
+    def forward_cached(self, x, gate=None, *, positions, cache_index=None, attention_mask=None, cache=None,
+                       **inputs):
+        if self.attention is None and self.states is None:  # nothing to cache (a feed-forward block)
+            return self._run(x, positions, inputs, gate)
+        if self.states is not None:
+            # the layer's own mixer continues its state; the chunk's padding mask keeps pads out of it
+            real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
+            opened = self.states.open(cache, 1.0 - fresh)
+            out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
+            return out, self.states.close(opened, cache)
         state = seam.Attending(self.attention, self.window, cache, cache_index, attention_mask, self.plain_math)
         with seam.attending(state):
             out = self._run(x, positions, inputs, gate)
@@ -153,6 +180,28 @@ class DecoderLayer(InnerSites, Block):
             raise RuntimeError(f"decoder layer {self.index} called its attention {state.calls} times in one step; "
                                f"the generic cache expects one call")
         return out, state.cache
+
+
+def with_arguments(block, args, kwargs, given):
+    """The layer's recorded call (args after the hidden states, kwargs) with the arguments `given`
+    ({name: value}) in place of the recorded ones, positional where the model passed them so."""
+    names = list(inspect.signature(block.forward).parameters)[1:]  # after the hidden states
+    args, kwargs = list(args), dict(kwargs)
+    for name, value in given.items():
+        at = names.index(name) if name in names else None
+        if at is not None and at < len(args):
+            args[at] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def takes(block, name, kwargs):
+    """Whether the layer's recorded call passes argument `name` (by keyword or by position)."""
+    if name in kwargs:
+        return True
+    names = list(inspect.signature(block.forward).parameters)
+    return name in names
 
 
 class Tail(Layer):

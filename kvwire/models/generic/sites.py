@@ -64,7 +64,7 @@ def find_sites(layer, attention, x, args, kwargs):
         calls.append((module, given, out[0] if isinstance(out, tuple) else out))
 
     hooks = [c.register_forward_hook(seen, with_kwargs=True) for c in layer.children()]
-    linears = [m for m in attention.children() if isinstance(m, nn.Linear)]
+    linears = [m for m in attention.children() if isinstance(m, nn.Linear)] if attention is not None else []
     hooks += [m.register_forward_hook(lambda m, a, o: heads.append((m, a[0]))) for m in linears]
     try:
         with torch.no_grad():

@@ -1,0 +1,149 @@
+"""Where kvwire's state slots meet transformers' recurrent layers: a transformers `Cache` whose
+linear-attention layers are views of one decoder layer's kvwire state slot.
+
+transformers' recurrent and state-space mixers (short convolutions, Mamba/SSM scans, gated
+delta-nets) keep their state in the Cache API: `get_conv_state` / `update_conv_state` and
+`get_recurrent_state` / `update_recurrent_state` of a `LinearAttentionLayer` per layer index. A
+generic decoder layer with such a mixer gets a state slot in kvwire's cache contract: a pair
+(conv (B, 1, 1, Nc), recurrent (B, 1, 1, Nr)), every state the layer keeps flattened into one of
+the two — a ring of one slot (what `kvwire.steer.gate.PromptProbe` holds), so the engine's copies,
+growth and prefix store treat it as they treat a ring: reused only at the length it was stored at.
+
+A cached call hands the layer a `StateCache` holding views of that pair and always reporting a
+previous state, so transformers' own code continues the state (its T == 1 step, or its chunked
+form from an initial state) and prefill chunks carry it. Before the call a row whose chunk holds
+its first real token (position 0, not a pad) starts from zeros: equal to transformers starting
+without a state (a zero conv history is the conv's zero padding; a zero initial state, none). The
+call passes the chunk's padding mask as the layer's 2D `attention_mask`, which transformers' mixers
+apply to their inputs, so left pads do not enter the state.
+
+Which states a layer keeps, their shapes and dtypes are found by running it once on the build's
+probe with transformers' own lazily initialised cache layers: nothing here is keyed by family.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...layers.attention import functional_cache_writes
+from ...layers.masks import per_row
+
+
+@dataclass(frozen=True)
+class State:
+    """One tensor a layer keeps: cache layer `layer`, state `index`, `kind` "conv" or "recurrent",
+    its shape without the batch dimension and its dtype."""
+
+    layer: int
+    index: int
+    kind: str
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+
+def probe_cache(layers):
+    """A transformers cache of `layers` lazily initialised cache layers that take both keys/values
+    and linear-attention states (the build's probe reads which of them a decoder layer fills)."""
+    from transformers.cache_utils import Cache, LinearAttentionAndFullAttentionLayer
+
+    return Cache(layers=[LinearAttentionAndFullAttentionLayer() for _ in range(layers)])
+
+
+def wrote_keys(cache):
+    """Whether a call wrote keys/values into `probe_cache`'s cache (attention computed outside
+    transformers' attention interface)."""
+    return any(getattr(layer, "is_initialized", False) for layer in cache.layers)
+
+
+def found_states(cache):
+    """[State] that a call of one decoder layer filled in `probe_cache`'s cache, in a fixed order."""
+    states = []
+    for i, layer in enumerate(cache.layers):
+        for kind, tensors, ready in (("conv", layer.conv_states, layer.is_conv_states_initialized),
+                                     ("recurrent", layer.recurrent_states, layer.is_recurrent_states_initialized)):
+            for s in sorted(tensors):
+                if ready[s]:
+                    t = tensors[s]
+                    states.append(State(i, s, kind, tuple(t.shape[1:]), t.dtype))
+    return states
+
+
+def spec(states, batch_size):
+    """The state slot's pair of shapes: (B, 1, 1, conv sizes) and (B, 1, 1, recurrent sizes), each
+    at least one wide (a layer without recurrent states keeps an unused column)."""
+    return tuple((batch_size, 1, 1, max(1, sum(s.size for s in states if s.kind == kind)))
+                 for kind in ("conv", "recurrent"))
+
+
+def fresh_rows(positions, cache_index, attention_mask):
+    """(real (B, T) float32: not a pad, fresh (B,) float32: the row's first real token is in this chunk)."""
+    B, T = positions.shape
+    offsets = torch.arange(T, device=positions.device)
+    index = cache_index[:, None] + offsets if per_row(cache_index) else (cache_index + offsets)[None]
+    real = attention_mask.gather(1, index.expand(B, T)).to(torch.float32)
+    fresh = (real * (positions == 0).to(torch.float32)).amax(dim=1)
+    return real, fresh
+
+
+class StateCache:
+    """Builds, per cached call, the transformers cache a decoder layer reads its states from (see the
+    module docstring), and collects the states it leaves."""
+
+    def __init__(self, states, layers):
+        self.states, self.layers = list(states), layers
+
+    def open(self, slot, keep):
+        """A transformers `Cache` over `slot` (the pair), rows scaled by `keep` (B,) (0: start afresh)."""
+        from transformers.cache_utils import Cache, DummyLayer
+
+        B = slot[0].shape[0]
+        flat = {kind: (t * keep[:, None, None, None]).view(B, -1) for kind, t in zip(("conv", "recurrent"), slot)}
+        at = {"conv": 0, "recurrent": 0}
+        views = {}
+        for s in self.states:
+            part = flat[s.kind][:, at[s.kind]:at[s.kind] + s.size].reshape(B, *s.shape).to(s.dtype)
+            at[s.kind] += s.size
+            views.setdefault(s.layer, []).append((s, part))
+        layers = [_view_layer(views[i]) if i in views else DummyLayer() for i in range(self.layers)]
+        return Cache(layers=layers)
+
+    def close(self, cache, slot):
+        """The slot after the call: the states the layer left in `cache`, flattened back (written into
+        `slot` in place in eager calls)."""
+        B = slot[0].shape[0]
+        parts = {"conv": [], "recurrent": []}
+        for s in self.states:
+            layer = cache.layers[s.layer]
+            t = (layer.conv_states if s.kind == "conv" else layer.recurrent_states)[s.index]
+            parts[s.kind].append(t.reshape(B, -1).to(torch.float32))
+        new = tuple(torch.cat(parts[kind], dim=1).view(t.shape) if parts[kind] else t
+                    for kind, t in zip(("conv", "recurrent"), slot))
+        if functional_cache_writes():
+            return new
+        for old, value in zip(slot, new):
+            if value is not old:
+                old.copy_(value)  # in place, as cached attention writes its keys and values
+        return slot
+
+
+def _view_layer(parts):
+    """transformers' LinearAttentionLayer over given state tensors, initialised, with a previous state."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    indices = {s.index for s, _ in parts}
+    layer = LinearAttentionLayer(number_of_states=max(indices) + 1)
+    for s, t in parts:
+        if s.kind == "conv":
+            layer.conv_states[s.index] = t
+            layer.conv_kernel_size[s.index] = t.shape[-1]
+            layer.is_conv_states_initialized[s.index] = True
+        else:
+            layer.recurrent_states[s.index] = t
+            layer.is_recurrent_states_initialized[s.index] = True
+        layer.has_previous_state[s.index] = True
+        layer.device, layer.dtype = t.device, t.dtype
+    return layer

@@ -1,0 +1,178 @@
+"""State slots of the generic path: transformers' recurrent, convolution and linear-attention
+layers cached through kvwire's cache contract (`kvwire.models.generic.state`).
+
+Three kinds of state, each on its own tiny random model: LFM2's short convolutions (a conv state
+only), Qwen3-Next's gated delta-nets (a conv state and a recurrent state) and Mamba-2's scans. The
+arbiter is transformers: its own cached `generate` and its uncached forward on the same weights."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvwire as kw
+from kvwire.generate import Engine, PrefixStore
+
+from .generic_configs import PROMPT_IDS, prompt, tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+TYPES = ["lfm2", "qwen3_next", "mamba2"]
+L = 48  # cache timeline of the direct calls
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def model(request):
+    original = tiny_model(request.param)
+    hf = copy.deepcopy(original)  # kw.from_hf sets the original's attention implementation to kvwire's
+    lm = kw.from_hf(original, generic=True)
+    stateful = [i for i, part in enumerate(lm.backbone.layers) if part.states is not None]
+    return SimpleNamespace(hf=hf, lm=lm, stateful=stateful, name=request.param)
+
+
+def _ids(n, seed):
+    return prompt(1, n, seed)[0]
+
+
+def _run(lm, chunks, cache=None, start=0, first_position=0, rows=1):
+    """Run token chunks (each (rows, t)) through the cached graph from timeline index `start`: the
+    last hidden state (rows, D) and the cache."""
+    cached = lm.cached
+    cache = cached.init_cache(rows, L) if cache is None else cache
+    mask = torch.ones(rows, L, dtype=torch.bool)
+    at = start
+    with torch.no_grad():
+        for chunk in chunks:
+            t = chunk.shape[1]
+            positions = (torch.arange(at, at + t) - start + first_position)[None].expand(rows, t)
+            hidden, cache = cached(chunk, positions, at, mask, cache)
+            at += t
+    return hidden[:, -1], cache
+
+
+def _states(m, cache):
+    slots = [cache[m.lm.cached.names.index(f"layers.{i}")] for i in m.stateful]
+    return [t.clone() for pair in slots for t in pair]
+
+
+def _close(a, b):
+    return all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(a, b))
+
+
+def test_state_layers_hold_a_fixed_size_slot(model):
+    assert model.stateful, "the model has layers with state"
+    cached = model.lm.cached
+    short, long = cached.init_cache(2, 16), cached.init_cache(2, 64)
+    for i in model.stateful:
+        k = cached.names.index(f"layers.{i}")
+        assert [t.shape for t in short[k]] == [t.shape for t in long[k]]  # does not grow with the timeline
+        assert all(t.shape[:3] == (2, 1, 1) for t in short[k])  # a ring of one slot
+
+
+def test_a_prompt_prefilled_in_chunks_leaves_the_state_of_one_call(model):
+    ids = _ids(13, seed=1)[None]
+    whole, cache = _run(model.lm, [ids])
+    chunked, cache2 = _run(model.lm, [ids[:, :5], ids[:, 5:6], ids[:, 6:]])
+    assert _close(_states(model, cache), _states(model, cache2))
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
+    assert any(t.abs().max() > 0 for t in _states(model, cache))  # the state was written
+
+
+def test_a_row_starting_at_position_0_starts_from_zero(model):
+    first, second = _ids(9, seed=2)[None], _ids(6, seed=3)[None]
+    _, used = _run(model.lm, [first])
+    again, used = _run(model.lm, [second], cache=used)  # the row given to a new request
+    fresh, clean = _run(model.lm, [second])
+    torch.testing.assert_close(again, fresh, atol=1e-5, rtol=1e-4)
+    assert _close(_states(model, used), _states(model, clean))
+    # the same chunk continuing the row (not at position 0) keeps its state: the reset made the difference
+    _, kept = _run(model.lm, [first])
+    _, kept = _run(model.lm, [second], cache=kept, first_position=9)
+    assert not _close(_states(model, kept), _states(model, clean))
+
+
+def test_left_pads_do_not_enter_the_state(model):
+    g = torch.Generator().manual_seed(4)
+    long, short = _ids(9, seed=5), _ids(5, seed=6)
+    junk = torch.randint(*PROMPT_IDS, (4,), generator=g)  # pad ids the model would see if they leaked
+    ids = torch.stack([long, torch.cat([junk, short])])
+    positions = torch.stack([torch.arange(9), (torch.arange(9) - 4).clamp(min=0)])
+    mask = torch.ones(2, L, dtype=torch.bool)
+    mask[1, :4] = False
+    cached = model.lm.cached
+    with torch.no_grad():
+        hidden, cache = cached(ids, positions, 0, mask, cached.init_cache(2, L))
+    alone, alone_cache = _run(model.lm, [short[None]])
+    torch.testing.assert_close(hidden[1, -1:], alone, atol=1e-5, rtol=1e-4)
+    padded = [t[1:] for t in _states(model, cache)]
+    assert _close(padded, _states(model, alone_cache))
+
+
+def test_greedy_rows_of_different_lengths_equal_transformers_generate(model):
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g) for n in (4, 11, 7)]
+    batch = model.lm.generate(rows, max_new_tokens=10, ignore_eos=True)
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            theirs = model.hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                                       max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert batch[i].tolist() == theirs[0, len(row):].tolist(), i
+
+
+def _single(lm, row, n):
+    out = lm.generate(torch.tensor(row), max_new_tokens=n, ignore_eos=True, return_logprobs=True)
+    return out.tokens[0], out.logprobs[0]
+
+
+def _drive(engine, seqs):
+    for _ in engine.run(seqs):
+        pass
+
+
+def test_rows_joining_in_chunks_and_reused_rows_equal_single_runs(model):
+    """Rows join a decoding batch (prefilled 3 tokens a step into a scratch cache) and take rows
+    that others left: each equals its own run."""
+    g = torch.Generator().manual_seed(8)
+    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g).tolist() for n in (5, 11, 8, 3)]
+    budgets = [9, 4, 7, 6]
+    engine = Engine(model.lm, max_batch=2, max_length=L, prefill_chunk=3)
+    first = engine.submit(rows[0], budgets[0])
+    for i, _ in enumerate(engine.run([first])):
+        if i >= 2:
+            break
+    later = [engine.submit(r, n) for r, n in zip(rows[1:], budgets[1:])]
+    _drive(engine, [first, *later])
+    assert engine.stats["scratch_prefills"] >= 2
+    for seq, row, n in zip([first, *later], rows, budgets):
+        tokens, logprobs = _single(model.lm, row, n)
+        assert seq.tokens == tokens
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_a_row_given_to_the_next_request_starts_afresh(model):
+    engine = Engine(model.lm, max_batch=1, max_length=L)
+    a = engine.submit(_ids(10, seed=9).tolist(), 6)
+    _drive(engine, [a])
+    row = _ids(4, seed=10).tolist()
+    b = engine.submit(row, 6)
+    _drive(engine, [b])
+    assert engine.stats["direct_prefills"] == 2  # both prefilled into the same engine row
+    assert b.tokens == _single(model.lm, row, 6)[0]
+
+
+def test_a_stored_state_is_reused_only_at_its_stored_length(model):
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(model.lm, max_batch=2, max_length=64, prefix_store=store)
+    turn1 = _ids(10, seed=11).tolist()
+    a = engine.submit(turn1, 6)
+    _drive(engine, [a])
+    turn2 = turn1 + a.tokens + [5, 6, 7]
+    b = engine.submit(turn2, 6)
+    _drive(engine, [b])
+    assert b.cached_tokens == len(turn1) + len(a.tokens) - 1  # the last token was never fed
+    assert b.tokens == _single(model.lm, turn2, 6)[0]
+    # a prompt sharing only part of a stored sequence cannot take its state (kept for its end only)
+    c = engine.submit(turn1[:7] + [9, 9, 9], 6)
+    _drive(engine, [c])
+    assert c.cached_tokens == 0
+    assert c.tokens == _single(model.lm, turn1[:7] + [9, 9, 9], 6)[0]
