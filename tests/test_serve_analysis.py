@@ -129,6 +129,9 @@ def test_the_serve_command_reads_the_analysis_flags(capsys):
     assert plain.analysis is True and _analysis_limits(plain) == AnalysisLimits()
     args = parser().parse_args(["serve", "--no-analysis", "--max-capture-values", "4096", "--max-patch-rows", "20"])
     assert args.analysis is False and _analysis_limits(args) == LIMITS
+    evals = parser().parse_args(["serve", "--max-eval-strengths", "3", "--max-eval-examples", "7",
+                                 "--max-eval-neutral-tokens", "64"])
+    assert _analysis_limits(evals) == AnalysisLimits(eval_strengths=3, eval_examples=7, eval_neutral_tokens=64)
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--max-patch-rows", "0"])
     assert "--max-patch-rows: expected a positive int, got '0'" in capsys.readouterr().err

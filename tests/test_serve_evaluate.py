@@ -114,12 +114,12 @@ def refused(api, body, status, param, message):
 
 def test_each_bound_is_a_400_naming_it(api):
     refused(api, {"strengths": [0, 1, 2, 3, 4]}, 400, "strengths",
-            "strengths has 5 strengths; this server evaluates at most 4 (eval_strengths)")
+            "strengths has 5 strengths; this server evaluates at most 4 (--max-eval-strengths)")
     refused(api, {"examples": EXAMPLES + EXAMPLES[:1]}, 400, "examples",
-            "examples has 4 examples; this server evaluates at most 3 (eval_examples)")
+            "examples has 4 examples; this server evaluates at most 3 (--max-eval-examples)")
     refused(api, {"examples": None}, 400, "dataset", "dataset has 30 examples; this server evaluates at most 3")
     refused(api, {"neutral": NEUTRAL * 2}, 400, "neutral",
-            "neutral has 94 tokens; this server evaluates at most 64 (eval_neutral_tokens)")
+            "neutral has 94 tokens; this server evaluates at most 64 (--max-eval-neutral-tokens)")
     refused(api, {"neutral_tokens": 65}, 400, "neutral_tokens",
             "neutral_tokens is 65; expected 2 to 64 tokens per neutral row")
     refused(api, {"neutral_tokens": 1}, 400, "neutral_tokens", "neutral_tokens is 1; expected 2 to 64")
@@ -167,9 +167,9 @@ def test_bad_fields_are_4xx_naming_them(api, lm):
 
 
 def test_limits_are_checked_when_made():
-    with pytest.raises(ValueError, match="eval_strengths must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="--max-eval-strengths must be a positive int, got 0"):
         AnalysisLimits(eval_strengths=0)
-    with pytest.raises(ValueError, match="eval_neutral_tokens must be a positive int, got True"):
+    with pytest.raises(ValueError, match="--max-eval-neutral-tokens must be a positive int, got True"):
         AnalysisLimits(eval_neutral_tokens=True)
 
 

@@ -59,11 +59,18 @@ def add(commands):
                    help="the playground's training and sweep endpoints answer 403 (its vectors can still be listed "
                    "and downloaded)")
     s.add_argument("--no-analysis", dest="analysis", action="store_false",
-                   help="POST /kvwire/capture and /kvwire/patch (activations, activation patching) answer 403")
+                   help="POST /kvwire/capture, /kvwire/patch and /kvwire/evaluate (activations, activation "
+                   "patching, a vector's evaluation) answer 403")
     s.add_argument("--max-capture-values", type=positive, default=None, metavar="N",
                    help="floats one capture may hold: prompts x tokens x sites x layers x width (default 4194304)")
     s.add_argument("--max-patch-rows", type=positive, default=None, metavar="N",
                    help="patched runs one patching request may make: sites x layers x positions (default 1024)")
+    s.add_argument("--max-eval-strengths", type=positive, default=None, metavar="N",
+                   help="strengths one evaluation request may measure (default 41)")
+    s.add_argument("--max-eval-examples", type=positive, default=None, metavar="N",
+                   help="A/B examples one evaluation request may carry (default 256)")
+    s.add_argument("--max-eval-neutral-tokens", type=positive, default=None, metavar="N",
+                   help="tokens of neutral text one evaluation request may carry (default 4096)")
     ray_serve.add_arguments(s)
     s.set_defaults(run=run)
 
@@ -124,10 +131,13 @@ def run(args):
 
 
 def _analysis_limits(args):
-    """The `AnalysisLimits` of --max-capture-values and --max-patch-rows (absent: the defaults)."""
+    """The `AnalysisLimits` of the --max-capture-values, --max-patch-rows and --max-eval-* flags
+    (absent: the defaults)."""
     from ..serve.analysis import AnalysisLimits
 
-    given = dict(capture_values=args.max_capture_values, patch_rows=args.max_patch_rows)
+    given = dict(capture_values=args.max_capture_values, patch_rows=args.max_patch_rows,
+                 eval_strengths=args.max_eval_strengths, eval_examples=args.max_eval_examples,
+                 eval_neutral_tokens=args.max_eval_neutral_tokens)
     return AnalysisLimits(**{name: value for name, value in given.items() if value is not None})
 
 

@@ -42,8 +42,8 @@ from .schemas import EvaluateRequest
 Prompt = Union[StrictStr, list[StrictInt]]
 # how a bound is named in its messages: the `kvwire serve` flag where there is one
 FLAGS = {"capture_values": "--max-capture-values", "patch_rows": "--max-patch-rows",
-         "eval_strengths": "eval_strengths", "eval_examples": "eval_examples",
-         "eval_neutral_tokens": "eval_neutral_tokens"}
+         "eval_strengths": "--max-eval-strengths", "eval_examples": "--max-eval-examples",
+         "eval_neutral_tokens": "--max-eval-neutral-tokens"}
 
 
 @dataclass(frozen=True)

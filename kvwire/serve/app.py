@@ -79,8 +79,9 @@ def create_app(lm, model_name="kvwire", *, max_batch=None, max_length=None, cont
             for the same feature share a slot; past them a 429 with Retry-After.
         sae_per_request: SAE features one request may carry (more: 400).
         sae_site, sae_layer: where the SAE edits (default: its hook, as `steer_features`).
-        analysis: False: /kvwire/capture and /kvwire/patch answer 403.
-        analysis_limits: an `AnalysisLimits` (values a capture holds, rows a patching sweep runs).
+        analysis: False: /kvwire/capture, /kvwire/patch and /kvwire/evaluate answer 403.
+        analysis_limits: an `AnalysisLimits` (values a capture holds, rows a patching sweep runs, an
+            evaluation's strengths, examples and neutral tokens).
 
     Example:
         >>> app = create_app(kw.load("smollm2-135m-instruct"), "smollm2", control_vectors={"happy": vec},
