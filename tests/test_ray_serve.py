@@ -108,6 +108,17 @@ def test_a_replica_loads_vectors_on_demand_and_answers_as_the_plain_server(vecto
     forward.close()
 
 
+def test_a_replica_refuses_a_malformed_strength_as_the_plain_server_does(vector_dir, plain):
+    """A strength that is not a number is refused, never dropped (which would answer unsteered)."""
+    forward = InProcess("r4", tiny_chat_lm, "tiny", str(vector_dir), app_options={"max_batch": 2})
+    for steer in ({"happy": "lots"}, {"happy": True}, {"happy": {"lo": "x"}}):
+        head, body = forward("POST", "/v1/chat/completions", chat_body(steer=steer))
+        expected = plain.post("/v1/chat/completions", json=chat_body(steer=steer))
+        assert head["status"] == expected.status_code == 400, body
+        assert json.loads(body)["error"]["message"] == expected.json()["error"]["message"]
+    forward.close()
+
+
 def test_a_replica_loads_a_clamp_vector_when_a_request_bounds_it(tmp_path):
     import kvwire as kw
 

@@ -146,7 +146,8 @@ class Replica:
             return body, APIError(f"replica {self.name} could not load a control vector from the vector store: "
                                   f"{message}", param="steer", code="vector_load_failed", status=500,
                                   type="server_error")
-        idle = [name for name in absent if name not in wanted]
+        # a name that asks for no steering need not be loaded; a malformed value stays for the app to refuse
+        idle = [name for name in absent if name not in wanted and _no_steering(steer[name])]
         if idle:
             data["steer"] = {name: value for name, value in steer.items() if name not in idle}
             body = json.dumps(data).encode()
@@ -237,3 +238,10 @@ class _Lifespan:
         await self._events.put({"type": "lifespan.shutdown"})
         await self._replies.get()
         await self._task
+
+
+def _no_steering(value):
+    """Whether a `steer` value asks for nothing: strength 0, or a clamp with neither bound."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    return isinstance(value, dict) and set(value) <= {"lo", "hi"} and all(value.get(k) is None for k in ("lo", "hi"))
