@@ -52,21 +52,23 @@ def _entry(path):
 @pytest.mark.parametrize("quant", [Q.Q8_0, Q.Q4_0], ids=["q8_0", "q4_0"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_no_block_is_dequantised_and_the_model_is_the_same(tmp_path, monkeypatch, quant, tied):
-    from kvwire.io import gguf as gguf_module
+    from kvwire.io.gguf import GGUFFile
     from kvwire.quant.ggml import sources
 
     path = _file(tmp_path, quant, tied)
     expected = _reference(path, monkeypatch, tmp_path)
-    read = []
-    for module in (gguf_module, sources):
-        real = module.dequantize
-        monkeypatch.setattr(module, "dequantize", lambda a, t, real=real: read.append((Q(t), a.shape)) or real(a, t))
+    read, tables = [], []
+    real_tensor, real_table = GGUFFile._tensor, sources._dequantized
+    monkeypatch.setattr(GGUFFile, "_tensor", lambda self, name, dims, kind, offset: read.append(Q(kind)) or
+                        real_tensor(self, name, dims, kind, offset))
+    monkeypatch.setattr(sources, "_dequantized", lambda gguf, name: tables.append(name) or real_table(gguf, name))
     for _ in range(2):  # converting, then from the cache entry
         lm = kw.load(path, progress=False, quantize="gguf")
         assert torch.equal(_logits(lm), expected)
-    # only the embedding table (and an untied head) are dequantised, once: the float copies the model
-    # holds but does not read while they run on blocks
-    assert sorted(shape[0] for kind, shape in read if kind == quant) == [300] * (1 if tied else 2)
+    # no block is read as floats but the embedding table (and an untied head), once: the float copies
+    # the model holds but does not read while they run on blocks
+    assert quant not in read and read
+    assert sorted(tables) == (["token_embd.weight"] if tied else ["output.weight", "token_embd.weight"])
     entry = _entry(path)
     assert weights_cache.is_complete(entry, weights_cache.FLOATS) and not weights_cache.is_complete(entry)
     assert not (entry / "weights.safetensors").exists()
@@ -75,8 +77,21 @@ def test_no_block_is_dequantised_and_the_model_is_the_same(tmp_path, monkeypatch
         kept = set(f.keys())
     assert {k for k in kept if k.endswith("_proj.weight")} == set()
     assert "embed_tokens.weight" in kept and ("lm_head.weight" in kept) is not tied
-    float_lm = lm.backbone.embed_tokens.weight  # the float table equals a float load's
-    assert torch.equal(float_lm, kw.load(path, progress=False).backbone.embed_tokens.weight)
+    float_lm = kw.load(path, progress=False)  # the float tables equal a float load's
+    assert torch.equal(lm.backbone.embed_tokens.weight, float_lm.backbone.embed_tokens.weight)
+    assert torch.equal(lm.head.weight, float_lm.head.weight)
+
+
+def test_float_tables_ggml_decodes_otherwise_take_the_gguf_packages_values(tmp_path, monkeypatch):
+    from kvwire.quant.ggml import GGMLLinear
+
+    path = _file(tmp_path)
+    with monkeypatch.context() as m:  # a decoder that disagrees with the gguf package at the ends
+        m.setattr(GGMLLinear, "dequantize", lambda self: torch.zeros(self.out_features, self.in_features))
+        lm = kw.load(path, progress=False, quantize="gguf")
+    float_lm = kw.load(path, progress=False)
+    assert torch.equal(lm.backbone.embed_tokens.weight, float_lm.backbone.embed_tokens.weight)
+    assert torch.equal(lm.head.weight, float_lm.head.weight)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "gpt2"])

@@ -90,13 +90,14 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
     family = by_gguf_architecture(gguf.architecture, path)
     sources = row_sources(family, gguf, lm.config)
     packed = None if cache is None else PackedBlocks(cache)
+    keys = _keys_of(lm)
     swapped = 0
     for parent, name, child in linears(lm):
-        key = _key_of(lm, child.weight)
+        key = keys.get(id(child.weight), (None,))[0]
         if key in sources:
             setattr(parent, name, _blocks_for(gguf, sources[key], child.weight, child.bias, packed=(packed, key)))
             swapped += 1
-    head_key = _key_of(lm, lm.head.weight)
+    head_key = keys.get(id(lm.head.weight), (None,))[0]
     if head_key in sources:
         target = quantizable_head(lm)
         target.quantized = _blocks_for(gguf, sources[head_key], lm.head.weight, None, head, cache,
@@ -106,7 +107,7 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
         raise ValueError(f"{path} has no quantised head to re-quantise to {head!r} (its head is float): load "
                          f"without head=, then kw.quantize(lm, {head!r}, layers=False)")
     for embedding in lm.backbone.modules():  # lookups read the file's table, not a float copy
-        key = _key_of(lm, embedding.weight) if isinstance(embedding, TokenEmbedding) else None
+        key = keys.get(id(embedding.weight), (None,))[0] if isinstance(embedding, TokenEmbedding) else None
         if key in sources:  # on the file's own pages, in ggml's layout: only the rows looked up are read
             embedding.quantized = _blocks_for(gguf, sources[key], embedding.weight, None, kernel="ggml")
     if not swapped:
@@ -207,8 +208,7 @@ def _keep(file, module):
             os.unlink(tmp)
 
 
-def _key_of(lm, tensor):
-    for key, param in lm.backbone.named_parameters(remove_duplicate=False):
-        if param is tensor:
-            return key
-    return None
+def _keys_of(lm):
+    """{id(parameter): (its key in the backbone, the parameter)}: held, so no id is reused while the
+    linear maps are swapped."""
+    return {id(param): (key, param) for key, param in lm.backbone.named_parameters(remove_duplicate=False)}
