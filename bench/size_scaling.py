@@ -4,7 +4,7 @@ and ~3B parameters, each in Q4_K_M and Q8_0.
 
     python bench/size_scaling.py [--sizes 0.5b,1.5b,3b] [--formats q4_k_m,q8_0] [--threads 2]
                                  [--cache-dir ~/.cache/kvwire-bench/size-scaling] [--budget-minutes 60]
-                                 [--new-tokens 32] [--repeat 3]
+                                 [--new-tokens 32] [--repeat 3] [--load-only]
 
 The models have RANDOM WEIGHTS (normal, std 0.02, seed 0; norm weights 1): right for speed and
 memory, which depend on shapes and formats only, and meaningless as text. Their tokenizer is
@@ -23,8 +23,9 @@ Files: each size is written once as float16 with the `gguf` package (streamed, o
 at a time), quantised by llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`, in
 a child process) to every asked format, and the float16 file deleted. They go into --cache-dir,
 named by size, shapes and format, and are reused by later runs. Free disk space is checked before
-anything is written (the files, one float16 intermediate, and kvwire's float32 copy of the largest
-model, which kvwire's first load of a GGUF writes into its cache, removed here after each file);
+anything is written (the files, one float16 intermediate, and what kvwire's first load of a GGUF
+writes into its cache for the largest model: float32 copies of the embedding and head, and the
+blocks it repacks, removed here after each file);
 the run is refused if it is short. A step
 whose estimated time (ESTIMATE_S, FORMATS) does not fit in what is left of --budget-minutes is skipped,
 and the output says so.
@@ -42,7 +43,7 @@ their runs interleaved by this process, best of --repeat; bench/generate.py's `m
   and server run them, in one context (1024 cells, 4 sequences, unified KV cache); greedy tokens
   are the logits' argmax in both.
 - peak RSS: the timed process's (VmHWM), over its load and all timed runs (a 512-token prefill
-  and batch-4 decoding included).
+  and batch-4 decoding included); with --load-only, over its load alone (no generation is timed).
 """
 import argparse
 import os
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LibraryDied, LibraryProcess, answer_requests, cpu_paths, header, run_worker  # noqa: E402
+from common import LibraryDied, LibraryProcess, answer_requests, cpu_paths, header, peak_rss_gb, run_worker  # noqa: E402
 from generate import TEXT, import_library, kvwire_runner, measure  # noqa: E402
 
 
@@ -182,15 +183,16 @@ def gb(n):
 
 def disk_needed(sizes, formats, folder, kvwire_cache):
     """{folder: bytes} this run writes: missing files and one float16 intermediate at a time into
-    `folder`; kvwire's float32 copy of the largest model (its first load's, removed after) into
-    `kvwire_cache` (the same sum where both are on one file system)."""
+    `folder`; what kvwire's first load of the largest model keeps (float32 embedding and head, the
+    repacked blocks: at most the file's size; removed after) into `kvwire_cache` (the same sum where
+    both are on one file system)."""
     files, intermediate, converted = 0, 0, 0
     for size in sizes:
         params = SIZES[size].parameters(VOCAB)
         missing = [fmt for fmt in formats if not model_path(folder, size, fmt).is_file()]
         files += sum(params * FORMATS[fmt][2] for fmt in missing)
         intermediate = max(intermediate, 2 * params * bool(missing))
-        converted = max(converted, 4 * params)
+        converted = max(converted, 4 * 2 * VOCAB * SIZES[size].hidden + params * max(FORMATS[f][2] for f in formats))
     os.makedirs(kvwire_cache, exist_ok=True)
     if os.stat(folder).st_dev == os.stat(kvwire_cache).st_dev:
         return {folder: int(files + max(intermediate, converted) + 1e9)}  # + 1 GB to spare
@@ -203,7 +205,7 @@ def check_disk(needs):
         free = shutil.disk_usage(folder).free
         if free < need:
             raise SystemExit(f"size_scaling: needs ~{gb(need):.1f} GB free in {folder} (the quantised files, one "
-                             f"float16 intermediate, kvwire's converted float32 copy of the largest model), has "
+                             f"float16 intermediate, what kvwire's first load of the largest model keeps), has "
                              f"{gb(free):.1f} GB; free space, pick another --cache-dir (KVWIRE_CACHE for kvwire's "
                              f"copy) or fewer --sizes")
 
@@ -301,13 +303,6 @@ def serve(engine, path, threads):
     answer_requests(handle, {"load_s": loaded})
 
 
-def peak_rss_gb():
-    """This process's peak RSS (VmHWM). Not `ru_maxrss`: Linux carries that over from the parent at
-    exec, so a child's reads at least its parent's resident size when it was started."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1e6  # kB
-
-
 def cold_load(path, threads):
     """The cold-load child: kvwire's load of a file it has no cache entry for, then its peak RSS."""
     import_library("kvwire", threads)
@@ -323,7 +318,7 @@ def compare(path, args):
     from kvwire.io.weights_cache import entry_for
 
     results, why, children = {}, {}, {}
-    entry = entry_for(path)  # kvwire's converted copy of this file (float32): removed before and after
+    entry = entry_for(path)  # what kvwire keeps of this file (floats, repacked blocks): removed before and after
     shutil.rmtree(entry, ignore_errors=True)
     try:
         cold = run_worker(__file__, ["--cold", str(path), "--threads", str(args.threads)])
@@ -336,9 +331,12 @@ def compare(path, args):
                 why[engine] = f"did not load: {e}"
         if "kvwire" not in children:
             return {}, {**why, "llama.cpp": why.get("llama.cpp", "not timed: kvwire failed")}
-        ids = children["kvwire"].ask(op="encode", text=TEXT)["ids"]
-        runners = {e: (lambda ids, n, c=c: c.ask(op="generate", ids=ids, n=n)["seconds"]) for e, c in children.items()}
-        rates, died = measure(runners, lambda text: ids, args.new_tokens, repeat=args.repeat)
+        if args.load_only:  # loads and the RSS they leave, no generation
+            rates, died = {engine: {} for engine in children}, {}
+        else:
+            ids = children["kvwire"].ask(op="encode", text=TEXT)["ids"]
+            runners = {e: (lambda ids, n, c=c: c.ask(op="generate", ids=ids, n=n)["seconds"]) for e, c in children.items()}
+            rates, died = measure(runners, lambda text: ids, args.new_tokens, repeat=args.repeat)
         why.update(died)
         for engine in rates:
             load = children[engine].ready["load_s"]
@@ -364,7 +362,9 @@ def report(size, fmt, results, why):
         else:
             print(f"{label}{engine:18}  {why.get(engine, 'not timed')}")
     if len(results) == 2:
-        ratios = "".join(f"{results['kvwire'][k] / results['llama.cpp'][k]:12.2f}x" for k, _ in COLUMNS)
+        nan = float("nan")  # a column not measured (--load-only): no ratio
+        ratios = "".join(f"{results['kvwire'].get(k, nan) / results['llama.cpp'].get(k, nan):12.2f}x"
+                         for k, _ in COLUMNS)
         print(f"{label}{'kvwire/llama.cpp':18}{ratios}", flush=True)
 
 
@@ -377,6 +377,8 @@ def parser():
     p.add_argument("--budget-minutes", type=float, default=60.0)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--load-only", action="store_true",
+                   help="measure loads (cold, warm) and the peak RSS after them only: no generation")
     p.add_argument("--serve", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
     p.add_argument("--cold", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--quantize", nargs=3, metavar=("SOURCE", "TARGET", "FORMAT"), help=argparse.SUPPRESS)
