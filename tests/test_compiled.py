@@ -1,5 +1,6 @@
 """`lm.compile()`: the compiled decode step and short prompts give eager's tokens, batches and
 steering included, and calls with different lengths share one compiled step."""
+import os
 import re
 
 import pytest
@@ -42,8 +43,16 @@ def test_compiled_decode_gives_eager_tokens(family, quantize, tmp_path, monkeypa
     eager, short = _greedy(steered, prompts, 14), _greedy(steered, prompts, 6)
     assert eager[1] == _greedy(lm, prompts[1:], 14)[0]  # the strength-0 row is the plain model
     steered.compile(bucket=32)
-    tokens, code = run_and_get_code(lambda: _greedy(steered, prompts, 14))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # compiled as an engine under load runs: on fewer threads than cores
+    try:
+        tokens, code = run_and_get_code(lambda: _greedy(steered, prompts, 14))
+    finally:
+        torch.set_num_threads(before)
     assert tokens == eager  # per-row strengths are compiled-step inputs
+    if (os.cpu_count() or 1) > 1:  # kernels take OpenMP's team size when they run, not the compile's
+        kernels = "\n".join(code)
+        assert "#pragma omp parallel" in kernels and "num_threads(" not in kernels
     graphs = _graphs()
     assert _greedy(steered, prompts, 6) == short  # a shorter call: same 32-slot cache, no new compile
     assert _graphs() == graphs

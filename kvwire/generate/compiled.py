@@ -161,8 +161,12 @@ def _with_passes(options):
 
     # reorder_for_locality would move the attention's read of a value cache below that cache's
     # one-slot write, and Inductor then copies the whole cache out and back instead of writing it in place
+    # dynamic_threads: parallel kernels take OpenMP's team size when they run. Without it Inductor
+    # writes the pool's size at compile time into each kernel whenever that differs from the core
+    # count, so a step compiled while the engine ran on fewer threads under load (kernels/threads.py)
+    # would keep that count, on a quiet machine and in every later process reading Inductor's cache
     inductor = {"post_grad_custom_post_pass": FuseSiblingMatmuls(), "reorder_for_locality": False,
-                **WRAPPER_CHECKS_OFF, **(options.get("options") or {})}
+                "cpp.dynamic_threads": True, **WRAPPER_CHECKS_OFF, **(options.get("options") or {})}
     return {**options, "options": inductor}
 
 
