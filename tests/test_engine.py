@@ -167,6 +167,55 @@ def test_prefix_reuse_equals_a_full_prefill(family):
     assert store.hits == 1
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefix_hits_waiting_together_prefill_as_one_batch(family):
+    """Prompts extending one stored sequence, submitted together, prefill in one batch where their
+    entries can be restored up to where the batch's longest new part starts (full caches: any
+    length; gemma3's rings only at the stored length, so only equal new parts batch), unless the
+    batch would compute more than twice the new tokens; each row equals its prompt prefilled alone."""
+    lm = tiny(family)
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(lm, max_batch=4, max_length=128, prefix_store=store)
+    first = engine.submit(prompts(1, seed=4, low=12, high=13)[0], 8)
+    drive(engine, [first])
+    stored = first.prompt + first.tokens[:-1]  # the last token was never fed
+    suffixes = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18], [20 + i % 50 for i in range(40)]]
+    if family == "gemma3":
+        suffixes[1] = [8, 9, 10]  # the new part of row 0 (rings: equal new parts only)
+    turns = [first.prompt + first.tokens + extra for extra in suffixes]
+    before = engine.stats["scratch_prefills"]
+    seqs = [engine.submit(t, 6) for t in turns]
+    drive(engine, seqs)
+    for seq, turn in zip(seqs, turns):
+        tokens, logprobs = single(lm, turn, 6)
+        assert seq.tokens == tokens
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+    full = len(stored)
+    if family == "llama":  # rows 0-2 batch from the column of row 1's new part (7 tokens); row 3 alone
+        assert [s.cached_tokens for s in seqs] == [full - 3, full - 0, full - 1, full]
+        assert engine.stats["scratch_prefills"] - before == 2
+    else:  # rows 0 and 1 batch; row 2's new part is longer and its rings hold only the stored end
+        assert [s.cached_tokens for s in seqs] == [full] * 4
+        assert engine.stats["scratch_prefills"] - before == 3
+
+
+def test_a_waiting_hit_whose_entry_was_evicted_is_looked_up_again():
+    """A sequence looked up while it waited (a batch of hits looks behind the queue's head) whose
+    entry is evicted before it is admitted looks up again, never restores freed pages."""
+    lm = tiny("llama")
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(lm, max_batch=1, max_length=64, prefix_store=store)
+    first = engine.submit(prompts(1, seed=2, low=10, high=11)[0], 4)
+    drive(engine, [first])
+    waiting = engine.submit(first.prompt + first.tokens + [9], 4)
+    entry, reused = engine._lookup(waiting)
+    assert entry is not None and reused > 0
+    store._drop((entry.tokens, entry.inputs))  # evicted while it waited
+    assert engine._lookup(waiting) == (None, 0)
+    drive(engine, [waiting])
+    assert waiting.cached_tokens == 0 and waiting.tokens == single(lm, waiting.prompt, 4)[0]
+
+
 def test_prefix_store_keeps_its_budget_and_respects_inputs():
     lm = tiny("llama")
     row = prompts(1, seed=5, low=20, high=21)[0]

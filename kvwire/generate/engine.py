@@ -294,12 +294,14 @@ class Engine:
             return
         while self.waiting and self._free_rows():
             free = self._free_rows()
-            hit = self._lookup(self.waiting[0])
-            if hit[0] is not None:
-                seq = self.waiting[0]
-                if not self._fit(len(seq.prompt) + seq.max_new_tokens):
+            if self._lookup(self.waiting[0])[0] is not None:
+                hits = self._hits(len(free))
+                if not self._fit(max(len(seq.prompt) + seq.max_new_tokens for seq, _ in hits)):
                     return
-                self._start_job([self.waiting.popleft()], direct=False, prefix=hit, rows=free[:1])
+                for _ in hits:
+                    self.waiting.popleft()
+                self._start_job([seq for seq, _ in hits], direct=False, prefix=[hit for _, hit in hits],
+                                rows=free[:len(hits)])
             else:
                 group = self._group(len(free))
                 longest = max(len(s.prompt) for s in group)
@@ -348,19 +350,47 @@ class Engine:
             longest = length
         return group
 
+    def _hits(self, room):
+        """The waiting prefix hits at the queue's head (FIFO, up to `room`) that prefill as one batch:
+        [(seq, (entry, reused))]. Left-padded together, their new tokens end in one column, so each
+        row reuses its stored prefix up to where the batch's longest new part starts (recomputing the
+        rest of it); a row joins while its entry can be restored that far (a ring or a state slot
+        only at the positions it stored) and the batch computes at most twice the new tokens its rows
+        need. The first hit always goes, alone if no other joins."""
+        first = self.waiting[0]
+        group = [(first, self._lookup(first))]
+        while len(group) < room and len(group) < len(self.waiting):
+            seq = self.waiting[len(group)]
+            if self._lookup(seq)[0] is None:
+                break
+            wider = group + [(seq, seq.hit)]
+            new = max(len(s.prompt) - c for s, (_, c) in wider)  # the batch's columns of new tokens
+            if len(wider) * new > 2 * sum(len(s.prompt) - c for s, (_, c) in wider):
+                break
+            slots = self._slots(max(len(s.prompt) for s, _ in wider))
+            least = max(1, self.prefix_store.min_tokens)
+            if not all(len(s.prompt) - new >= least and e.usable(len(s.prompt) - new, slots) for s, (e, _) in wider):
+                break
+            group = wider
+        new = max(len(s.prompt) - c for s, (_, c) in group)
+        return [(s, (e, len(s.prompt) - new)) for s, (e, _) in group]
+
+    def _slots(self, length):
+        """Each cached layer's slots in a scratch cache of `length` positions (rings: at most window - 1)."""
+        return [slot.module.cache_spec(1, length, None)[0][2] for slot in self.cached.slots]
+
     def _lookup(self, seq):
-        """(stored Prefix, positions to reuse) for a waiting sequence, or (None, 0); looked up once."""
-        if seq.hit is None:
+        """(stored Prefix, positions to reuse) for a waiting sequence, or (None, 0); looked up once,
+        and again if the entry found was evicted meanwhile (its pages may hold other keys now)."""
+        if seq.hit is None or (seq.hit[0] is not None and not seq.hit[0].alive):
             store = self.prefix_store
             if store is None or not seq.reuse_prefix or not self.per_row:
                 seq.hit = (None, 0)
             else:
-                # the slots a scratch cache for this prompt has per layer (rings: at most window - 1)
-                slots = [slot.module.cache_spec(1, len(seq.prompt), None)[0][2] for slot in self.cached.slots]
-                seq.hit = store.lookup(seq.prompt, seq.inputs_key, slots)
+                seq.hit = store.lookup(seq.prompt, seq.inputs_key, self._slots(len(seq.prompt)))
         return seq.hit
 
-    def _start_job(self, seqs, direct, prefix=(None, 0), rows=None):
+    def _start_job(self, seqs, direct, prefix=None, rows=None):
         rows = list(range(len(seqs))) if rows is None else rows
         if direct:
             rows = list(range(rows[0], rows[0] + len(seqs))) if _contiguous(rows) else None

@@ -8,14 +8,14 @@ class Prefill:
     """The prefill of a group of waiting sequences, run chunk by chunk.
 
     Direct: left-padded together into their contiguous rows of the engine's cache. Otherwise into a
-    scratch cache of the group's length, copied into the rows when done; a prefix hit first restores
-    the stored keys/values there. Either way in chunks of `prefill_step` tokens a row (512 prompt
+    scratch cache of the group's length, copied into the rows when done; prefix hits (`prefix`: an
+    (entry, reused) per row, or None) first restore their stored keys/values there, each row's
+    reused positions ending in one column (`Engine._hits`), where the chunks start. Either way in chunks of `prefill_step` tokens a row (512 prompt
     tokens a call in all, or the model's `prefill_call_tokens`), scratch ones also at most `prefill_chunk`.
     """
 
     def __init__(self, engine, seqs, rows, direct, prefix):
         self.engine, self.seqs, self.rows, self.direct = engine, seqs, rows, direct
-        entry, reused = prefix
         device = engine.device
         prompts = [s.prompt for s in seqs]
         self.ids, self.positions, pads = left_pad(prompts, multiple=engine.multiple, device=device)
@@ -36,9 +36,11 @@ class Prefill:
             self.cache = engine.cached.init_cache(len(seqs), length)
             self.mask = torch.arange(length, device=device)[None] >= pads[:, None]
         self.at = 0
-        if entry is not None:
-            engine.prefix_store.restore(entry, reused, self.cache, 0, 0)
-            seqs[0].cached_tokens = self.at = reused
+        for i, (entry, reused) in enumerate(prefix or ()):
+            engine.prefix_store.restore(entry, reused, self.cache, i, self.pads[i])
+            seqs[i].cached_tokens, at = reused, self.pads[i] + reused
+            assert self.at in (0, at), "a batch of prefix hits must reuse up to one column"
+            self.at = at
 
     def write_back(self):
         """Put a functional graph's new caches (an exported runtime returns new tensors) into the
