@@ -176,3 +176,25 @@ def test_a_stored_state_is_reused_only_at_its_stored_length(model):
     _drive(engine, [c])
     assert c.cached_tokens == 0
     assert c.tokens == _single(model.lm, turn1[:7] + [9, 9, 9], 6)[0]
+
+
+def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_path):
+    """The state slot is a graph input and output like any cache (LFM2's short convolutions; the
+    chunked scans of gated delta-nets and Mamba-2 loop over a chunk count in Python, which a
+    dynamic-chunk ONNX program cannot take)."""
+    pytest.importorskip("onnxruntime")
+    from kvwire.export import load_exported
+
+    original = tiny_model("lfm2")
+    hf = copy.deepcopy(original)
+    lm = kw.from_hf(original, generic=True)
+    kw.export(lm, tmp_path / "m.onnx", max_length=L)
+    g = torch.Generator().manual_seed(12)
+    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g) for n in (9, 4)]
+    runtime = load_exported(tmp_path / "m.onnx")
+    for row in rows:
+        with torch.no_grad():
+            theirs = hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                                 max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+        got = runtime.generate(row[None], max_new_tokens=10, ignore_eos=True)[0]
+        assert got.tolist() == theirs[0, len(row):].tolist()

@@ -109,6 +109,10 @@ def _find_states(name, model, backbone, probe):
                 continue
             cache = state_slots.probe_cache(count)
             args_, kwargs_ = with_arguments(part.block, args, kwargs, {"cache": cache})
+            mixer = []  # the first of the layer's modules whose call left state: its token mixer
+            hooks = [child.register_forward_hook(
+                lambda m, a, o: mixer.append(m) if not mixer and state_slots.found_states(cache) else None)
+                for child in part.block.children()]
             try:
                 part.block(hidden, *args_, **kwargs_)
             except Exception as e:  # noqa: BLE001 - a layer that cannot run on a cache at all
@@ -117,6 +121,9 @@ def _find_states(name, model, backbone, probe):
                 raise ValueError(f"{plain}, and running it on a transformers cache fails ({type(e).__name__}: "
                                  f"{e}); the generic path caches attention and the state of layers that keep it "
                                  f"in transformers' Cache API") from e
+            finally:
+                for h in hooks:
+                    h.remove()
             states = state_slots.found_states(cache)
             if part.attention is not None:
                 if states:
@@ -130,6 +137,7 @@ def _find_states(name, model, backbone, probe):
                                  f"recurrent, convolution and linear-attention state")
             if states:
                 part.states = state_slots.StateCache(states, count)
+                part.__dict__["mixer"] = mixer[0] if mixer else None  # not a submodule: block holds it
             # else a layer with nothing to cache (a feed-forward block): the cached check below has the last word
 
 
@@ -141,7 +149,8 @@ def _find_sites(backbone, probe):
         calls = recorded_calls()
         for part in backbone.layers:
             _, args, kwargs = calls[part.index]
-            points, heads_width = find_sites(part.block, part.attention, x, args, kwargs)
+            mixer = part.attention if part.attention is not None else part.mixer
+            points, heads_width = find_sites(part.block, mixer, x, args, kwargs, heads=part.attention is not None)
             install(points)
             part.found_sites(points, x.shape[-1], heads_width)
             x = part(x)

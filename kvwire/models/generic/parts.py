@@ -115,6 +115,7 @@ class DecoderLayer(InnerSites, Block):
                  plain_math=False, states=None):
         super().__init__()
         self.block, self.index, self.states = layer, index, states
+        self.__dict__["mixer"] = None  # a stateful layer's token mixer (a submodule of block; found by the build)
         self.__dict__["attention"] = attention  # the transformers attention module (a submodule of block)
         self.kv_heads, self.key_size, self.value_size, self.window = kv_heads, key_size, value_size, window
         self.plain_math = plain_math  # cached calls may use kvwire's attention math (the probe checked it)

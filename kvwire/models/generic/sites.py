@@ -3,8 +3,9 @@
 A generic block is one call of the layer graph (transformers' own layer), so its inner sites are
 reached inside the call: each is a module of the layer whose output (or input) *is* the site's
 value, found once on the build's probe by dataflow, never by name:
-- "attn_out": what attention writes to the residual stream: the attention module's output, or the
-  output of the module that takes exactly that tensor next (a post-attention norm, Gemma's sandwich);
+- "attn_out": what attention (or, in a layer without, the recurrent or state-space mixer that keeps
+  its state: `kvwire.models.generic.state`) writes to the residual stream: that module's output, or
+  the output of the module that takes exactly that tensor next (a post-attention norm, Gemma's sandwich);
 - "mlp_out": the output of the layer's last module call (the MLP or MoE block, or its post-norm);
   both only where the layer's output is its input plus those two writes (checked on the probe);
 - "resid_mid": the stream between them, where the first module after the attention write reads
@@ -49,10 +50,11 @@ def running(layer, x, positions, inputs, gate=None):
         _running.reset(token)
 
 
-def find_sites(layer, attention, x, args, kwargs):
+def find_sites(layer, attention, x, args, kwargs, heads=True):
     """({site: (module, "output" | "input")}, heads width or None) for transformers decoder layer
-    `layer` (attention module `attention`), by running it once on its recorded call (x, args,
-    kwargs) and watching its modules' inputs and outputs."""
+    `layer` (attention module `attention`: its token mixer, or a recurrent one's with `heads`
+    False, which has no "attn_heads"), by running it once on its recorded call (x, args, kwargs)
+    and watching its modules' inputs and outputs."""
     calls, heads = [], []
     child_of = {}
     for name, child in layer.named_children():
@@ -64,7 +66,7 @@ def find_sites(layer, attention, x, args, kwargs):
         calls.append((module, given, out[0] if isinstance(out, tuple) else out))
 
     hooks = [c.register_forward_hook(seen, with_kwargs=True) for c in layer.children()]
-    linears = [m for m in attention.children() if isinstance(m, nn.Linear)] if attention is not None else []
+    linears = [m for m in attention.children() if isinstance(m, nn.Linear)] if attention is not None and heads else []
     hooks += [m.register_forward_hook(lambda m, a, o: heads.append((m, a[0]))) for m in linears]
     try:
         with torch.no_grad():

@@ -120,13 +120,14 @@ class StateCache:
             layer = cache.layers[s.layer]
             t = (layer.conv_states if s.kind == "conv" else layer.recurrent_states)[s.index]
             parts[s.kind].append(t.reshape(B, -1).to(torch.float32))
-        new = tuple(torch.cat(parts[kind], dim=1).view(t.shape) if parts[kind] else t
+        # an unused column (a layer with no recurrent state) is passed on as a copy: an exported
+        # graph's output is then its own tensor, not its input's
+        new = tuple(torch.cat(parts[kind], dim=1).view(t.shape) if parts[kind] else t.clone()
                     for kind, t in zip(("conv", "recurrent"), slot))
         if functional_cache_writes():
             return new
         for old, value in zip(slot, new):
-            if value is not old:
-                old.copy_(value)  # in place, as cached attention writes its keys and values
+            old.copy_(value)  # in place, as cached attention writes its keys and values
         return slot
 
 
