@@ -30,7 +30,7 @@ from .quant import quantize as quantize_lm
 from .kernels.ggml.lib import GGMLUnavailable, ggml_dirs
 from .quant.ggml import qtype_of, use_gguf_blocks
 from .quant.ggml.linear import FLOAT_TYPES, QUANTIZE_TYPES
-from .quant.ggml.sources import dequantized_rows, float_state, row_sources
+from .quant.ggml.sources import dequantized_rows, float_state, non_finite, row_sources
 
 
 def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantize=None, device="cpu", head=None,
@@ -45,7 +45,8 @@ def load(name_or_path="gemma3-270m", dtype=torch.float32, progress=True, quantiz
         dtype: torch dtype (or its name) of the weights.
         progress: show progress bars.
         quantize: None; "gguf": keep a GGUF file's own quantised weights and run ggml's kernels on
-            them (no further loss; needs `kvwire[ggml]`); a ggml format ("q8_0", "q4_k", ...,
+            them (no further loss; needs `kvwire[ggml]`; those weights are never dequantised, and the
+            blocks repacked for this CPU are cached: `load_gguf_blocks`); a ggml format ("q8_0", "q4_k", ...,
             `kw.quantize`); or "int8" / "int4" on PyTorch's kernels (fastest with dtype="bfloat16").
             All of these are CPU kernels: with another device, quantize must be None. "auto":
             "gguf" where that runs (`auto_quantize`), else None.
@@ -224,29 +225,15 @@ def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
             (family, config), tokenizer = cached, Tokenizer.load(entry)
             floats = _cached_weights(entry, dtype, "floats")
         else:
-            family = by_gguf_architecture(gguf.architecture, path)
-            tokenizer = tokenizer_from_gguf(gguf)
-            config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path), gguf)
-            floats = float_state(family, gguf, config, progress)
+            family, config, tokenizer, floats = _read_floats(gguf, path, progress)
             if floats is None:  # a converter that changes a quantised tensor's values: a float load converts it
                 return use_gguf_blocks(load_gguf(path, dtype, progress, entry), path, head, entry)
-            _check_finite(floats)
         sources = row_sources(family, gguf, config)
-        lm = build(family, config, floats, tokenizer, dtype, stand_ins=sources)
-        # held here, so that no tensor made while swapping can take a dropped stand-in's id
-        named = itertools.chain(lm.backbone.named_parameters(remove_duplicate=False), lm.backbone.named_buffers())
-        stand_ins = {id(t): (k, t) for k, t in named if _is_stand_in(t)}
-        lm = use_gguf_blocks(lm, path, head, entry)
-        # what no block replaced stays float: the embedding and head tables a float load would hold
-        left = {stand_ins[id(t)][0]: t for t in itertools.chain(lm.parameters(), lm.buffers()) if id(t) in stand_ins}
-        del stand_ins
-        if left:
-            values = {k: dequantized_rows(gguf, sources[k]) for k in sorted(left)}
-            _check_finite(values)
-            floats = {**floats, **values}
+        lm, left = _on_blocks(build(family, config, floats, tokenizer, dtype, stand_ins=sources), path, head, entry)
+        values = {k: dequantized_rows(gguf, sources[k]) for k in sorted(left)}
     if cached is None or left:
         try:
-            _save_entry(entry, family, config, floats, tokenizer, dtype, "floats", weights_cache.FLOATS)
+            _save_entry(entry, family, config, {**floats, **values}, tokenizer, dtype, "floats", weights_cache.FLOATS)
             values = {k: v for k, v in _cached_weights(entry, dtype, "floats").items() if k in left}  # mapped
         except OSError as e:  # a read-only or full disk costs speed next time, not this load
             warnings.warn(f"kvwire: could not cache the converted weights in {entry}: {e}")
@@ -255,6 +242,31 @@ def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
     if progress and cached is None:
         print(f"kvwire: read {Path(path).name} in {time.perf_counter() - start:.1f} s (cached in {entry})")
     return lm
+
+
+def _read_floats(gguf, path, progress):
+    """(family, config, tokenizer, the float tensors `float_state` converts: None where it cannot) of a
+    GGUF file; a NaN or infinite weight, float or in blocks, raises, as a float load's check does."""
+    family = by_gguf_architecture(gguf.architecture, path)
+    tokenizer = tokenizer_from_gguf(gguf)
+    config = family.config_from_gguf(gguf.metadata, len(gguf.field("tokenizer.ggml.tokens")), str(path), gguf)
+    floats = float_state(family, gguf, config, progress)
+    if floats is not None:
+        _check_finite(floats)
+        bad = non_finite(gguf)  # the blocks' scales, read in place
+        if bad is not None:
+            raise ValueError(f"tensor {bad!r} holds NaN or infinite values")
+    return family, config, tokenizer, floats
+
+
+def _on_blocks(lm, path, head, entry):
+    """(`lm` on the file's blocks, {key: parameter} of `build`'s stand-ins that no block replaced: the
+    float tables the model holds, to be filled)."""
+    # held here, so that no tensor made while swapping can take a dropped stand-in's id
+    named = itertools.chain(lm.backbone.named_parameters(remove_duplicate=False), lm.backbone.named_buffers())
+    stand_ins = {id(t): (k, t) for k, t in named if _is_stand_in(t)}
+    lm = use_gguf_blocks(lm, path, head, entry)
+    return lm, {stand_ins[id(t)][0]: t for t in itertools.chain(lm.parameters(), lm.buffers()) if id(t) in stand_ins}
 
 
 def _is_stand_in(tensor):

@@ -6,6 +6,7 @@ import importlib.util
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -92,6 +93,22 @@ def test_float_tables_ggml_decodes_otherwise_take_the_gguf_packages_values(tmp_p
     float_lm = kw.load(path, progress=False)
     assert torch.equal(lm.backbone.embed_tokens.weight, float_lm.backbone.embed_tokens.weight)
     assert torch.equal(lm.head.weight, float_lm.head.weight)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the float load's decoding
+@pytest.mark.parametrize("tensor", ["blk.1.ffn_down.weight", "blk.0.attn_q.weight"])
+def test_an_infinite_scale_in_blocks_is_refused_as_a_float_load_refuses_it(tmp_path, tensor):
+    from kvwire.io.gguf import GGUFFile
+
+    path = _file(tmp_path)
+    offset = next(o for name, _, _, o in GGUFFile(path).infos if name == tensor)
+    data = bytearray(path.read_bytes())
+    data[offset + 34:offset + 36] = np.float16(np.inf).tobytes()  # the second Q8_0 block's scale
+    path.write_bytes(bytes(data))
+    for quantize in ("gguf", None, "gguf"):
+        with pytest.raises(ValueError, match=r"m\.gguf: tensor '.*' holds NaN or infinite values"):
+            kw.load(path, progress=False, quantize=quantize)
+    assert not weights_cache.is_complete(_entry(path), weights_cache.FLOATS)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "gpt2"])

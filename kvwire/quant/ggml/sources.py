@@ -7,6 +7,7 @@ numbers come out where the rows go, with no block dequantised.
 """
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
@@ -82,6 +83,32 @@ def _dequantized(gguf, name):
         return reference(blocks)
     ends = np.unique(np.r_[0:min(16, len(values)), max(0, len(values) - 16):len(values)])
     return values if np.array_equal(values[ends], reference(blocks[ends])) else reference(blocks)
+
+
+# where each block's float16 scales sit (ggml's block structs; its other fields are small integers):
+# a block's weights are finite exactly when these are
+_SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+           "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def non_finite(gguf):
+    """The first quantised 2-D tensor of the file with a NaN or infinite weight (a corrupt file), or None:
+    the blocks' scales read in place, nothing decoded (other formats: decoded by the gguf package, a
+    chunk of rows at a time)."""
+    for i in sorted(quantised(gguf)):
+        name = gguf.infos[i][0]
+        qtype, blocks = gguf.blocks(name)
+        offsets = _SCALES.get(qtype.name)
+        if offsets is None:
+            finite = all(np.isfinite(dequantize(blocks[start:start + 4096], qtype)).all()
+                         for start in range(0, len(blocks), 4096))
+        else:
+            each = blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+            finite = all(np.isfinite(each[:, at:at + 2].view(np.float16)).all() for at in offsets)
+        gguf.forget(blocks)  # read once here: its pages need not stay in this process
+        if not finite:
+            return name
+    return None
 
 
 def _row_numbers(index, dims):
