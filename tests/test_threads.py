@@ -216,3 +216,13 @@ def test_a_pinned_pool_is_kept_and_bad_counts_are_refused(two_threads, monkeypat
     monkeypatch.setenv("KVWIRE_THREADS", "0")
     with pytest.raises(ValueError, match=r"KVWIRE_THREADS='0'; expected a positive int"):
         options.use_threads(type("Args", (), {"threads": None})())
+
+
+def test_kvwire_info_says_whether_steps_follow_the_load(monkeypatch):
+    from kvwire.info import info, lines
+
+    monkeypatch.setattr(threads, "_pinned", None)
+    assert "threads (fewer while other processes keep cores busy)" in lines(info())[1]
+    monkeypatch.setattr(threads, "_pinned", 2)
+    report = info()
+    assert report["cpu"]["threads_pinned"] is True and "threads (pinned)" in lines(report)[1]
