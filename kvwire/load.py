@@ -229,7 +229,7 @@ def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
             if floats is None:  # a converter that changes a quantised tensor's values: a float load converts it
                 return use_gguf_blocks(load_gguf(path, dtype, progress, entry), path, head, entry)
         sources = row_sources(family, gguf, config)
-        lm, left = _on_blocks(build(family, config, floats, tokenizer, dtype, stand_ins=sources), path, head, entry)
+        lm, left = _on_blocks(build(family, config, floats, tokenizer, dtype, stand_ins=sources), gguf, head, entry)
         values = {k: dequantized_rows(gguf, sources[k]) for k in sorted(left)}
     if cached is None or left:
         try:
@@ -259,13 +259,13 @@ def _read_floats(gguf, path, progress):
     return family, config, tokenizer, floats
 
 
-def _on_blocks(lm, path, head, entry):
+def _on_blocks(lm, gguf, head, entry):
     """(`lm` on the file's blocks, {key: parameter} of `build`'s stand-ins that no block replaced: the
     float tables the model holds, to be filled)."""
     # held here, so that no tensor made while swapping can take a dropped stand-in's id
     named = itertools.chain(lm.backbone.named_parameters(remove_duplicate=False), lm.backbone.named_buffers())
     stand_ins = {id(t): (k, t) for k, t in named if _is_stand_in(t)}
-    lm = use_gguf_blocks(lm, path, head, entry)
+    lm = use_gguf_blocks(lm, gguf.path, head, entry, gguf)
     return lm, {stand_ins[id(t)][0]: t for t in itertools.chain(lm.parameters(), lm.buffers()) if id(t) in stand_ins}
 
 

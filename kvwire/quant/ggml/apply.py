@@ -66,7 +66,7 @@ def fitting(qtype, width):
     return qtype_of(_FALLBACK[qtype.name]) if width % 256 and qtype.name in _FALLBACK else qtype
 
 
-def use_gguf_blocks(lm, path, head=None, cache=None):
+def use_gguf_blocks(lm, path, head=None, cache=None, gguf=None):
     """Swap every linear map whose weight is quantised in the GGUF file at `path` for a
     `GGMLLinear` on the file's own blocks (memory-mapped), head included; token embeddings whose
     table is quantised there look their rows up in it (`TokenEmbedding.quantized`). In place;
@@ -78,7 +78,8 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
     `cache`: a folder (the file's kvwire cache entry) where the re-quantised head and the blocks this
     load copies (repacked for x16, rows reordered) are kept (`packed.PackedBlocks`), so the next load
     maps them instead of making them again (~0.9 s for Gemma 3's head, most of a warm load for a
-    repacked model); None: nothing kept.
+    repacked model); None: nothing kept. `gguf`: the file's `GGUFFile` when the caller has it open
+    (its header is not parsed again: 0.16 s for Gemma 3's 262k-token vocabulary).
 
     Which tensor (and which of its rows) feeds which weight is found by running the family's GGUF
     converter on row numbers instead of values: converters may split or reorder whole rows (GPT-2
@@ -86,7 +87,7 @@ def use_gguf_blocks(lm, path, head=None, cache=None):
     """
     from ...models import by_gguf_architecture  # the models import the quant package
 
-    gguf = GGUFFile(path)
+    gguf = GGUFFile(path) if gguf is None else gguf
     family = by_gguf_architecture(gguf.architecture, path)
     sources = row_sources(family, gguf, lm.config)
     packed = None if cache is None else PackedBlocks(cache)
