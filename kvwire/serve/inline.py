@@ -28,6 +28,7 @@ import torch
 
 from ..graph import insert_after, numbered_blocks
 from ..graph.sites import site_targets
+from ..layers.shared import shared
 from ..steer.ops import LIMIT
 from ..steer.schedule import Scheduled
 from .errors import APIError
@@ -68,14 +69,19 @@ class SlotSteer(Scheduled):
                 for name in self.own_inputs()}
 
     def act(self, x, on, inputs):
-        def given(what):  # (B, 1, K): one input of every slot
-            return torch.stack([inputs[f"{self.name}{k}_{what}"] for k in range(self.slots)], dim=1)[:, None, :]
+        def given(what):  # (B, 1, K): one input of every slot, stacked once per call for every block's layer
+            return shared(_side_by_side, *[inputs[f"{self.name}{k}_{what}"] for k in range(self.slots)])
 
-        s = given("strength") * on  # (B, T, K)
+        s = shared(torch.mul, given("strength"), on)  # (B, T, K)
         xf = x.float()
         p = xf @ self.units.T  # (B, T, K): projections on the ablated and clamped slots' units
         change = (torch.minimum(torch.maximum(p, given("lo")), given("hi")) - p) * on - p * s
         return (xf + s @ self.directions + change @ self.units).to(x.dtype)
+
+
+def _side_by_side(*values):
+    """(B,) values of K slots -> (B, 1, K)."""
+    return torch.stack(values, dim=1)[:, None, :]
 
 
 class InlineBank:
