@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors import safe_open
 
 import kvwire as kw
 from kvwire.io import weights_cache
@@ -73,7 +74,6 @@ def test_no_block_is_dequantised_and_the_model_is_the_same(tmp_path, monkeypatch
     entry = _entry(path)
     assert weights_cache.is_complete(entry, weights_cache.FLOATS) and not weights_cache.is_complete(entry)
     assert not (entry / "weights.safetensors").exists()
-    from safetensors import safe_open
     with safe_open(str(entry / "floats.safetensors"), "pt") as f:
         kept = set(f.keys())
     assert {k for k in kept if k.endswith("_proj.weight")} == set()
