@@ -113,7 +113,8 @@ BAD = [
     ({"directions": {"1": "not base64!"}}, "steer_vectors[0].directions.1 is not valid base64"),
     ({"directions": {"1": base64.b64encode(b"\0" * 12).decode()}}, "decodes to 12 bytes; expected 128 (32 little-endian float32)"),
     ({"directions": {"1": [0.0] * 31}}, "has 31 numbers; expected 32"),
-    ({"directions": {"1": b64([float("nan")] * 32)}}, "holds NaN or infinite values"),
+    ({"directions": {"1": b64([float("nan")] * 32)}}, "holds NaN, infinite or past-float32 values"),
+    ({"directions": {"1": [1e39] + [0.0] * 31}}, "steer_vectors[0].directions.1 holds NaN, infinite or past-float32"),
     ({"directions": {"9": [0.0] * 32}}, "has block '9'; inline vectors may steer blocks 0-3"),
     ({"directions": {}}, "directions is empty"),
 ]

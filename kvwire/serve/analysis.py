@@ -19,13 +19,10 @@ graph, which must not overlap a forward on the engine's thread).
 """
 import asyncio
 import base64
-import binascii
 import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
-import numpy as np
-import torch
 from fastapi import Depends
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
@@ -37,6 +34,7 @@ from ..steer.dataset import SHIPPED
 from ..steer.evaluate import check_strengths
 from ..steer.gguf_io import OPERATIONS
 from .errors import APIError, from_request_error
+from .inline_wire import decode_direction
 from .schemas import EvaluateRequest
 
 Prompt = Union[StrictStr, list[StrictInt]]
@@ -233,31 +231,10 @@ def _eval_vector(served, vector):
         if not (key.isascii() and key.isdecimal() and int(key) in blocks):
             raise _bad_vector(f"vector.directions has block {key!r}; the model's blocks are {min(blocks)} to "
                               f"{max(blocks)}")
-        directions[int(key)] = _direction(value, f"vector.directions.{key}", width)
+        directions[int(key)] = decode_direction(value, f"vector.directions.{key}", width, _bad_vector)
         if vector.operation != "add" and not directions[int(key)].any():
             raise _bad_vector(f"vector.directions.{key} is all zeros: it has no direction to {vector.operation}")
     return ControlVector(directions, operation=vector.operation, site=vector.site)
-
-
-def _direction(value, where, width):
-    """base64 of `width` little-endian float32, or a list of `width` numbers -> (width,) float32."""
-    if isinstance(value, str):
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raise _bad_vector(f"{where} is not valid base64") from None
-        if len(raw) != 4 * width:
-            raise _bad_vector(f"{where} decodes to {len(raw)} bytes; expected {4 * width} ({width} little-endian "
-                              f"float32)")
-        array = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-    elif len(value) != width:
-        raise _bad_vector(f"{where} has {len(value)} numbers; expected {width} (the model's width)")
-    else:
-        with np.errstate(over="ignore"):  # a number past float32's range becomes inf: refused below
-            array = np.asarray(value, dtype=np.float64).astype(np.float32)
-    if not np.isfinite(array).all():
-        raise _bad_vector(f"{where} holds NaN, infinite or past-float32 values")
-    return torch.from_numpy(array)
 
 
 def _bad_vector(message):

@@ -59,7 +59,7 @@ def _one(item, where, blocks, width):
         block = int(key) if str(key).lstrip("-").isascii() and str(key).lstrip("-").isdecimal() else None
         if block not in blocks:
             raise _bad(f"{where}.directions has block {key!r}; inline vectors may steer blocks {covered}")
-        directions[block] = _vector(value, f"{where}.directions.{key}", width)
+        directions[block] = decode_direction(value, f"{where}.directions.{key}", width)
     if item.operation not in OPERATIONS:
         raise _bad(f"{where}.operation is {item.operation!r}; expected one of {list(OPERATIONS)}")
     if item.strength is not None and not math.isfinite(item.strength):
@@ -85,22 +85,28 @@ def _one(item, where, blocks, width):
     return Inline(directions, item.operation, 1.0 if item.strength is None else float(item.strength))
 
 
-def _vector(value, where, width):
+def decode_direction(value, where, width, bad=None):
+    """A direction as the wire carries it -> (width,) float32: base64 of `width` little-endian
+    float32, or a list of `width` numbers. NaN, infinities and numbers past float32's range are
+    refused; `bad(message)` makes the error (default: one naming `steer_vectors`)."""
+    bad = _bad if bad is None else bad
     if isinstance(value, str):
         try:
             raw = base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError):
-            raise _bad(f"{where} is not valid base64") from None
+            raise bad(f"{where} is not valid base64") from None
         if len(raw) != 4 * width:
-            raise _bad(f"{where} decodes to {len(raw)} bytes; expected {4 * width} ({width} little-endian float32)")
+            raise bad(f"{where} decodes to {len(raw)} bytes; expected {4 * width} ({width} little-endian float32)")
         array = np.frombuffer(raw, dtype="<f4").astype(np.float32)
     else:
         array = np.asarray(value, dtype=np.float64)
         if array.shape != (width,):
-            raise _bad(f"{where} has {array.size} numbers; expected {width} (the model's width)")
+            raise bad(f"{where} has {array.size} numbers; expected {width} (the model's width)")
+        with np.errstate(over="ignore"):  # a number past float32's range becomes inf: refused below
+            array = array.astype(np.float32)
     if not np.isfinite(array).all():
-        raise _bad(f"{where} holds NaN or infinite values")
-    return torch.from_numpy(array.astype(np.float32))
+        raise bad(f"{where} holds NaN, infinite or past-float32 values")
+    return torch.from_numpy(array)
 
 
 def _float(value):
