@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LibraryDied, LibraryProcess, answer_requests, cpu_paths, header, peak_rss_gb, run_worker  # noqa: E402
+from common import (LibraryDied, LibraryProcess, answer_requests, cpu_paths, header, peak_rss_gb,  # noqa: E402
+                    run_worker)
 from generate import TEXT, import_library, kvwire_runner, measure  # noqa: E402
 
 
@@ -335,7 +336,8 @@ def compare(path, args):
             rates, died = {engine: {} for engine in children}, {}
         else:
             ids = children["kvwire"].ask(op="encode", text=TEXT)["ids"]
-            runners = {e: (lambda ids, n, c=c: c.ask(op="generate", ids=ids, n=n)["seconds"]) for e, c in children.items()}
+            runners = {e: (lambda ids, n, c=c: c.ask(op="generate", ids=ids, n=n)["seconds"])
+                       for e, c in children.items()}
             rates, died = measure(runners, lambda text: ids, args.new_tokens, repeat=args.repeat)
         why.update(died)
         for engine in rates:

@@ -1,8 +1,6 @@
 """`kw.load` and `kw.from_hf`: presets, GGUF files, Hugging Face folders and model objects."""
-import dataclasses
 import itertools
 import json
-import os
 import time
 import warnings
 from collections import Counter
@@ -13,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from safetensors.torch import load_file, save_file
 
 from .dtypes import weights_device, weights_dtype
 from .generate import CausalLM
@@ -190,7 +187,7 @@ def load_gguf(path, dtype=torch.float32, progress=True, entry=None):
     if cached is not None:
         family, config = cached
         tokenizer = Tokenizer.load(entry) if (entry / CHAT_FILE).is_file() else _refresh_tokenizer(path, entry)
-        return build(family, config, _cached_weights(entry, dtype), tokenizer, dtype)
+        return build(family, config, weights_cache.weights(entry, dtype), tokenizer, dtype)
     start = time.perf_counter()
     with _about(path):
         gguf = GGUFFile(path)
@@ -201,7 +198,7 @@ def load_gguf(path, dtype=torch.float32, progress=True, entry=None):
         _check_finite(state)
         lm = build(family, config, state, tokenizer, dtype)
     try:
-        _save_entry(entry, family, config, state, tokenizer, dtype)
+        weights_cache.save_entry(entry, family.name, config, state, tokenizer, dtype)
     except OSError as e:  # a read-only or full disk costs speed next time, not this load
         warnings.warn(f"kvwire: could not cache the converted weights in {entry}: {e}")
     if progress:
@@ -223,7 +220,7 @@ def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
         gguf = GGUFFile(path)
         if cached is not None:
             (family, config), tokenizer = cached, Tokenizer.load(entry)
-            floats = _cached_weights(entry, dtype, "floats")
+            floats = weights_cache.weights(entry, dtype, "floats")
         else:
             family, config, tokenizer, floats = _read_floats(gguf, path, progress)
             if floats is None:  # a converter that changes a quantised tensor's values: a float load converts it
@@ -233,8 +230,9 @@ def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
         values = {k: dequantized_rows(gguf, sources[k]) for k in sorted(left)}
     if cached is None or left:
         try:
-            _save_entry(entry, family, config, {**floats, **values}, tokenizer, dtype, "floats", weights_cache.FLOATS)
-            values = {k: v for k, v in _cached_weights(entry, dtype, "floats").items() if k in left}  # mapped
+            weights_cache.save_entry(entry, family.name, config, {**floats, **values}, tokenizer, dtype, "floats",
+                                     weights_cache.FLOATS)
+            values = {k: v for k, v in weights_cache.weights(entry, dtype, "floats").items() if k in left}  # mapped
         except OSError as e:  # a read-only or full disk costs speed next time, not this load
             warnings.warn(f"kvwire: could not cache the converted weights in {entry}: {e}")
     for key, param in left.items():
@@ -297,48 +295,6 @@ def _refresh_tokenizer(path, entry):
     except OSError:  # a read-only cache: rebuilt again next time
         pass
     return tokenizer
-
-
-def _cached_weights(entry, dtype, stem="weights"):
-    """The cached state dict in `dtype`, memory-mapped. Other dtypes than float32 get a file of
-    their own on first use, so a bfloat16 load maps half the bytes instead of converting."""
-    path = _weights_path(entry, dtype, stem)
-    if dtype != torch.float32 and not path.is_file():
-        state = {k: v.to(dtype) for k, v in load_file(str(_weights_path(entry, torch.float32, stem))).items()}
-        try:
-            save_file(state, str(path))
-        except OSError:
-            return state
-    return load_file(str(path))
-
-
-def _weights_path(entry, dtype, stem="weights"):
-    name = f"{stem}.safetensors" if dtype == torch.float32 else f"{stem}-{str(dtype).removeprefix('torch.')}.safetensors"
-    return entry / name
-
-
-def _save_entry(entry, family, config, state, tokenizer, dtype=torch.float32, stem="weights",
-                marker=weights_cache.WHOLE):
-    """The float32 weights, and `dtype`'s own file when it is another (so the next load of that dtype
-    maps it at once: converting from float32 there touched the whole 1 GB float32 file, a 1.9 GB peak
-    for the default model in bfloat16 against 0.94 GB mapping its own file)."""
-    entry.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (torch.from_numpy(v) if not isinstance(v, torch.Tensor) else v).float().contiguous()
-               for k, v in state.items()}
-    _save_file(tensors, _weights_path(entry, torch.float32, stem))
-    if dtype != torch.float32:
-        _save_file({k: v.to(dtype) for k, v in tensors.items()}, _weights_path(entry, dtype, stem))
-    (entry / "config.json").write_text(json.dumps({"family": family.name, "config": dataclasses.asdict(config)}))
-    tokenizer.save(entry)
-    weights_cache.mark_complete(entry, marker)
-
-
-def _save_file(tensors, path):
-    """safetensors' save_file through a new file put in place: a model mapping the old one keeps its
-    pages (truncating a mapped file would fault its next read)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
 
 
 def load_hf_folder(folder, dtype=torch.float32, generic=False, trust_remote_code=False):

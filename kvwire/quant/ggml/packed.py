@@ -49,7 +49,7 @@ class PackedBlocks:
         if found is None:
             return None
         blocks, meta = found
-        if meta["kernel_type"] != kernel_type or tuple(meta["shape"]) != tuple(shape) or meta["rows"] != _rows_digest(rows):
+        if (meta["kernel_type"], tuple(meta["shape"]), meta["rows"]) != (kernel_type, tuple(shape), _rows_digest(rows)):
             return None
         self.kept[name] = (blocks, kernel_type, meta["rows"])
         return blocks
