@@ -126,7 +126,17 @@ def test_generate_with_sites_ablation_and_clamps(folder, capsys):
         assert cli.main(args + extra) == 0
         assert capsys.readouterr().out == "the cat" + want.generate("the cat", max_new_tokens=6) + "\n", extra
     assert cli.main(args + ["--clamp", f"{folder / 'v.gguf'}=1"]) == 2
-    assert "--clamp takes VEC.gguf=LO,HI (LO or HI may be empty), got" in capsys.readouterr().err
+    assert "--clamp takes VEC.gguf=LO,HI (LO or HI may be empty) or VEC.gguf, got" in capsys.readouterr().err
+    assert cli.main(args + ["--clamp", str(folder / "v.gguf")]) == 2
+    assert "the file recommends no value to hold the projection at; give" in capsys.readouterr().err
+    # a file carrying a recommended strength (kw.steer.calibrate's choice) is applied at it
+    for op, flag, want in [("add", "--control-vector", lm.steer(vec, 3.0)), ("ablate", "--ablate", lm.ablate(vec, strength=0.5)),
+                           ("clamp", "--clamp", lm.clamp(vec, -2.0, -2.0))]:
+        kw.ControlVector(vec.directions, operation=op, strength={"add": 3.0, "ablate": 0.5, "clamp": -2.0}[op]).save(
+            folder / f"{op}.gguf")
+        capsys.readouterr()
+        assert cli.main(args + [flag, str(folder / f"{op}.gguf")]) == 0
+        assert capsys.readouterr().out == "the cat" + want.generate("the cat", max_new_tokens=6) + "\n", op
 
 
 def test_steer_train_records_site_operation_and_positions(folder):

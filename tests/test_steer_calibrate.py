@@ -55,6 +55,14 @@ def test_calibrate_finds_the_planted_block_and_sign_and_keeps_to_its_limit(tmp_p
     assert kept.vector.layers == [2] and torch.allclose(kept.vector.directions[2], -2.0 * vec.directions[2])
     again = kw.steer.evaluate(lm, kept.vector, RECORDS, [0.0, 1.0], neutral="Now is the time for all good men.")
     assert again.logit_diff[1] == pytest.approx(kept.choice["logit_diff"], abs=1e-4)
+    assert kept.vector.strength == 1.0  # the file says so: strength 1 applies the choice
+    ablation = kw.steer.calibrate(lm, kw.ControlVector(vec.directions, operation="ablate"), RECORDS,
+                                  strengths=[0.5, 1.0], layers=[2], max_kl=None, max_ppl_increase=None,
+                                  neutral="Now is the time for all good men.")
+    assert ablation.vector.strength == ablation.choice["strength"]  # ablations keep their direction
+    ablation.vector.save(tmp_path / "ablate.gguf")
+    saved = kw.ControlVector.load(tmp_path / "ablate.gguf")
+    assert saved.strength == ablation.choice["strength"] and saved.operation == "ablate"
     back = json.loads(kept.to_json(tmp_path / "c.json"))
     assert back["choice"] == kept.choice and back["choice_index"] == [2, 1]
     kept.plot(tmp_path / "c.png")

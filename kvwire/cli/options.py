@@ -65,12 +65,15 @@ def load_model(args, quantize=None):
     site = getattr(args, "site", None)  # None: each vector's own
     when = "generated" if getattr(args, "generated_only", False) else None
     if getattr(args, "control_vector", None):
-        strength = 1.0 if args.strength is None else args.strength
-        lm = lm.steer(ControlVector.load(args.control_vector), strength, site=site, when=when)
+        lm = lm.steer(ControlVector.load(args.control_vector), args.strength, site=site, when=when)
     for path in getattr(args, "ablate", None) or []:
         lm = lm.ablate(ControlVector.load(path), site=site, when=when)
     for path, lo, hi in clamps:
-        lm = lm.clamp(ControlVector.load(path), lo, hi, site=site, when=when)
+        vector = ControlVector.load(path)
+        if lo is None and hi is None and vector.strength is None:
+            raise ValueError(f"--clamp {path}: the file recommends no value to hold the projection at; give "
+                             f"{path}=LO,HI")
+        lm = lm.clamp(vector, lo, hi, site=site, when=when)
     if heads:
         from ..steer import head_basis
 
@@ -116,7 +119,10 @@ def feature_specs(sae, specs):
 
 
 def clamp_spec(spec):
-    """"VEC.gguf=LO,HI" -> (path, lo or None, hi or None)."""
+    """"VEC.gguf=LO,HI" -> (path, lo or None, hi or None); a bare "VEC.gguf" -> (path, None, None)
+    (the file's recommended value)."""
+    if "=" not in spec and spec.lower().endswith(".gguf"):
+        return spec, None, None
     path, sep, bounds = spec.rpartition("=")
     lo, comma, hi = bounds.partition(",")
     try:
@@ -124,7 +130,7 @@ def clamp_spec(spec):
     except ValueError:
         values = None
     if not (sep and path and comma and values is not None):
-        raise ValueError(f"--clamp takes VEC.gguf=LO,HI (LO or HI may be empty), got {spec!r}")
+        raise ValueError(f"--clamp takes VEC.gguf=LO,HI (LO or HI may be empty) or VEC.gguf, got {spec!r}")
     return (path, *values)
 
 
@@ -189,16 +195,18 @@ def sampling_options(p, max_new_tokens=None):
 def steer_options(p):
     p.add_argument("--control-vector", default=None, metavar="VEC.gguf", help="steer with this control vector")
     p.add_argument("--strength", type=float, default=None,
-                   help="control-vector strength (default 1.0; for --runtime onnx: the exported default)")
+                   help="control-vector strength (default: the file's recommended strength, else 1.0; for "
+                        "--runtime onnx: the exported default)")
     p.add_argument("--generated-only", action="store_true", help="steer generated tokens only, not the prompt")
     p.add_argument("--site", default=None, choices=SITES,
                    help="where in each block --control-vector, --ablate and --clamp act (default: the site each "
                         "vector file records, block_out for a llama.cpp vector)")
     p.add_argument("--ablate", action="append", default=None, metavar="VEC.gguf",
-                   help="project each block's direction of this vector out of the hidden state (repeatable)")
+                   help="project each block's direction of this vector out of the hidden state, as much as the "
+                        "file recommends (default all of it; repeatable)")
     p.add_argument("--clamp", action="append", default=None, metavar="VEC.gguf=LO,HI",
                    help="hold the projection on each block's direction in [LO, HI] (either may be empty: "
-                        "unbounded; repeatable)")
+                        "unbounded; a bare VEC.gguf: at the file's recommended value; repeatable)")
     p.add_argument("--ablate-heads", action="append", default=None, metavar="B:H,H",
                    help="zero attention heads H of block B (their outputs before the output projection, site "
                         "attn_heads; repeatable)")

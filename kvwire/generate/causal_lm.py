@@ -201,13 +201,14 @@ class CausalLM(GenerationMethods, nn.Module):
         edited.prefill_call_tokens = self.prefill_call_tokens  # the same weights: the same memory trade
         return edited
 
-    def steer(self, vector, strength=1.0, *, site=None, when=None, generated_only=False, name=None,
+    def steer(self, vector, strength=None, *, site=None, when=None, generated_only=False, name=None,
               allow_mismatch=False, gate=None):
         """The same model with `vector` (a `kw.ControlVector`) added at a site of its blocks.
 
         Args:
             strength: a number, or a (B,) tensor: one strength per prompt of a batch (0 = unsteered);
-                a (B,) strength then works for batches of B rows only.
+                a (B,) strength then works for batches of B rows only. None: the vector's recommended
+                strength (`vector.strength`, set by `kw.steer.calibrate`), else 1.
                 In cached generation it is a graph input (`<name>_strength`), also of exported models.
             site: where in each block (`kvwire.layers.site.SITES`): "block_out" (the block's output,
                 as llama.cpp), "resid_pre", "attn_out", "resid_mid", "mlp_out"; None: the vector's own
@@ -239,7 +240,7 @@ class CausalLM(GenerationMethods, nn.Module):
                                      generated_only=generated_only, name=name, allow_mismatch=allow_mismatch,
                                      gate=gate)
 
-    def ablate(self, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False,
+    def ablate(self, directions, *, layers=None, site=None, strength=None, when=None, name=None, allow_mismatch=False,
                gate=None):
         """The same model with `directions` projected out at a site of its blocks
         (`x - s * Q^T Q x`, Q an orthonormal basis of their span; see `kvwire.steer.Ablate`).
@@ -250,6 +251,7 @@ class CausalLM(GenerationMethods, nn.Module):
             layers: block indices (a list, range or "A-B"); None: the vector's blocks, or every block.
             site: as `steer` (None: a vector's own site, "block_out" for a tensor or dict).
             strength: 1 removes the component; 0 leaves it; a (B,) tensor gives each row its own.
+                None: a vector's recommended strength (`directions.strength`), else 1.
             when: as `steer`.
             name: as `steer` (inputs `<name>_strength`, `_start`, `_end`; default "ablate").
             allow_mismatch: as `steer`.
@@ -270,7 +272,8 @@ class CausalLM(GenerationMethods, nn.Module):
         Args:
             directions: as `ablate`.
             lo: a number or (B,) tensor; None = unbounded below.
-            hi: a number or (B,) tensor; None = unbounded above (lo <= hi).
+            hi: a number or (B,) tensor; None = unbounded above (lo <= hi). Neither given and a vector
+                with a recommended strength (`directions.strength`): held at that value.
             layers: as `ablate`.
             site: as `ablate`.
             when: as `steer`.

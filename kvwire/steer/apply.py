@@ -13,9 +13,11 @@ from .schedule import Scheduled
 from .vector import ControlVector, parse_layers
 
 
-def add_vector(lm, vector, strength=1.0, *, site=None, when=None, generated_only=False, name=None,
+def add_vector(lm, vector, strength=None, *, site=None, when=None, generated_only=False, name=None,
                allow_mismatch=False, gate=None):
     """The same model with `vector` added at `site` of its blocks; see `CausalLM.steer`.
+
+    strength None: the vector's recommended strength (`vector.strength`), else 1.
 
     site None: the vector's own (`vector.site`). A vector made for another operation is refused, as
     is one whose recorded model fingerprint differs from `lm`'s, unless `allow_mismatch`
@@ -26,16 +28,19 @@ def add_vector(lm, vector, strength=1.0, *, site=None, when=None, generated_only
         raise ValueError(f"this control vector is made to {vector.operation}, not to add: use "
                          f"lm.{vector.operation}(vector) instead of lm.steer")
     check_fingerprint(vector.fingerprint, lm, allow_mismatch)
+    strength = _recommended(vector) if strength is None else strength
     return insert_at_site(lm, vector.directions, vector.site if site is None else site, name, "steer",
                           lambda d, n, dev: Steer(d, strength, generated_only, n, device=dev, when=when), gate)
 
 
-def ablate(lm, directions, *, layers=None, site=None, strength=1.0, when=None, name=None, allow_mismatch=False,
+def ablate(lm, directions, *, layers=None, site=None, strength=None, when=None, name=None, allow_mismatch=False,
            gate=None):
     """The same model with `directions` projected out at `site`; see `CausalLM.ablate`.
 
     site None: a ControlVector's own site, else "block_out". A ControlVector's fingerprint is
-    checked as in `add_vector`; its operation is not (any direction can be projected out)."""
+    checked as in `add_vector`; its operation is not (any direction can be projected out).
+    strength None: a ControlVector's recommended strength, else 1 (the whole component)."""
+    strength = _recommended(directions) if strength is None else strength
     return insert_at_site(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
                           "ablate", lambda d, n, dev: Ablate(d, strength, n, device=dev, when=when), gate)
 
@@ -44,9 +49,18 @@ def clamp(lm, directions, lo=None, hi=None, *, layers=None, site=None, when=None
           gate=None):
     """The same model with the projection on `directions` held in [lo, hi]; see `CausalLM.clamp`.
 
-    site and allow_mismatch: as `ablate`."""
+    site and allow_mismatch: as `ablate`. No bounds and a ControlVector with a recommended strength:
+    the projection held at that strength (lo = hi = `directions.strength`)."""
+    if lo is None and hi is None and isinstance(directions, ControlVector) and directions.strength is not None:
+        lo = hi = directions.strength
     return insert_at_site(lm, _per_block(lm, directions, layers, allow_mismatch), _site(directions, site), name,
                           "clamp", lambda d, n, dev: Clamp(d, lo, hi, n, device=dev, when=when), gate)
+
+
+def _recommended(directions):
+    """A ControlVector's recommended strength, else 1."""
+    chosen = directions.strength if isinstance(directions, ControlVector) else None
+    return 1.0 if chosen is None else chosen
 
 
 def _site(directions, site):

@@ -22,9 +22,11 @@ class Calibration:
     `settings` give their (layer, site).
 
     `choice`: the chosen setting (layer, site, strength, its measurements); `vector`: the vector
-    restricted to the chosen block and site, ready to save. For an added vector it is scaled by the
-    chosen strength, so strength 1 applies the choice (`lm.steer(report.vector)`, llama.cpp's
-    default scale); an ablation or clamp keeps its direction and takes `choice["strength"]`.
+    restricted to the chosen block and site, ready to save, carrying its recommended strength
+    (`vector.strength`, saved in the file), so `lm.steer/ablate/clamp(report.vector)` apply the
+    choice. An added vector is scaled by the chosen strength and recommends 1 (llama.cpp's default
+    scale reads the file right too); an ablation or clamp keeps its direction and recommends
+    `choice["strength"]`.
     """
 
     candidates: list
@@ -127,7 +129,8 @@ def calibrate(lm, vector, dataset, layers=None, strengths=(-2.0, -1.0, -0.5, 0.5
     chosen = _restricted(base, layer, site)
     return Calibration(labels, [list(s) for s in settings], strengths, diff.tolist(), kl.tolist(), ppl.tolist(),
                        [run.slope_mean for run in runs], allowed.tolist(), max_kl, max_ppl_increase, choice, (r, c),
-                       chosen * strength if base.operation == "add" else chosen)
+                       _recommending(chosen * strength if base.operation == "add" else chosen,
+                                     1.0 if base.operation == "add" else strength))
 
 
 def _settings(lm, vector, layers, sites):
@@ -151,6 +154,13 @@ def _settings(lm, vector, layers, sites):
     if bad or not sites:
         raise ValueError(f"sites must be among {ALL_SITES}, got {sites!r}")
     return [(i, s) for s in sites for i in chosen], vector
+
+
+def _recommending(vector, strength):
+    """`vector` carrying its recommended strength (saved with it: `lm.steer/ablate/clamp(vector)`
+    then apply the calibrated setting)."""
+    return ControlVector(vector.directions, vector.model_hint, vector.method, vector.operation, vector.site,
+                         vector.fingerprint, strength)
 
 
 def _restricted(vector, layer, site):

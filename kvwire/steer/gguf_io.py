@@ -9,6 +9,7 @@ llama.cpp rejects `direction.0`, and reads no other keys.
 kvwire adds keys under `kvwire.` (llama.cpp ignores unknown keys):
 - `kvwire.operation`: "add", "ablate" or "clamp"; `kvwire.site`: one of `kvwire.layers.site.SITES`;
 - `kvwire.layer_numbering`: `NUMBERING`; `kvwire.method`: how it was trained (absent: unknown);
+- `kvwire.strength` (float32): the recommended strength, e.g. `kw.steer.calibrate`'s choice (absent: none);
 - `kvwire.model.<field>` for each field of the training model's fingerprint
   (`kvwire.steer.fingerprint`: architecture, hidden_size, num_layers, vocab_size, tokenizer).
 A file without them is a llama.cpp vector: added at block_out, no fingerprint.
@@ -40,7 +41,7 @@ def llama_cpp_readable(operation, site):
 
 
 def save_control_vector(directions, model_hint, path, *, operation="add", site="block_out", method="",
-                        fingerprint=None):
+                        fingerprint=None, strength=None):
     """Write `directions` ({block: (D,) tensor}) to `path` as a GGUF control vector (see the module)."""
     import gguf
 
@@ -56,6 +57,8 @@ def save_control_vector(directions, model_hint, path, *, operation="add", site="
     writer.add_string("kvwire.layer_numbering", NUMBERING)
     if method:
         writer.add_string("kvwire.method", method)
+    if strength is not None:
+        writer.add_float32("kvwire.strength", float(strength))
     for key, value in (fingerprint or {}).items():
         if key in _INT_FIELDS:
             writer.add_uint32(f"kvwire.model.{key}", int(value))
@@ -72,7 +75,7 @@ def save_control_vector(directions, model_hint, path, *, operation="add", site="
 
 def load_control_vector(path):
     """Read a GGUF control vector: {"directions": {block: (D,) float32 tensor} (llama.cpp's numbering),
-    "model_hint", "operation", "site", "method", "fingerprint" (dict or None)}."""
+    "model_hint", "operation", "site", "method", "fingerprint" (dict or None), "strength" (float or None)}."""
     from ..io.gguf import GGUFFile
 
     if not Path(path).is_file():
@@ -99,5 +102,7 @@ def load_control_vector(path):
         raise ValueError(f"{path}: control vector has no direction tensors")
     found = {k: f.field(f"kvwire.model.{k}") for k in FIELDS}
     fingerprint = {k: (int(v) if k in _INT_FIELDS else str(v)) for k, v in found.items() if v is not None}
+    strength = f.field("kvwire.strength")
     return {"directions": directions, "model_hint": str(f.field(f"{ARCH}.model_hint", "") or ""),
-            "method": str(f.field("kvwire.method", "") or ""), "fingerprint": fingerprint or None, **meta}
+            "method": str(f.field("kvwire.method", "") or ""), "fingerprint": fingerprint or None,
+            "strength": None if strength is None else float(strength), **meta}

@@ -1,5 +1,6 @@
 """`ControlVector`: one direction per decoder block, trained from contrastive prompt pairs, with
 what it is for (added, ablated or clamped, at which block site) and the model it was trained on."""
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,10 @@ class ControlVector:
     `operation`: "add" (`lm.steer`), "ablate" (`lm.ablate`) or "clamp" (`lm.clamp`); `site`: where in
     each block (`kvwire.layers.site.SITES`); `fingerprint`: the training model's
     (`kvwire.steer.fingerprint`), checked when the vector is used; None: unknown (a llama.cpp file).
+    `strength`: the recommended strength (`kw.steer.calibrate` sets it), which `lm.steer(vec)` and
+    `lm.ablate(vec)` apply when given none and `lm.clamp(vec)` holds the projection at when given no
+    bounds; None: none recommended (1 for steer and ablate). Saved with the vector; arithmetic on a
+    vector drops it.
 
     Example:
         >>> vec = kw.ControlVector.train(lm, positive=["I am happy"], negative=["I am sad"])
@@ -37,6 +42,7 @@ class ControlVector:
     operation: str = "add"
     site: str = "block_out"
     fingerprint: dict = None
+    strength: float = None
 
     def __post_init__(self):
         if not self.directions:
@@ -54,6 +60,12 @@ class ControlVector:
         self.directions = {int(i): v.detach().to(device="cpu", dtype=torch.float32)
                            for i, v in sorted(self.directions.items())}
         self.fingerprint = dict(self.fingerprint) if self.fingerprint else None
+        if self.strength is not None:
+            if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) \
+                    or not math.isfinite(self.strength):
+                raise ValueError(f"strength must be a finite number or None (the recommended strength), got "
+                                 f"{self.strength!r}")
+            self.strength = float(self.strength)
 
     def __eq__(self, other):
         """Same blocks, bit-equal directions, the same model hint, operation, site and fingerprint
@@ -136,16 +148,17 @@ class ControlVector:
 
     def save(self, path):
         """Write a GGUF control vector (see `kvwire.steer.gguf_io`): llama.cpp's format, plus kvwire's
-        keys for operation, site, method and fingerprint."""
+        keys for operation, site, method, fingerprint and the recommended strength."""
         save_control_vector(self.directions, self.model_hint, path, operation=self.operation, site=self.site,
-                            method=self.method, fingerprint=self.fingerprint)
+                            method=self.method, fingerprint=self.fingerprint, strength=self.strength)
 
     @classmethod
     def load(cls, path):
         """Read a GGUF control vector (written by kvwire, llama.cpp's generator or repeng); a file
         without kvwire's keys is added at block_out and has no fingerprint."""
         f = load_control_vector(path)
-        return cls(f["directions"], f["model_hint"], f["method"], f["operation"], f["site"], f["fingerprint"])
+        return cls(f["directions"], f["model_hint"], f["method"], f["operation"], f["site"], f["fingerprint"],
+                   f["strength"])
 
 
 def parse_layers(layers, blocks):
