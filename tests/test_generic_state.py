@@ -119,6 +119,23 @@ def test_greedy_rows_of_different_lengths_equal_transformers_generate(model):
         assert batch[i].tolist() == theirs[0, len(row):].tolist(), i
 
 
+def test_left_padded_rows_prefilled_in_small_calls_equal_each_alone(model):
+    """Two prompt tokens a row per prefill call: the short row's first calls hold only its pads, and
+    its state starts in the call holding its first real token."""
+    g = torch.Generator().manual_seed(13)
+    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g) for n in (11, 3, 7)]
+    model.lm.prefill_call_tokens = 6
+    try:
+        batch = model.lm.generate(rows, max_new_tokens=8, ignore_eos=True, return_logprobs=True)
+    finally:
+        model.lm.prefill_call_tokens = None
+    for i, row in enumerate(rows):
+        alone = model.lm.generate(row, max_new_tokens=8, ignore_eos=True, return_logprobs=True)
+        assert batch.tokens[i] == alone.tokens[0], i
+        torch.testing.assert_close(torch.tensor(batch.logprobs[i]), torch.tensor(alone.logprobs[0]),
+                                   atol=1e-4, rtol=1e-4)
+
+
 def _single(lm, row, n):
     out = lm.generate(torch.tensor(row), max_new_tokens=n, ignore_eos=True, return_logprobs=True)
     return out.tokens[0], out.logprobs[0]
@@ -198,3 +215,14 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
                                  max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
         got = runtime.generate(row[None], max_new_tokens=10, ignore_eos=True)[0]
         assert got.tolist() == theirs[0, len(row):].tolist()
+
+
+def test_compiled_decode_steps_carry_the_state():
+    """`lm.compile()`: the decode steps (and short last prompt chunks) run through Inductor, the
+    state slot among their inputs and outputs; rows of different lengths keep eager tokens."""
+    lm = kw.from_hf(tiny_model("lfm2"), generic=True)
+    rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
+    eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)]
+    torch._dynamo.reset()
+    lm.compile(bucket=32)
+    assert [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)] == eager

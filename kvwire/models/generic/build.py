@@ -95,7 +95,16 @@ def _find_states(name, model, backbone, probe):
     count = max([len(backbone.layers)] + [m.layer_idx + 1 for m in model.modules()
                                            if isinstance(getattr(m, "layer_idx", None), int)])
     with torch.no_grad():
-        backbone.prelude(probe)
+        try:
+            backbone.prelude(probe)
+        except Exception as e:  # noqa: BLE001 - a forward that does not run with its layers recorded
+            bare = next((part for part in backbone.layers if part.attention is None), None)
+            if bare is None:
+                raise
+            raise ValueError(f"{name}: decoder layer {bare.index} ({type(bare.block).__name__}) has no attention that "
+                             f"transformers' attention interface sees, and the model's forward does not run with its "
+                             f"decoder layers recorded ({type(e).__name__}: {e}); the generic path caches attention "
+                             f"and the state of layers that keep it in transformers' Cache API") from e
         calls = recorded_calls()
         for part in backbone.layers:
             hidden, args, kwargs = calls[part.index]
