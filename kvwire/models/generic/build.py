@@ -159,7 +159,8 @@ def _find_sites(backbone, probe):
         for part in backbone.layers:
             _, args, kwargs = calls[part.index]
             mixer = part.attention if part.attention is not None else part.mixer
-            points, heads_width = find_sites(part.block, mixer, x, args, kwargs, heads=part.attention is not None)
+            points, heads_width = find_sites(part.block, mixer, x, args, kwargs,
+                                             with_heads=part.attention is not None)
             install(points)
             part.found_sites(points, x.shape[-1], heads_width)
             x = part(x)

@@ -50,9 +50,9 @@ def running(layer, x, positions, inputs, gate=None):
         _running.reset(token)
 
 
-def find_sites(layer, attention, x, args, kwargs, heads=True):
+def find_sites(layer, attention, x, args, kwargs, with_heads=True):
     """({site: (module, "output" | "input")}, heads width or None) for transformers decoder layer
-    `layer` (attention module `attention`: its token mixer, or a recurrent one's with `heads`
+    `layer` (attention module `attention`: its token mixer, or a recurrent one's with `with_heads`
     False, which has no "attn_heads"), by running it once on its recorded call (x, args, kwargs)
     and watching its modules' inputs and outputs."""
     calls, heads = [], []
@@ -66,7 +66,8 @@ def find_sites(layer, attention, x, args, kwargs, heads=True):
         calls.append((module, given, out[0] if isinstance(out, tuple) else out))
 
     hooks = [c.register_forward_hook(seen, with_kwargs=True) for c in layer.children()]
-    linears = [m for m in attention.children() if isinstance(m, nn.Linear)] if attention is not None and heads else []
+    linears = [m for m in attention.children() if isinstance(m, nn.Linear)] if attention is not None and with_heads \
+        else []
     hooks += [m.register_forward_hook(lambda m, a, o: heads.append((m, a[0]))) for m in linears]
     try:
         with torch.no_grad():
