@@ -84,7 +84,7 @@ def llama_cpp_worker(args):
 
     from kvwire.models.presets import PRESETS
 
-    llm = Llama(PRESETS[args.model](), n_threads=args.peer_threads, n_ctx=256, verbose=False)
+    llm = Llama(str(PRESETS[args.model]()), n_threads=args.peer_threads, n_ctx=256, verbose=False)
     ids = prompt_ids(lambda text: llm.tokenize(text.encode()), 16, 1)[0]
 
     def generate(n):
