@@ -50,3 +50,16 @@ def test_a_strength_that_is_not_a_finite_number_is_refused(bad):
     with pytest.raises(ValueError, match=r"strength must be a finite number or None \(the recommended strength\), "
                                          r"got"):
         vector(strength=bad)
+
+
+def test_a_server_keeps_a_clamp_vector_inert_until_a_request_bounds_it(lm):
+    """The server builds named clamp vectors unbounded by default: a file's recommended value must not
+    clamp requests that never name the vector."""
+    from kvwire.serve.options import steered_model
+
+    served = steered_model(lm, {"calm": vector("clamp", -1.5)})
+    assert logits(served) == logits(lm)
+    bounded = {"calm_lo": torch.tensor([-1.5]), "calm_hi": torch.tensor([-1.5])}
+    got = served.generate(torch.tensor((3, 17, 42, 9, 55)), max_new_tokens=4, ignore_eos=True, return_logprobs=True,
+                          inputs=bounded).logprobs[0]
+    assert got == logits(lm.clamp(vector("clamp"), -1.5, -1.5))

@@ -32,7 +32,8 @@ class KvwireLM(TemplateLM):
         batch_size: continuations scored, or prompts generated, per batch (lm-eval's `batch_size`).
         device: where the weights go (None: the CPU).
         quantize: as `kw.load` ("gguf", "q8_0", "int8", ...; None: float weights).
-        control_vector: a vector file (`kw.ControlVector.load`) to steer with, at `strength` (default 1.0).
+        control_vector: a vector file (`kw.ControlVector.load`) to steer with, at `strength` (default:
+            the file's recommended strength, else 1.0).
         site: where in each block the vector, ablation and clamp act (None: each vector's own).
         ablate: a vector file whose directions are projected out (`lm.ablate`).
         clamp: a vector file whose projections are held in [clamp_lo, clamp_hi] (`lm.clamp`; either
@@ -189,7 +190,7 @@ def steered(lm, control_vector=None, strength=None, site=None, ablate=None, clam
     if clamp is not None and clamp_lo is None and clamp_hi is None:
         raise ValueError(f"clamp={clamp} needs clamp_lo, clamp_hi or both (the bounds of its projections)")
     if control_vector is not None:
-        lm = lm.steer(ControlVector.load(control_vector), 1.0 if strength is None else float(strength), site=site)
+        lm = lm.steer(ControlVector.load(control_vector), None if strength is None else float(strength), site=site)
     if ablate is not None:
         lm = lm.ablate(ControlVector.load(ablate), site=site)
     if clamp is not None:

@@ -1,5 +1,6 @@
 """A request's fields as engine options (sampler, stops, budget, steering), checked, and the served
 model with its named control vectors."""
+import dataclasses
 import keyword
 import math
 
@@ -32,8 +33,8 @@ def steered_model(lm, control_vectors):
         operation = getattr(vector, "operation", "add")
         if operation == "ablate":
             lm = lm.ablate(vector, strength=0.0, name=name)
-        elif operation == "clamp":
-            lm = lm.clamp(vector, name=name)
+        elif operation == "clamp":  # unbounded by default (inert): requests bound it, not the file's recommendation
+            lm = lm.clamp(dataclasses.replace(vector, strength=None), name=name)
         elif operation == "add":
             lm = lm.steer(vector, 0.0, name=name)
         else:
