@@ -110,6 +110,30 @@ export function show(text, kind = "info") {
   box.hidden = !text;
 }
 
+// A measuring tab's Run (the sweep, the evaluation): `request()` builds the body (an Error it throws
+// is shown as the page's error), then the body is posted to `path` with the `${prefix}-button` off
+// and "measuring N strengths…" in `${prefix}-status`, and `draw` gets the answer.
+export async function measure(prefix, request, path, draw, failed) {
+  let body;
+  try {
+    body = request();
+  } catch (e) {
+    show(e.message, "error");
+    return;
+  }
+  show("");
+  $(`${prefix}-button`).disabled = true;
+  $(`${prefix}-status`).textContent = `measuring ${body.strengths.length} strengths…`;
+  try {
+    draw(await postJSON(path, body));
+  } catch (e) {
+    show(`${failed}: ${e.message}`, "error");
+  } finally {
+    $(`${prefix}-status`).textContent = "";
+    $(`${prefix}-button`).disabled = false;
+  }
+}
+
 // When the server stops answering: say so, poll /health until it answers, then say that too.
 let polling = null;
 const backListeners = [];

@@ -1,7 +1,7 @@
 // The chosen vector measured: POST /kvwire/evaluate (kw.steer.evaluate on the served base model)
 // drawn as SVG charts, the behaviour curve (mean A/B logit difference against strength) and the side
 // effects (KL from the unsteered model, perplexity change on neutral text), with the numbers in a table.
-import { $, parseList, postJSON, show } from "./api.js";
+import { $, measure, parseList } from "./api.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -120,26 +120,7 @@ function draw(data) {
   $("eval-summary").textContent = summary(data);
 }
 
-async function run() {
-  let body;
-  try {
-    body = request();
-  } catch (e) {
-    show(e.message, "error");
-    return;
-  }
-  show("");
-  $("eval-button").disabled = true;
-  $("eval-status").textContent = `measuring ${body.strengths.length} strengths…`;
-  try {
-    draw(await postJSON("/kvwire/evaluate", body));
-  } catch (e) {
-    show(`The evaluation failed: ${e.message}`, "error");
-  } finally {
-    $("eval-status").textContent = "";
-    $("eval-button").disabled = false;
-  }
-}
+const run = () => measure("eval", request, "/kvwire/evaluate", draw, "The evaluation failed");
 
 // The dataset picker: the server's shipped sets, and "your examples" (shows the JSONL box).
 export function renderDatasets(names) {

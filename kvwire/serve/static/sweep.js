@@ -1,6 +1,6 @@
 // A sweep on the page: POST /kvwire/sweep (kw.steer.sweep on the served base model), drawn as an
 // SVG chart of the probe against strength and a table of the samples.
-import { $, parseList, postJSON, show } from "./api.js";
+import { $, measure, parseList } from "./api.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -61,37 +61,25 @@ function table(data) {
 
 const words = (text) => text.split(",").map((w) => w.trim()).filter((w) => w).map((w) => ` ${w}`);
 
-async function run() {
-  let body;
-  try {
-    const vector = $("sweep-vector").value;
-    if (!vector) throw new Error("a sweep needs a control vector: load or train one first");
-    body = { vector, strengths: parseList($("sweep-strengths").value, "the sweep strengths"),
-      prompt: $("sweep-prompt").value || undefined };
-    const pos = words($("sweep-positive").value), neg = words($("sweep-negative").value);
-    if (pos.length !== 0 || neg.length !== 0) {
-      if (!pos.length || !neg.length) throw new Error("give both positive and negative words, or neither (the default: happy vs sad)");
-      Object.assign(body, { positive_words: pos, negative_words: neg });
-    }
-  } catch (e) {
-    show(e.message, "error");
-    return;
+function request() {
+  const vector = $("sweep-vector").value;
+  if (!vector) throw new Error("a sweep needs a control vector: load or train one first");
+  const body = { vector, strengths: parseList($("sweep-strengths").value, "the sweep strengths"),
+    prompt: $("sweep-prompt").value || undefined };
+  const pos = words($("sweep-positive").value), neg = words($("sweep-negative").value);
+  if (pos.length !== 0 || neg.length !== 0) {
+    if (!pos.length || !neg.length) throw new Error("give both positive and negative words, or neither (the default: happy vs sad)");
+    Object.assign(body, { positive_words: pos, negative_words: neg });
   }
-  show("");
-  $("sweep-button").disabled = true;
-  $("sweep-status").textContent = `measuring ${body.strengths.length} strengths…`;
-  try {
-    const data = await postJSON("/kvwire/sweep", body);
-    $("sweep-chart").replaceChildren(chart(data));
-    table(data);
-    $("sweep-status").textContent = "";
-  } catch (e) {
-    show(`The sweep failed: ${e.message}`, "error");
-    $("sweep-status").textContent = "";
-  } finally {
-    $("sweep-button").disabled = false;
-  }
+  return body;
 }
+
+function draw(data) {
+  $("sweep-chart").replaceChildren(chart(data));
+  table(data);
+}
+
+const run = () => measure("sweep", request, "/kvwire/sweep", draw, "The sweep failed");
 
 export function setupSweep() {
   $("sweep-button").addEventListener("click", run);
