@@ -1,7 +1,6 @@
 """`kw.steer.calibrate`: the layer (and site) and strength at which a steering direction moves the
 A/B logit difference most while staying under a damage limit (KL from the unsteered model,
 perplexity increase on neutral text)."""
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -9,7 +8,7 @@ import torch
 
 from ..graph import numbered_blocks
 from ..layers.site import ALL_SITES
-from .evaluate import Reference, check_strengths
+from .evaluate import Reference, check_strengths, json_text
 from .operation import Operation
 from .vector import ControlVector, parse_layers
 
@@ -48,11 +47,7 @@ class Calibration:
 
     def to_json(self, path=None):
         """The report (without the vector) as JSON text; written to `path` too when one is given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-        return text
+        return json_text(self.to_dict(), path)
 
     def plot(self, path, title=None):
         """The heatmap of the logit difference over candidates x strengths (matplotlib) into `path`;

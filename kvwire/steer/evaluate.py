@@ -13,6 +13,15 @@ from .rows import RowRunner
 from .scoring import answer_logprobs, answers, next_logprobs, side_effects, windows
 
 
+def json_text(data, path=None):
+    """`data` as indented JSON text, written to `path` (with a final newline) too when one is given."""
+    text = json.dumps(data, indent=1)
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return text
+
+
 @dataclass
 class Evaluation:
     """`evaluate`'s result; lists are per strength (S) unless said otherwise.
@@ -45,11 +54,7 @@ class Evaluation:
 
     def to_json(self, path=None):
         """The result as JSON text; written to `path` too when one is given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-        return text
+        return json_text(self.to_dict(), path)
 
     def plot(self, path, title=None):
         """Logit difference against strength (the mean and each example) beside the side effects
