@@ -216,6 +216,25 @@ def test_a_waiting_hit_whose_entry_was_evicted_is_looked_up_again():
     assert waiting.cached_tokens == 0 and waiting.tokens == single(lm, waiting.prompt, 4)[0]
 
 
+def test_a_one_slot_state_takes_a_one_position_page():
+    """A layer of fewer slots than a page (a state slot: one) stores in pages of that many positions:
+    its bytes are its own, not a 16-position page's; it restores what was stored."""
+    g = torch.Generator().manual_seed(3)
+    full = (torch.randn(1, 2, 32, 8, generator=g), torch.randn(1, 2, 32, 8, generator=g))
+    state = (torch.randn(1, 1, 1, 5, generator=g), torch.randn(1, 1, 1, 3, generator=g))
+    store = PrefixStore(min_tokens=4, page_tokens=16)
+    tokens = list(range(3, 23))  # 20 positions
+    store.store([full, state], 0, 0, tokens, ())
+    entry, c = store.lookup(tokens + [1], (), [32, 1])
+    assert c == 20
+    assert entry.nbytes == 2 * 16 * 2 * (8 + 8) * 4 + 1 * 1 * (5 + 3) * 4  # two 16-position pages; one 1-position
+    assert store.nbytes == entry.nbytes
+    into = [tuple(torch.zeros_like(t) for t in full), tuple(torch.zeros_like(t) for t in state)]
+    store.restore(entry, c, into, 0, 0)
+    assert torch.equal(into[0][0][:, :, :20], full[0][:, :, :20]) and torch.equal(into[1][0], state[0])
+    assert torch.equal(into[1][1], state[1])
+
+
 def test_prefix_store_keeps_its_budget_and_respects_inputs():
     lm = tiny("llama")
     row = prompts(1, seed=5, low=20, high=21)[0]
@@ -373,7 +392,7 @@ def test_prefix_pages_are_reused_and_never_shared():
         assert {key: pool.keys.data_ptr() for key, pool in store.pools.items()} == buffers
     assert len(store) < 40  # the budget evicted some
     free = sum(len(pool.free) for pool in store.pools.values())
-    capacity = sum(pool.keys.shape[0] // 4 for pool in store.pools.values())
+    capacity = sum(pool.keys.shape[0] // pool.page_tokens for pool in store.pools.values())  # small rings: small pages
     assert free + len(used) == capacity
 
 

@@ -125,7 +125,7 @@ class PrefixStore:
             raise ValueError(f"page_tokens must be an int >= 1, got {page_tokens!r}")
         self.max_bytes, self.min_tokens, self.page_tokens = max_bytes, min_tokens, page_tokens
         self.entries = OrderedDict()  # (tokens, inputs) -> Prefix, least recently used first
-        self.pools = {}  # (kv_heads, key head_dim, value head_dim, dtype, device) -> _Pool
+        self.pools = {}  # (kv_heads, key head_dim, value head_dim, dtype, device, page positions) -> _Pool
         self._warned = False
         self.nbytes = 0
         self.hits = self.lookups = 0
@@ -163,7 +163,7 @@ class PrefixStore:
                 self._warned = True
             return
         firsts = [max(0, n - k.shape[2]) for k, _ in cache]
-        counts = [-(-(n - first) // self.page_tokens) for first in firsts]
+        counts = [-(-(n - first) // pool.page_tokens) for first, pool in zip(firsts, pools)]
         need = sum(c * pool.page_bytes for c, pool in zip(counts, pools))
         if need > self.max_bytes:
             return
@@ -191,10 +191,13 @@ class PrefixStore:
 
     def _pool(self, k, v):
         """The pool of layers shaped like cache keys `k` (batch, kv_heads, slots, head_dim) and values
-        `v` (..., value head_dim), made on first use."""
-        key = (k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
+        `v` (..., value head_dim), made on first use. A layer of fewer slots than `page_tokens` (a
+        state slot holds one) never stores more positions than it has slots: its pool's pages hold
+        that many, so a one-slot state does not take a 16-position page."""
+        page = min(self.page_tokens, k.shape[2])
+        key = (k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device, page)
         if key not in self.pools:
-            self.pools[key] = _Pool(k, self.max_bytes, self.page_tokens, v)
+            self.pools[key] = _Pool(k, self.max_bytes, page, v)
         return self.pools[key]
 
     def _drop(self, key):
