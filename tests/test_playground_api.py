@@ -115,7 +115,8 @@ def test_refusals(api, method, path, body, status, message):
 def test_page_and_static_files_are_served(api):
     page = api.get("/")
     assert page.status_code == 200 and 'src="/static/app.js"' in page.text
-    for name in ("app.js", "api.js", "play.js", "train.js", "graph.js", "sweep.js", "snippet.js", "style.css"):
+    for name in ("app.js", "api.js", "play.js", "train.js", "graph.js", "sweep.js", "evaluate.js", "chart.js", "snippet.js",
+                 "style.css"):
         assert api.get(f"/static/{name}").status_code == 200, name
     assert "http" not in page.text.replace("http://www.w3.org", "")  # nothing from the network
 
