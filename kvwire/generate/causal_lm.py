@@ -125,7 +125,7 @@ class CausalLM(GenerationMethods, nn.Module):
             self._prefix_store.clear()
         clear_packs(self)
 
-    def compile(self, bucket=64, prefill_tokens=32, **options):
+    def compile(self, bucket=64, prefill_tokens=32, ahead=None, **options):
         """Run generation's one-token decode steps and short prompts through `torch.compile` (cached
         graph + head).
 
@@ -144,6 +144,12 @@ class CausalLM(GenerationMethods, nn.Module):
         Returns self. Without `options` nothing is imported here: torch.compile's machinery (~1.5 s
         to import) loads with the first compiled step.
 
+        `ahead` (default: on for a CPU model given no `options`): compile each step ahead of time with
+        AOTInductor and keep it in `$KVWIRE_CACHE/steps`, keyed on the model's structure (not its
+        weights' values), torch and the CPU (`kvwire.generate.ahead`): a later process, or another
+        model of the same structure (say steered with other vectors), loads it in about a second
+        instead of re-tracing with dynamo (10-20 s). `ahead=False` keeps `torch.compile`'s steps.
+
         Example:
             >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()
             >>> lm.generate("Once upon a time", max_new_tokens=64)
@@ -151,9 +157,20 @@ class CausalLM(GenerationMethods, nn.Module):
         from .compiled import CompiledDecode, check_settings
 
         check_settings(bucket, prefill_tokens)
+        if ahead is None:
+            ahead = not options and self.device.type == "cpu"
+        elif not isinstance(ahead, bool):
+            raise ValueError(f"ahead must be True, False or None (kvwire decides), got {ahead!r}")
+        elif ahead and options:
+            raise ValueError(f"ahead=True compiles with kvwire's Inductor settings and takes no torch.compile "
+                             f"options; got {sorted(options)} (use ahead=False for those)")
+        elif ahead and self.device.type != "cpu":
+            raise ValueError(f"ahead=True compiles steps for the CPU; this model is on {self.device} "
+                             f"(use ahead=False)")
         if options:  # torch.compile checks them now; kvwire's defaults wait for the first step, which
             CompiledDecode(self.cached, self.head, bucket, prefill_tokens, **options)  # imports dynamo (~1.5 s)
-        self._compile_options, self._decode = dict(options, bucket=bucket, prefill_tokens=prefill_tokens), None
+        self._compile_options, self._decode = dict(options, bucket=bucket, prefill_tokens=prefill_tokens,
+                                                   ahead=ahead), None
         self.pool.clear()
         return self
 
@@ -161,9 +178,15 @@ class CausalLM(GenerationMethods, nn.Module):
         if self._compile_options is None:
             return None
         if self._decode is None:
-            from .compiled import CompiledDecode
+            options = dict(self._compile_options)
+            if options.pop("ahead"):
+                from .ahead import AheadDecode
 
-            self._decode = CompiledDecode(self.cached, self.head, **self._compile_options)
+                self._decode = AheadDecode(self.cached, self.head, **options)
+            else:
+                from .compiled import CompiledDecode
+
+                self._decode = CompiledDecode(self.cached, self.head, **options)
         return self._decode
 
     def runner(self):

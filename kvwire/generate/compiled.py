@@ -157,6 +157,11 @@ def _with_passes(options):
     unless another backend or a `mode` (which excludes `options`) was asked for."""
     if options.get("backend", "inductor") != "inductor" or "mode" in options:
         return options
+    return {**options, "options": inductor_options(options.get("options"))}
+
+
+def inductor_options(extra=None):
+    """kvwire's Inductor settings for compiled steps (`CompiledDecode`, `AheadDecode`), then `extra`."""
     from ..kernels.ggml.fuse import FuseSiblingMatmuls
 
     # reorder_for_locality would move the attention's read of a value cache below that cache's
@@ -165,9 +170,8 @@ def _with_passes(options):
     # writes the pool's size at compile time into each kernel whenever that differs from the core
     # count, so a step compiled while the engine ran on fewer threads under load (kernels/threads.py)
     # would keep that count, on a quiet machine and in every later process reading Inductor's cache
-    inductor = {"post_grad_custom_post_pass": FuseSiblingMatmuls(), "reorder_for_locality": False,
-                "cpp.dynamic_threads": True, **WRAPPER_CHECKS_OFF, **(options.get("options") or {})}
-    return {**options, "options": inductor}
+    return {"post_grad_custom_post_pass": FuseSiblingMatmuls(), "reorder_for_locality": False,
+            "cpp.dynamic_threads": True, **WRAPPER_CHECKS_OFF, **(extra or {})}
 
 
 def _compiled_graphs():

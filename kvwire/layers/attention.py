@@ -247,20 +247,21 @@ def write_chunk(cache, k, v, cache_index):
 
 
 @contextmanager
-def in_place_cache_writes():
+def in_place_cache_writes(exports=False):
     """While torch.compile traces inside this scope, cached attention writes the chunk into the
     cache in place (one slot a decode step, T slots a T-token prompt chunk) instead of returning
     updated copies of whole caches.
     `CompiledDecode` uses it where it also keeps Inductor from undoing it (see compiled.py); an
-    export, or a graph compiled with autograd on (the attention saves the old cache for its
-    backward), stays functional. Read at trace time, on the tracing thread's call.
+    export (unless `exports`: `AheadDecode`'s AOTInductor steps, whose C++ writes the mutated cache
+    inputs in place), or a graph compiled with autograd on (the attention saves the old cache for
+    its backward), stays functional. Read at trace time, on the tracing thread's call.
 
     Example:
         >>> with in_place_cache_writes():
         ...     logits = compiled_step(token_ids, positions, cache_index, attention_mask, cache)
     """
     global _compiled_in_place
-    before, _compiled_in_place = _compiled_in_place, True
+    before, _compiled_in_place = _compiled_in_place, "exports" if exports else True
     try:
         yield
     finally:
@@ -268,7 +269,8 @@ def in_place_cache_writes():
 
 
 def _writes_in_place():
-    return _compiled_in_place and not torch.is_grad_enabled() and not is_exporting()
+    return bool(_compiled_in_place) and not torch.is_grad_enabled() and (
+        _compiled_in_place == "exports" or not is_exporting())
 
 
 def functional_cache_writes():

@@ -1,0 +1,281 @@
+"""Compiled steps kept on disk: `lm.compile()`'s decode step and short prompt chunks as AOTInductor
+packages, built once and loaded by later processes without tracing anything.
+
+`torch.compile` re-traces the model with dynamo in every new process (10-18 s for the default model
+with Inductor's on-disk cache warm), so a compiled CLI call paid more than it saved. Here each call
+signature (batch, cache length, per-row or shared index, runtime inputs, dtypes; one-token steps
+static, prompt chunks of 2 to `prefill_tokens` tokens one graph with the length dynamic) is
+exported with `torch.export`, compiled by AOTInductor into a shared library and kept in
+`$KVWIRE_CACHE/steps/<digest>/`. The digest (`graph.digest`) covers the code the step runs, the
+settings and tensor shapes of every module and kvwire's own sources, plus the torch version and the
+CPU; a weight's *values* are not in it: the package holds no weights, the loaded step is handed the
+model's own tensors (no copy), so a steered or edited model of the same structure reuses the package
+with its own vectors. A later process loads the package with torch's C++ loader alone (no dynamo,
+no Inductor import): the first compiled token comes about a second after the model is loaded.
+
+The step writes each chunk into the caches it is given, in place (one slot a decode step), as
+`CompiledDecode` does. A package whose recorded key, torch or CPU differ from this process's is
+rebuilt; one whose bytes no longer match the digest recorded beside it, or that torch cannot load,
+is reported by name (a warning) and rebuilt. A prompt chunk graph torch.export cannot make with a
+dynamic length (say a graph that compares it with a ring cache's slots) runs eager.
+"""
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..graph.digest import module_digest
+from ..kernels.switches import cache_root
+from ..layers.shared import per_call
+from .direct import flat_args
+
+FORMAT = 1  # bump when what a package holds or how it is called changes
+EAGER = "eager"  # a signature whose graph torch.export could not make
+
+
+class StepProgram(nn.Module):
+    """What a package computes: (token_ids (B, T), positions (B, T), cache_index () or (B,),
+    attention_mask (B, L), *cache tensors (each layer's pair in order), *runtime inputs (B,)) ->
+    logits (B, V) after the chunk's last token, writing the chunk into the cache tensors in place."""
+
+    def __init__(self, cached, head):
+        super().__init__()
+        self.body, self.head = cached.graph_module, head
+        self.pairs = [len(pair) for pair in cached.init_cache(1, 1)]
+
+    def forward(self, token_ids, positions, cache_index, attention_mask, *rest):
+        cache, at = [], 0
+        for n in self.pairs:
+            cache.append(tuple(rest[at:at + n]))
+            at += n
+        with per_call():
+            hidden, _ = self.body(token_ids, positions, cache_index, attention_mask, tuple(cache), *rest[at:])
+        return self.head(hidden[:, -1])
+
+
+class AheadDecode:
+    """decode(ids (B, T), positions (B, T), cache_index () or (B,), mask (B, L), cache, extra) ->
+    (logits (B, V), cache): `CompiledDecode`'s contract, from AOTInductor packages kept in `folder`
+    (default `$KVWIRE_CACHE/steps`). The first call of a signature no process has compiled builds
+    its package (as long as a `torch.compile` of it); later ones, here or in another process, load it.
+
+    Example:
+        >>> lm = kw.load("smollm2-135m-instruct", quantize="gguf").compile()   # AheadDecode steps
+        >>> lm.generate("Once upon a time", max_new_tokens=64)   # a fresh process: no re-trace
+    """
+
+    def __init__(self, cached, head, bucket=64, prefill_tokens=32, folder=None):
+        from .compiled import check_settings
+
+        check_settings(bucket, prefill_tokens)
+        self.bucket, self.head, self.prefill_tokens = bucket, head, prefill_tokens
+        self.graph = cached.graph_module
+        self.program = StepProgram(cached, head).eval()
+        self.folder = Path(folder) if folder is not None else cache_root() / "steps"
+        self.runners = {}  # signature -> Package or EAGER
+        self._key = None
+
+    def length(self, max_length, limit=None):
+        """max_length rounded up to bucket * 2^k (not past `limit` when given)."""
+        rounded = self.bucket
+        while rounded < max_length:
+            rounded *= 2
+        return rounded if limit is None or max_length > limit else min(rounded, limit)
+
+    def takes(self, tokens, max_length):
+        """Whether a prompt chunk of `tokens` tokens into caches of `max_length` slots runs here (as
+        `CompiledDecode.takes`)."""
+        return 1 <= tokens <= self.longest(max_length) and self.length(max_length) == max_length
+
+    def longest(self, max_length):
+        """The longest prompt chunk run here: `prefill_tokens`, shorter than the caches (a chunk as
+        long as the timeline is a graph torch.export does not make with the others)."""
+        return min(self.prefill_tokens, max_length - 1)
+
+    @property
+    def key(self):
+        """The digest packages are kept under (None: the model's code cannot be read; then packages
+        are built for this process only)."""
+        if self._key is None:
+            digest = module_digest(self.program)
+            self._key = "" if digest is None else hashlib.sha256(
+                json.dumps([FORMAT, digest, machine()]).encode()).hexdigest()[:32]
+        return self._key or None
+
+    def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
+        flat = flat_args((token_ids.contiguous(), positions.contiguous(), cache_index, attention_mask, cache, *extra))
+        sig = signature(flat, token_ids.shape[1] > 1)
+        text = json.dumps(sig)
+        runner = self.runners.get(text)
+        if runner is None:
+            runner = self.runners[text] = self._runner(sig, flat)
+        if runner is EAGER or not runner.span[0] <= token_ids.shape[1] <= runner.span[1]:
+            with per_call():
+                hidden, cache = self.graph(token_ids, positions, cache_index, attention_mask, cache, *extra)
+            return self.head(hidden[:, -1]), cache
+        return runner(flat), cache
+
+    def _runner(self, sig, flat):
+        name = hashlib.sha256(json.dumps(sig).encode()).hexdigest()[:16]
+        if self.key is None:  # nothing to key a kept package on: build one for this process
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{name}.pt2"
+                return self._build(path, sig, flat) or EAGER
+        path = self.folder / self.key / f"{name}.pt2"
+        package = Package.open(path, self.key, sig, self.program)
+        if package is None:
+            package = self._build(path, sig, flat)
+        return package or EAGER
+
+    def _build(self, path, sig, flat):
+        """Export, compile and keep the step of this signature at `path`; its Package, or None where
+        a prompt chunk's graph cannot be exported with a dynamic length."""
+        from ..layers.attention import in_place_cache_writes
+        from .compiled import inductor_options
+
+        chunk = sig[0]
+        dims = None
+        if chunk:
+            # AUTO: guards its solver cannot prove for every length (true ones, such as
+            # min(L + T, T * T + L * T) == L + T) narrow the range or stay runtime checks, not errors
+            length = torch.export.Dim.AUTO(min=2, max=max(self.longest(flat[3].shape[1]), 2))
+            dims = ({1: length}, {1: length}, None, None, (None,) * (len(flat) - 4))  # forward's *rest last
+        try:
+            with torch.no_grad(), in_place_cache_writes(exports=True):
+                program = torch.export.export(self.program, tuple(flat), dynamic_shapes=dims,
+                                              strict=False)
+        except Exception:  # noqa: BLE001 - a chunk graph export cannot make: eager chunks
+            if chunk:
+                return None
+            raise
+        span = chunk_span(program) if chunk else [1, 1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{os.getpid()}.{path.name}")  # AOTInductor wants a .pt2 name
+        options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=options)
+        meta = {"format": FORMAT, "key": self.key, "machine": machine(), "signature": sig,
+                "sha256": _file_digest(tmp), "constants": constants_of(self.program), "span": span}
+        meta_tmp = tmp.with_suffix(".json")
+        meta_tmp.write_text(json.dumps(meta))
+        os.replace(tmp, path)
+        os.replace(meta_tmp, path.with_suffix(".json"))  # last: a package without its record is never used
+        package = Package.open(path, self.key, sig, self.program, fresh=True)
+        if package is None:
+            raise RuntimeError(f"the compiled step just written to {path} does not load")
+        return package
+
+
+class Package:
+    """A loaded step: package(flat tensors) -> logits, the model's tensors handed to it by name."""
+
+    def __init__(self, loader, constants, span):
+        self.loader, self.constants = loader, constants  # held: the loader reads them by pointer
+        self.span = span  # the chunk lengths it takes, [first, last]
+
+    def __call__(self, flat):
+        return self.loader.run(flat)[0]
+
+    @classmethod
+    def open(cls, path, key, sig, program, fresh=False):
+        """The package at `path` if its record says it was made for this key, signature, torch and
+        CPU and its bytes are intact; None otherwise (missing or made elsewhere: silently; damaged or
+        unloadable: with a warning naming the file)."""
+        record = path.with_suffix(".json")
+        try:
+            meta = json.loads(record.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            return _rebuilt(record, f"its record does not read ({e})")
+        if not isinstance(meta, dict) or [meta.get("format"), meta.get("key"), meta.get("machine")] != \
+                _jsonable([FORMAT, key, machine()]) or meta.get("signature") != _jsonable(sig):
+            return None  # another kvwire, torch or CPU (the key folds them in): build anew
+        if not path.is_file() or _file_digest(path) != meta.get("sha256"):
+            return _rebuilt(path, "its bytes do not match the digest recorded when it was written")
+        if meta.get("constants") != constants_of(program):
+            return _rebuilt(path, "the model's tensors differ from those it was compiled for")
+        try:
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            tensors = {name: _resolve(program, name).detach() for name in loader.get_constant_fqns()}
+            loader.load_constants(tensors, False, True, True, False)  # user-managed: no copy of the weights
+        except Exception as e:  # noqa: BLE001 - whatever torch's loader says, the file cannot serve
+            if fresh:
+                raise
+            return _rebuilt(path, f"torch cannot load it ({type(e).__name__}: {e})")
+        span = meta.get("span")
+        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)):
+            return _rebuilt(record, f"its record has no valid span of chunk lengths ({span!r})")
+        return cls(loader, tensors, span)
+
+
+def signature(flat, chunk):
+    """A call's signature as JSON-able lists: chunk flag, then each tensor's shape, stride and
+    dtype (a chunk's token ids and positions without their length, which is dynamic)."""
+    parts = [chunk, flat[0].device.type]
+    for i, t in enumerate(flat):
+        shape, stride = list(t.shape), list(t.stride())
+        if chunk and i < 2:
+            shape, stride = shape[:1], []
+        parts.append([shape, stride, str(t.dtype)])
+    return parts
+
+
+def chunk_span(program):
+    """[first, last] chunk length an exported chunk program takes (export narrows the asked range
+    where the graph needs it, say to lengths past a ring cache's slots)."""
+    token_ids = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "token_ids")
+    length = token_ids.meta["val"].shape[1]
+    if isinstance(length, int):
+        return [length, length]
+    bounds = program.range_constraints[length.node.expr]
+    return [int(bounds.lower), int(bounds.upper)]
+
+
+def machine():
+    """What a compiled package depends on besides the model: torch and the CPU."""
+    from ..kernels.cpu import cpuinfo_field, features_text
+
+    return [torch.__version__, cpuinfo_field("vendor_id"), cpuinfo_field("model name"), features_text()]
+
+
+def constants_of(program):
+    """{name: [shape, stride, dtype]} of every parameter, buffer and tensor attribute of `program`."""
+    out = {}
+    for name, module in program.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{name}.{key}" if name else key] = value
+        out.update({f"{name}.{k}" if name else k: t for k, t in module._parameters.items() if t is not None})
+        out.update({f"{name}.{k}" if name else k: t for k, t in module._buffers.items() if t is not None})
+    return {k: [list(t.shape), list(t.stride()), str(t.dtype)] for k, t in sorted(out.items())}
+
+
+def _resolve(program, name):
+    value = program
+    for part in name.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} is not a tensor of the model")
+    return value
+
+
+def _rebuilt(path, why):
+    warnings.warn(f"kvwire: the compiled step {path} is not used: {why}; it is built again", stacklevel=3)
+    return None
+
+
+def _file_digest(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value))
