@@ -5,7 +5,8 @@ The pass traces the module at "layer" depth and rewrites it:
   (one (key, value) pair per cached layer call);
 - every layer that needs positions is called through `forward_cached(x, positions=...)`;
 - every layer with a `cache_spec` is called through `forward_cached(...)` with its own cache pair,
-  and its next cache is collected;
+  and its next cache is collected; a layer with `cache_parts` (several caches, a hybrid decoder
+  layer's keys/values and recurrent state) gets a tuple of pairs, one slot each;
 - every layer with `runtime_inputs` (an inserted steering layer, say) gets them as graph inputs
   placed after `cache`, one per name, shared by the layers that read it;
 - the output becomes `(hidden, next_cache)`;
@@ -30,7 +31,7 @@ CACHE_DTYPE = torch.float32  # attention computes in float32; caches keep its ke
 
 @dataclass(frozen=True)
 class CacheSlot:
-    """One cached layer call: its dotted name and the module that owns the cache."""
+    """One cache of a layer call: its dotted name and the module whose `cache_spec` gives it."""
 
     name: str
     module: nn.Module
@@ -39,6 +40,13 @@ class CacheSlot:
 def _needs_cache(module):
     spec = getattr(module, "cache_spec", None)
     return spec is not None and spec(1, 1, torch.float32) is not None
+
+
+def _cache_parts(module):
+    """{name suffix: module whose `cache_spec` gives the slot} of a layer listing several caches in
+    `cache_parts`, or None for a layer with one cache (or none)."""
+    parts = dict(getattr(module, "cache_parts", None) or {})
+    return parts or None
 
 
 def _drop_sites(gm):
@@ -66,7 +74,8 @@ def _rewire(gm):
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
-        needs_cache = _needs_cache(module)
+        parts = _cache_parts(module)
+        needs_cache = parts is not None or _needs_cache(module)
         wanted = dict(getattr(module, "runtime_inputs", {}) or {})
         if not (needs_cache or wanted or getattr(module, "uses_positions", False)):
             continue
@@ -89,12 +98,19 @@ def _rewire(gm):
             if needs_cache:
                 count = seen[node.target] = seen.get(node.target, 0) + 1
                 name = node.target if count == 1 else f"{node.target}#{count}"
-                pair = graph.call_function(operator.getitem, (inputs["cache"], len(slots)))
-                kwargs.update(cache_index=inputs["cache_index"], attention_mask=inputs["attention_mask"], cache=pair)
+                owners = {"": module} if parts is None else parts
+                pairs = [graph.call_function(operator.getitem, (inputs["cache"], len(slots) + k))
+                         for k in range(len(owners))]
+                kwargs.update(cache_index=inputs["cache_index"], attention_mask=inputs["attention_mask"],
+                              cache=pairs[0] if parts is None else tuple(pairs))
                 result = graph.call_method("forward_cached", (owner, *node.args), kwargs)
                 out = graph.call_function(operator.getitem, (result, 0))
-                next_cache.append(graph.call_function(operator.getitem, (result, 1)))
-                slots.append(CacheSlot(name, module))
+                given = graph.call_function(operator.getitem, (result, 1))
+                if parts is None:
+                    next_cache.append(given)
+                else:  # one next pair per part, in the parts' order
+                    next_cache += [graph.call_function(operator.getitem, (given, k)) for k in range(len(owners))]
+                slots += [CacheSlot(f"{name}.{suffix}" if suffix else name, part) for suffix, part in owners.items()]
             else:
                 # other inputs (a gate read at another site, say) pass through as they were
                 out = graph.call_method("forward_cached", (owner, *node.args), {**node.kwargs, **kwargs})
@@ -127,8 +143,8 @@ class CachedGraph(nn.Module):
     attention_mask (B, max_length) bool, cache)` -> `(hidden (B, T, D), next_cache)`, where
     cache_index is where the chunk's first token is written, for the batch or per row (the
     engine's rows join a running batch at different times; exported graphs take one for the batch);
-    `cache` is a tuple with one `(key, value)` pair per cached layer call (`self.slots`), each
-    (B, kv_heads, slots, head_dim). In eager mode the caches are updated in place and returned.
+    `cache` is a tuple with one `(key, value)` pair per slot (`self.slots`: a cached layer call,
+    or each of its `cache_parts`), each (B, kv_heads, slots, head_dim). In eager mode the caches are updated in place and returned.
     Callers of the raw `graph_module` should enter `kvwire.layers.shared.per_call()` around each
     call, as this module does, so layers share their masks and rotary tables.
     Layers that read runtime inputs (`self.runtime_inputs`, {name: dtype}) add one (B,) input each

@@ -11,6 +11,10 @@ Protocol, used by `kw.with_cache`:
 - A layer that needs past keys/values defines `cache_spec(batch_size, max_length, dtype)` returning
   the `(key_shape, value_shape)` it needs, and
   `forward_cached(x, *, positions, cache_index, attention_mask, cache) -> (out, next_cache)`.
+- A layer that keeps several caches (a hybrid decoder layer: attention keys/values and a
+  recurrent state) lists them in `cache_parts`, {name: module whose `cache_spec` gives that
+  cache}: each is a slot of its own (named `<layer>.<name>`), `forward_cached` gets `cache` as a
+  tuple of one pair per part, in that order, and returns its next cache as such a tuple.
 - A layer that reads per-row values chosen at call time (a steering strength, say) names them in
   `runtime_inputs` ({name: dtype}; each value is a (B,) tensor), accepts them as keywords of
   `forward_cached(x, *, positions, **inputs)`, and says what they are when the caller gives none
