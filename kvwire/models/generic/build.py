@@ -23,11 +23,12 @@ def from_transformers(model):
 
     Decoder layers whose mixer keeps recurrent, convolution or linear-attention state in
     transformers' Cache API (Mamba, short convolutions, gated delta-nets) get a state slot
-    (`kvwire.models.generic.state`) instead of keys and values.
+    (`kvwire.models.generic.state`), beside their keys and values where they also attend.
 
     Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention, a
     decoder layer whose attention transformers' interface never sees and that keeps no state in
-    the Cache API, one keeping both keys/values and state, or a forward the split does not reproduce.
+    the Cache API, one keeping both keys/values and state whose mixer takes no padding mask, or a
+    forward the split does not reproduce.
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name = type(model).__name__
@@ -90,7 +91,8 @@ def _find_states(name, model, backbone, probe):
     Cache API (`kvwire.models.generic.state`), found by running every layer once on its recorded
     probe call with transformers' own lazily initialised cache layers. Refused: a layer without
     attention that takes no cache or writes keys/values to it itself, and a layer keeping both
-    keys/values and state. A layer that keeps nothing stays uncached."""
+    keys/values and state whose mixer is not one of its modules taking an `attention_mask` (the
+    padding mask that keeps left pads out of the state). A layer that keeps nothing stays uncached."""
     # cache layers are indexed by the mixers' own layer_idx, which need not be the decoder layer's
     count = max([len(backbone.layers)] + [m.layer_idx + 1 for m in model.modules()
                                            if isinstance(getattr(m, "layer_idx", None), int)])
@@ -136,9 +138,7 @@ def _find_states(name, model, backbone, probe):
             states = state_slots.found_states(cache)
             if part.attention is not None:
                 if states:
-                    raise ValueError(f"{name}: decoder layer {part.index} ({layer}) keeps attention keys/values and "
-                                     f"recurrent state ({', '.join(sorted({s.kind for s in states}))}) in one layer; "
-                                     f"the generic path caches one or the other per layer (not both yet)")
+                    _both(name, part, layer, states, mixer[0] if mixer else None, count)
                 continue
             if state_slots.wrote_keys(cache):
                 raise ValueError(f"{plain} and computes attention itself (its keys and values go to the cache "
@@ -148,6 +148,21 @@ def _find_states(name, model, backbone, probe):
                 part.states = state_slots.StateCache(states, count)
                 part.__dict__["mixer"] = mixer[0] if mixer else None  # not a submodule: block holds it
             # else a layer with nothing to cache (a feed-forward block): the cached check below has the last word
+
+
+def _both(name, part, layer, states, mixer, count):
+    """Give a decoder layer that keeps attention keys/values and state both slots, its mixer the
+    padding-mask hook (`kvwire.models.generic.state`)."""
+    if mixer is None or not state_slots.mixer_takes_mask(mixer):
+        what = "is not one of its modules" if mixer is None else \
+            f"({type(mixer).__name__}) takes no `attention_mask`"
+        raise ValueError(f"{name}: decoder layer {part.index} ({layer}) keeps attention keys/values and recurrent "
+                         f"state ({', '.join(sorted({s.kind for s in states}))}), but the mixer keeping the state "
+                         f"{what}; the generic path gives a hybrid layer's mixer its padding mask through its "
+                         f"`attention_mask`")
+    part.states = state_slots.StateCache(states, count)
+    part.__dict__["mixer"] = mixer  # not a submodule: block holds it
+    state_slots.install_padding(mixer)
 
 
 def _find_sites(backbone, probe):

@@ -108,7 +108,8 @@ class DecoderLayer(InnerSites, Block):
     graph: `cache_spec` gives (B, key heads, slots, key size) and (..., value size), slots the
     window - 1 of a sliding layer or max_length. A layer whose mixer keeps recurrent state instead
     (`states`, a `kvwire.models.generic.state.StateCache`) holds a state slot: (B, 1, 1, conv sizes)
-    and (B, 1, 1, recurrent sizes), read and written through transformers' Cache API.
+    and (B, 1, 1, recurrent sizes), read and written through transformers' Cache API. A layer with
+    both holds both (`cache_parts`: "attention", then "state").
     """
 
     def __init__(self, layer, index, attention=None, kv_heads=None, key_size=None, value_size=None, window=None,
@@ -157,30 +158,60 @@ class DecoderLayer(InnerSites, Block):
         return out[0] if isinstance(out, tuple) else out
 
     def cache_spec(self, batch_size, max_length, dtype):
-        if self.states is not None:
-            return state_slots.spec(self.states.states, batch_size)
+        """The attention's (key, value) shapes, else the state slot's, else None."""
         if self.attention is None:
-            return None
+            return None if self.states is None else state_slots.spec(self.states.states, batch_size)
         slots = max_length if self.window is None else max(1, min(self.window - 1, max_length))
         return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
+
+    @property
+    def cache_parts(self):
+        """{"attention": this layer, "state": its state slot} for a layer keeping both, else None."""
+        if self.attention is None or self.states is None:
+            return None
+        return {"attention": self, "state": _StatePart(self)}
 
     def forward_cached(self, x, gate=None, *, positions, cache_index=None, attention_mask=None, cache=None,
                        **inputs):
         if self.attention is None and self.states is None:  # nothing to cache (a feed-forward block)
             return self._run(x, positions, inputs, gate)
-        if self.states is not None:
-            # the layer's own mixer continues its state; the chunk's padding mask keeps pads out of it
-            real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
-            opened = self.states.open(cache, 1.0 - fresh)
-            out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
-            return out, self.states.close(opened, cache)
-        state = seam.Attending(self.attention, self.window, cache, cache_index, attention_mask, self.plain_math)
+        if self.attention is None:
+            return self._with_state(x, gate, positions, inputs, cache, cache_index, attention_mask)
+        keys, slot = cache if self.states is not None else (cache, None)
+        state = seam.Attending(self.attention, self.window, keys, cache_index, attention_mask, self.plain_math)
         with seam.attending(state):
-            out = self._run(x, positions, inputs, gate)
+            if slot is None:
+                out = self._run(x, positions, inputs, gate)
+            else:
+                out, slot = self._with_state(x, gate, positions, inputs, slot, cache_index, attention_mask)
         if state.calls != 1:
             raise RuntimeError(f"decoder layer {self.index} called its attention {state.calls} times in one step; "
                                f"the generic cache expects one call")
-        return out, state.cache
+        return (out, state.cache) if slot is None else (out, (state.cache, slot))
+
+    def _with_state(self, x, gate, positions, inputs, slot, cache_index, attention_mask):
+        """(out, next state slot): the layer's own mixer continues its state; the chunk's padding
+        mask keeps pads out of it."""
+        real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
+        opened = self.states.open(slot, 1.0 - fresh)
+        if self.attention is None:
+            out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
+        else:  # the layer's attention_mask is its attention's: the mixer takes the padding mask itself
+            with state_slots.padding(self.mixer, real.to(torch.long)):
+                out = self._run(x, positions, inputs, gate, {"cache": opened})
+        return out, self.states.close(opened, slot)
+
+
+class _StatePart(nn.Module):
+    """The state slot of a decoder layer that also caches keys/values (its second cache part):
+    its `cache_spec`, and the layer's weights (whose device the slot is made on)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer  # a submodule here only: parameters() finds the layer's device
+
+    def cache_spec(self, batch_size, max_length, dtype):
+        return state_slots.spec(self.layer.states.states, batch_size)
 
 
 def with_arguments(block, args, kwargs, given):

@@ -17,16 +17,28 @@ without a state (a zero conv history is the conv's zero padding; a zero initial 
 call passes the chunk's padding mask as the layer's 2D `attention_mask`, which transformers' mixers
 apply to their inputs, so left pads do not enter the state.
 
+A layer keeping both (Falcon-H1's attention beside its Mamba mixer, Zamba's hybrid layers) has a
+state slot and a key/value slot. Its `attention_mask` belongs to its attention (whose cache and
+mask kvwire's seam provides), so the padding mask goes to its mixer's own `attention_mask`
+(`padding`, through a hook on the mixer), and the cache it is handed passes the chunk's keys and
+values back unchanged from `update`.
+
 Which states a layer keeps, their shapes and dtypes are found by running it once on the build's
 probe with transformers' own lazily initialised cache layers: nothing here is keyed by family.
 """
+import contextvars
+import inspect
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from ...layers.attention import functional_cache_writes
 from ...layers.masks import per_row
+
+_padding = contextvars.ContextVar("kvwire_generic_mixer_padding", default=None)
+HOOKED = "_kvwire_padding_hook"  # attribute marking a mixer that has its hook (installed once)
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ class StateCache:
             part = flat[s.kind][:, at[s.kind]:at[s.kind] + s.size].reshape(B, *s.shape).to(s.dtype)
             at[s.kind] += s.size
             views.setdefault(s.layer, []).append((s, part))
-        layers = [_view_layer(views[i]) if i in views else DummyLayer() for i in range(self.layers)]
+        layers = [_view_layer(views[i]) if i in views else _passing(DummyLayer()) for i in range(self.layers)]
         return Cache(layers=layers)
 
     def close(self, cache, slot):
@@ -147,4 +159,45 @@ def _view_layer(parts):
             layer.is_recurrent_states_initialized[s.index] = True
         layer.has_previous_state[s.index] = True
         layer.device, layer.dtype = t.device, t.dtype
+    return _passing(layer)
+
+
+def _passing(layer):
+    """`layer` with an `update` that hands keys and values back as given: a hybrid layer's attention
+    writes its chunk there, and kvwire's seam keeps the cache."""
+    layer.update = lambda key, value, *args, **kwargs: (key, value)
     return layer
+
+
+def mixer_takes_mask(mixer):
+    """Whether the mixer's forward takes an `attention_mask` (the padding mask `padding` gives it)."""
+    return "attention_mask" in inspect.signature(mixer.forward).parameters
+
+
+def install_padding(mixer):
+    """Give a hybrid layer's mixer its hook (once): inside `padding`, its `attention_mask` is the
+    chunk's padding mask."""
+    if not getattr(mixer, HOOKED, False):
+        mixer.register_forward_pre_hook(_mask_mixer, with_kwargs=True)
+        setattr(mixer, HOOKED, True)
+
+
+@contextmanager
+def padding(mixer, real):
+    """Inside: `mixer` (hooked by `install_padding`) takes `real` (B, T) as its `attention_mask`."""
+    token = _padding.set((mixer, real))
+    try:
+        yield
+    finally:
+        _padding.reset(token)
+
+
+def _mask_mixer(module, args, kwargs):
+    given = _padding.get()
+    if given is None or given[0] is not module:
+        return None
+    names = list(inspect.signature(module.forward).parameters)
+    at = names.index("attention_mask")
+    if at < len(args):  # passed positionally
+        return args[:at] + (given[1],) + args[at + 1:], kwargs
+    return args, {**kwargs, "attention_mask": given[1]}
