@@ -121,7 +121,9 @@ OVERRIDES = {
     "qwen4_exp_text": dict(indexer_kv_heads=1, indexer_budget=8, indexer_compress_ratio=2),
     "qwen4_exp": dict(text_config=dict(indexer_kv_heads=1, indexer_budget=8, indexer_compress_ratio=2)),
     "zamba": dict(layers_block_type=_HYBRID),
-    "zamba2": dict(layers_block_type=_HYBRID),
+    # Zamba2's Mamba clamps dt to time_step_min in its chunked scan but not in its one-token step, so
+    # transformers' own cached decoding leaves its forward wherever dt falls below it: a floor it never meets
+    "zamba2": dict(layers_block_type=_HYBRID, time_step_min=1e-9),
     "zaya": dict(num_experts_per_tok=1),
 }
 

@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 NAMED = ["llama4_text", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v4", "smollm3",
          "gemma4_text", "cohere2", "falcon", "gpt_neox", "phi", "stablelm", "starcoder2", "bloom", "mpt", "opt",
-         "qwen3_next", "qwen3_5_text", "lfm2", "olmo_hybrid", "granitemoehybrid", "falcon_h1", "mamba2", "jamba",
-         "glm4_moe", "ernie4_5", "exaone4", "seed_oss"]
+         "qwen3_next", "qwen3_5_text", "lfm2", "olmo_hybrid", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2",
+         "jamba", "glm4_moe", "ernie4_5", "exaone4", "seed_oss"]
 STEPS = 12
 SCALE = 1.5  # the edit: the middle block's output scaled
 STRENGTH = 0.5  # the control vector's strength; its direction has the block output's RMS
@@ -48,10 +48,6 @@ AT_BUILD = {
     # refused by the build's cached-decoding check: Llama 4's chunked attention (each token sees its
     # own chunk of attention_chunk_size only, neither a full nor a sliding mask)
     "llama4_text": (ValueError, _not_cached("Llama4ForCausalLM", 6)),
-    # Falcon-H1's Mamba mixer beside the attention of every layer: keys/values and state in one layer
-    "falcon_h1": (ValueError, "FalconH1ForCausalLM: decoder layer 0 (FalconH1DecoderLayer) keeps attention "
-                              "keys/values and recurrent state (conv, recurrent) in one layer; the generic path caches "
-                              "one or the other per layer (not both yet)"),
     # keys longer than the chunk (compressed keys appended to the window's: per-layer state)
     "deepseek_v4": (ValueError, "DeepseekV4ForCausalLM: cached decoding fails (RuntimeError: The size of tensor a "
                                 "(15) must match the size of tensor b (13) at non-singleton dimension 3); its layers "

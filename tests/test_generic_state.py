@@ -2,8 +2,10 @@
 layers cached through kvwire's cache contract (`kvwire.models.generic.state`).
 
 Three kinds of state, each on its own tiny random model: LFM2's short convolutions (a conv state
-only), Qwen3-Next's gated delta-nets (a conv state and a recurrent state) and Mamba-2's scans. The
-arbiter is transformers: its own cached `generate` and its uncached forward on the same weights."""
+only), Qwen3-Next's gated delta-nets (a conv state and a recurrent state) and Mamba-2's scans; and
+two hybrids whose layers keep attention keys/values and state both (Falcon-H1's attention beside
+its Mamba mixer in every layer, Zamba2's hybrid layers between Mamba layers). The arbiter is
+transformers: its own cached `generate` and its uncached forward on the same weights."""
 import copy
 from types import SimpleNamespace
 
@@ -17,8 +19,9 @@ from .generic_configs import PROMPT_IDS, prompt, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-TYPES = ["lfm2", "qwen3_next", "mamba2"]
+TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2"]
 L = 48  # cache timeline of the direct calls
+ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=TYPES)
@@ -50,13 +53,22 @@ def _run(lm, chunks, cache=None, start=0, first_position=0, rows=1):
     return hidden[:, -1], cache
 
 
+def _state_slot(cached, i):
+    """Where layer i's state slot is in the cache: its own, or its "state" part in a layer that also
+    keeps keys and values."""
+    names = cached.names
+    return names.index(f"layers.{i}.state") if f"layers.{i}.state" in names else names.index(f"layers.{i}")
+
+
 def _states(m, cache):
-    slots = [cache[m.lm.cached.names.index(f"layers.{i}")] for i in m.stateful]
+    slots = [cache[_state_slot(m.lm.cached, i)] for i in m.stateful]
     return [t.clone() for pair in slots for t in pair]
 
 
 def _close(a, b):
-    return all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(a, b))
+    """Equal to float32 rounding: within 1e-4 of each tensor's largest magnitude (a hybrid's stack
+    of attention and scans rounds more than one mixer; a missed reset or a pad let in is O(1))."""
+    return all(torch.allclose(x, y, atol=ATOL * max(1.0, x.abs().max().item()), rtol=1e-4) for x, y in zip(a, b))
 
 
 def test_state_layers_hold_a_fixed_size_slot(model):
@@ -64,7 +76,7 @@ def test_state_layers_hold_a_fixed_size_slot(model):
     cached = model.lm.cached
     short, long = cached.init_cache(2, 16), cached.init_cache(2, 64)
     for i in model.stateful:
-        k = cached.names.index(f"layers.{i}")
+        k = _state_slot(cached, i)
         assert [t.shape for t in short[k]] == [t.shape for t in long[k]]  # does not grow with the timeline
         assert all(t.shape[:3] == (2, 1, 1) for t in short[k])  # a ring of one slot
 
@@ -74,7 +86,7 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_state_of_one_call(model):
     whole, cache = _run(model.lm, [ids])
     chunked, cache2 = _run(model.lm, [ids[:, :5], ids[:, 5:6], ids[:, 6:]])
     assert _close(_states(model, cache), _states(model, cache2))
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(chunked, whole, atol=ATOL, rtol=1e-4)
     assert any(t.abs().max() > 0 for t in _states(model, cache))  # the state was written
 
 
@@ -83,7 +95,7 @@ def test_a_row_starting_at_position_0_starts_from_zero(model):
     _, used = _run(model.lm, [first])
     again, used = _run(model.lm, [second], cache=used)  # the row given to a new request
     fresh, clean = _run(model.lm, [second])
-    torch.testing.assert_close(again, fresh, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(again, fresh, atol=ATOL, rtol=1e-4)
     assert _close(_states(model, used), _states(model, clean))
     # the same chunk continuing the row (not at position 0) keeps its state: the reset made the difference
     _, kept = _run(model.lm, [first])
@@ -103,7 +115,7 @@ def test_left_pads_do_not_enter_the_state(model):
     with torch.no_grad():
         hidden, cache = cached(ids, positions, 0, mask, cached.init_cache(2, L))
     alone, alone_cache = _run(model.lm, [short[None]])
-    torch.testing.assert_close(hidden[1, -1:], alone, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(hidden[1, -1:], alone, atol=ATOL, rtol=1e-4)
     padded = [t[1:] for t in _states(model, cache)]
     assert _close(padded, _states(model, alone_cache))
 
