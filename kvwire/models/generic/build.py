@@ -8,14 +8,13 @@ model's own logits on that probe, so a model the split does not fit is refused, 
 import torch
 from torch import nn
 
-from ...graph import with_cache
 from ...layers.linear import Linear, WeightPack
 from . import seam, state as state_slots
+from .checks import check_decoding, close
 from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls, takes, with_arguments
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
-TOLERANCE = 1e-4  # relative to the logits' scale, float32
 
 
 def from_transformers(model):
@@ -27,8 +26,9 @@ def from_transformers(model):
 
     Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention, a
     decoder layer whose attention transformers' interface never sees and that keeps no state in
-    the Cache API, one keeping both keys/values and state whose mixer takes no padding mask, or a
-    forward the split does not reproduce.
+    the Cache API, one keeping both keys/values and state whose mixer takes no padding mask, a
+    forward the split does not reproduce, or cached decoding that does not reproduce it
+    (`kvwire.models.generic.checks`).
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name = type(model).__name__
@@ -68,16 +68,16 @@ def from_transformers(model):
     head = Head(model, base_name, plain=True, output_class=seen["output_class"])
     with torch.no_grad():
         hidden = backbone(probe)
-        if not _close(head(hidden), seen["logits"]):
+        if not close(head(hidden), seen["logits"]):
             head = Head(model, base_name, plain=False, output_class=seen["output_class"])
         logits = head(hidden)
-    if not _close(logits, seen["logits"]):
+    if not close(logits, seen["logits"]):
         diff = (logits - seen["logits"]).abs().max().item()
         raise ValueError(f"{name}: the generic path does not reproduce the model's own logits on a probe "
                          f"(max difference {diff:.3g}); its forward does more than prelude, decoder layers and "
                          f"final modules")
     try:
-        _check_cached(name, backbone, head, probe, seen["logits"])
+        check_decoding(name, backbone, head, probe, seen["logits"])
     except (RuntimeError, IndexError, TypeError) as e:  # a layer that cannot run on a cache slot at all
         raise ValueError(f"{name}: cached decoding fails ({type(e).__name__}: {e}); its layers depend on more than "
                          f"their keys and values, which the generic path does not carry yet") from e
@@ -192,35 +192,6 @@ def _kvwire_linears(model):
             module.pack = WeightPack(role="head" if module is head else "projection")
 
 
-def _check_cached(name, backbone, head, probe, expected, steps=4):
-    """Prefill the probe but its last `steps` tokens through the cached graph, then decode those one
-    at a time: each position's logits must be the model's own. A layer that reads more than its
-    keys and values from past positions (transformers' cache object, a position count) is refused
-    here rather than decoding wrong tokens."""
-    cached = with_cache(backbone)
-    B, T = probe.shape
-    device = probe.device
-    cache = cached.init_cache(B, T)
-    mask = torch.ones(B, T, dtype=torch.bool, device=device)
-    positions = torch.arange(T, device=device)[None].expand(B, T)
-    start = T - steps
-    got = []
-    with torch.no_grad():
-        hidden, cache = cached(probe[:, :start], positions[:, :start], 0, mask, cache)
-        got.append(head(hidden))
-        for t in range(start, T):
-            hidden, cache = cached(probe[:, t:t + 1], positions[:, t:t + 1], t, mask, cache)
-            got.append(head(hidden))
-    got = torch.cat(got, dim=1)
-    if not _close(got, expected):
-        at = int(((got - expected).abs().amax(dim=(0, 2)) > TOLERANCE * max(1.0, expected.abs().max().item()))
-                 .nonzero()[0])
-        raise ValueError(f"{name}: cached decoding does not reproduce the model's own logits (first at position {at} "
-                         f"of a {T}-token probe, prefilled to {start}); its layers depend on more than their keys "
-                         f"and values (positions read from transformers' cache object, chunked attention), which "
-                         f"the generic path does not carry yet")
-
-
 def _use_kvwire_attention(model):
     try:
         model.set_attn_implementation(seam.NAME)
@@ -298,8 +269,3 @@ def _watch(model, base, layers, probe):
 
 def _name_of(base, layers):
     return next(n for n, c in base.named_children() if c is layers)
-
-
-def _close(a, b):
-    a, b = a.float(), b.float()
-    return a.shape == b.shape and bool(((a - b).abs().max() <= TOLERANCE * max(1.0, b.abs().max().item())).item())
