@@ -1,4 +1,5 @@
-"""`lm.compile()`: the compiled decode step and short prompts give eager's tokens, batches and
+"""`lm.compile(ahead=False)` (torch.compile in the process; the default kept steps: test_ahead.py): the
+compiled decode step and short prompts give eager's tokens, batches and
 steering included, and calls with different lengths share one compiled step."""
 import os
 import re
@@ -42,7 +43,7 @@ def test_compiled_decode_gives_eager_tokens(family, quantize, tmp_path, monkeypa
     steered = lm.steer(vec, torch.tensor([2.0, 0.0]))
     eager, short = _greedy(steered, prompts, 14), _greedy(steered, prompts, 6)
     assert eager[1] == _greedy(lm, prompts[1:], 14)[0]  # the strength-0 row is the plain model
-    steered.compile(bucket=32)
+    steered.compile(ahead=False, bucket=32)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # compiled as an engine under load runs: on fewer threads than cores
     try:
@@ -67,7 +68,7 @@ def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing()
     torch._dynamo.reset()
     lm = kw.from_hf(FAMILIES["gpt2"]())
     eager = _greedy(lm, [torch.tensor([3, 17, 42])], 4)
-    lm.compile(bucket=32)  # a model without runtime inputs: its compiled tokens equal eager's too
+    lm.compile(ahead=False, bucket=32)  # a model without runtime inputs: its compiled tokens equal eager's too
     assert _greedy(lm, [torch.tensor([3, 17, 42])], 4) == eager  # the step signature is now seen: guards skipped
     decode, cached = lm._decoder(), lm.cached
     with torch.inference_mode():  # inference tensors, unlike generate's sampled tokens
@@ -104,7 +105,7 @@ def test_compile_imports_torch_compile_only_when_options_need_checking(tmp_path)
 def test_bad_bucket_or_prefill_tokens():
     lm = kw.from_hf(FAMILIES["gpt2"]())
     with pytest.raises(ValueError, match="bucket must be a positive int .* got 0"):
-        lm.compile(bucket=0)
+        lm.compile(ahead=False, bucket=0)
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match=r"prefill_tokens must be an int >= 0 .* got " + re.escape(repr(bad))):
             lm.compile(prefill_tokens=bad)
@@ -138,7 +139,7 @@ def test_compiled_decode_writes_one_slot_of_the_caches_in_place(per_row):
     if _exporting_inside_compile():
         pytest.skip("this torch reports is_exporting() inside torch.compile: the update stays functional")
     lm = kw.from_hf(FAMILIES["mistral"]())  # a window on every layer: ring-buffer caches
-    lm.compile(bucket=32)
+    lm.compile(ahead=False, bucket=32)
     decode, cached = lm._decoder(), lm.cached
     index = torch.tensor([3, 1]) if per_row else torch.tensor(3)
     mask = torch.zeros(2, 32, dtype=torch.bool)
@@ -181,7 +182,7 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
     long = torch.randint(0, 96, (PREFILL_TOKENS + 1,), generator=g)
     eager = [_greedy(lm, [p], 4) for p in short] + [_greedy(lm, short[:2], 4), _greedy(lm, [long], 4)]
     expected_tiny = _greedy(lm, [torch.tensor([4, 50, 7])], 4)
-    lm.compile(bucket=64)
+    lm.compile(ahead=False, bucket=64)
     before = _graphs()
     tokens, code = run_and_get_code(lambda: _greedy(lm, [short[0]], 4))
     assert tokens == eager[0]
@@ -213,7 +214,7 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
     assert _greedy(lm, [torch.tensor([4, 50, 7])], 4) == expected_tiny
     assert _graphs() == before + 5
 
-    lm.compile(bucket=64, prefill_tokens=0)  # prompts stay eager: only the step's graph is new
+    lm.compile(ahead=False, bucket=64, prefill_tokens=0)  # prompts stay eager: only the step's graph is new
     before = _graphs()
     assert _greedy(lm, [short[0]], 4) == eager[0]
     assert _graphs() == before + 1
@@ -230,7 +231,7 @@ def test_a_batch_of_short_prompts_on_q4_1_compiles_whole_graphs():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=g) for n in (20, 18)]
     eager = _greedy(lm, prompts, 3)
-    lm.compile(bucket=32)
+    lm.compile(ahead=False, bucket=32)
     before, breaks = _graphs(), sum(torch._dynamo.utils.counters["graph_break"].values())
     assert _greedy(lm, prompts, 3) == eager
     assert _graphs() == before + 2
@@ -243,7 +244,7 @@ def test_compiled_decode_with_a_mode_keeps_the_functional_update():
     torch._dynamo.reset()
     lm = kw.from_hf(FAMILIES["llama"]())
     eager = _greedy(lm, [torch.tensor([3, 17, 42, 9])], 5)
-    lm.compile(bucket=32, mode="default")
+    lm.compile(ahead=False, bucket=32, mode="default")
     decode, cached = lm._decoder(), lm.cached
     assert _greedy(lm, [torch.tensor([3, 17, 42, 9])], 5) == eager
     cache = cached.init_cache(1, 32)
@@ -262,7 +263,7 @@ def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_i
     torch._dynamo.reset()
     lm = kw.from_hf(FAMILIES["llama"]())
     eager = _greedy(lm, [torch.tensor([3, 17, 42, 9])], 6)
-    lm.compile(bucket=32, prefill_tokens=0)
+    lm.compile(ahead=False, bucket=32, prefill_tokens=0)
     assert _greedy(lm, [torch.tensor([3, 17, 42, 9])], 6) == eager
     decode = lm._decoder()
     assert len(decode.direct) == 1 and not decode.seen  # the one decode signature, never through dynamo again
@@ -301,7 +302,7 @@ def test_a_ring_caches_first_compiled_step_late_in_the_timeline_keeps_eagers_tok
     prompt = [torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(0))]
     lm = kw.from_hf(FAMILIES["mistral"](seed=0))
     eager = lm.generate(prompt, max_new_tokens=5, ignore_eos=True, return_logprobs=True)
-    lm.compile(bucket=32, prefill_tokens=0)
+    lm.compile(ahead=False, bucket=32, prefill_tokens=0)
     compiled = lm.generate(prompt, max_new_tokens=5, ignore_eos=True, return_logprobs=True)
     assert compiled.tokens == eager.tokens
     assert len(lm._decoder().direct) == 1  # steps after the first called Inductor directly

@@ -14,7 +14,8 @@ def add(commands):
     model_options(g)
     quantize_option(g)
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (about a minute first; pays with --quantize gguf)")
+                   help="compile the decode step and short prompts (a minute or two the first time; later runs load "
+                        "the compiled steps kept in the cache folder in about a second; pays with --quantize gguf)")
     sampling_options(g)
     g.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
     g.add_argument("--runtime", default="eager", choices=["eager", "onnx", "executorch"],
@@ -29,7 +30,9 @@ def run(args):
     if args.compile:
         if args.runtime != "eager":
             raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
-        lm.compile(prefill_tokens=0)  # one prompt a process: a prompt graph costs more to compile than it saves
+        # kept on disk (ahead of time, the CPU's default), the prompt's graph is built once for every later
+        # call; traced anew in each process (other devices), it would cost more than it saves
+        lm.compile(prefill_tokens=32 if lm.device.type == "cpu" else 0)
     options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=sampler,
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:

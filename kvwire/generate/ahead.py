@@ -78,6 +78,7 @@ class AheadDecode:
         self.program = StepProgram(cached, head).eval()
         self.folder = Path(folder) if folder is not None else cache_root() / "steps"
         self.runners = {}  # signature -> Package or EAGER
+        self.built = 0  # packages this object compiled (the rest were loaded)
         self._key = None
 
     def length(self, max_length, limit=None):
@@ -158,6 +159,7 @@ class AheadDecode:
         tmp = path.with_name(f".{os.getpid()}.{path.name}")  # AOTInductor wants a .pt2 name
         options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=options)
+        self.built += 1
         meta = {"format": FORMAT, "key": self.key, "machine": machine(), "signature": sig,
                 "sha256": _file_digest(tmp), "constants": constants_of(self.program), "span": span}
         meta_tmp = tmp.with_suffix(".json")

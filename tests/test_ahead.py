@@ -1,0 +1,180 @@
+"""`lm.compile()`'s steps kept on disk (`kvwire.generate.ahead`): AOTInductor packages give eager's
+tokens, are reused by models of the same structure with other weights and by a fresh process without
+building anything, and a damaged or foreign package is named and rebuilt."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvwire as kw
+from kvwire.generate.ahead import AheadDecode, Package, signature
+from kvwire.graph.digest import module_digest
+
+from .conftest import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8, 11])]
+
+
+def _steered(seed):
+    """Tiny Mistral (a window of 5 on every layer: ring caches) steered at block 1 with per-row
+    strengths; the same structure for every seed, other vector values. Its greedy tokens depend on
+    what the caches hold (a model repeating its last token would pass with caches never written)."""
+    lm = kw.from_hf(FAMILIES["mistral"]())
+    vec = kw.ControlVector({1: torch.randn(lm.head.weight.shape[1], generator=torch.Generator().manual_seed(seed))})
+    return lm.steer(vec, torch.tensor([2.0, 0.5]))
+
+
+def _greedy(lm, n=10):
+    """Greedy tokens of both prompts (10: checked to be more than one repeated token per row)."""
+    tokens = lm.generate(PROMPTS, max_new_tokens=n, ignore_eos=True, return_logprobs=True).tokens
+    assert n < 10 or all(len(set(row)) > 1 for row in tokens), tokens
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One package folder for the module: the first test builds, the others load."""
+    folder = tmp_path_factory.mktemp("kvwire_cache")
+    before = os.environ.get("KVWIRE_CACHE")
+    os.environ["KVWIRE_CACHE"] = str(folder)
+    yield folder
+    if before is None:
+        del os.environ["KVWIRE_CACHE"]
+    else:
+        os.environ["KVWIRE_CACHE"] = before
+
+
+def test_kept_steps_give_eager_tokens_and_serve_other_weights_of_the_same_structure(cache):
+    lm = _steered(0)
+    eager = _greedy(lm)
+    lm.compile(bucket=32)
+    tokens = _greedy(lm)
+    decode = lm._decoder()
+    assert isinstance(decode, AheadDecode) and decode.built == 2  # the decode step and the prompt chunks
+    assert tokens == eager
+    spans = sorted(r.span for r in decode.runners.values())
+    assert spans[0] == [1, 1] and spans[1][0] <= len(PROMPTS[0]) <= spans[1][1]  # prompts ran compiled too
+    assert len(list((cache / "steps").rglob("*.pt2"))) == 2
+
+    other = _steered(1)  # other vector values: its own eager tokens, from the same packages
+    other_eager = _greedy(other)
+    assert other_eager != eager
+    other.compile(bucket=32)
+    assert _greedy(other) == other_eager and other._decoder().built == 0
+
+
+CHILD = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from tests.test_ahead import _steered, _greedy, PROMPTS
+lm = _steered(0).compile(bucket=32)
+tokens = _greedy(lm)
+decode = lm._decoder()
+cache = lm.cached.init_cache(2, 32)
+logits, _ = decode(torch.tensor([[5], [6]]), torch.tensor([[0], [0]]), torch.tensor(0),
+                   torch.ones(2, 32, dtype=torch.bool), cache, tuple(lm.cached.default_inputs(2).values()))
+print(json.dumps({{"built": decode.built, "tokens": tokens, "logits": logits.tolist()}}))
+"""
+
+
+def test_a_fresh_process_loads_the_packages_and_computes_what_this_process_compiled(cache):
+    lm = _steered(0).compile(bucket=32)
+    tokens = _greedy(lm)
+    decode = lm._decoder()
+    c = lm.cached.init_cache(2, 32)
+    logits, _ = decode(torch.tensor([[5], [6]]), torch.tensor([[0], [0]]), torch.tensor(0),
+                       torch.ones(2, 32, dtype=torch.bool), c, tuple(lm.cached.default_inputs(2).values()))
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT))], capture_output=True, text=True,
+                         env={**os.environ, "KVWIRE_CACHE": str(cache)}, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    assert child["built"] == 0  # loaded, not traced or compiled
+    assert child["tokens"] == tokens
+    assert torch.equal(torch.tensor(child["logits"]), logits)  # the same program, bit for bit
+
+
+def _one_package(cache):
+    lm = _steered(0).compile(bucket=32)
+    _greedy(lm, 2)
+    decode = lm._decoder()
+    [(text, package)] = [(t, p) for t, p in decode.runners.items() if p.span == [1, 1]]
+    path = next(p for p in (cache / "steps" / decode.key).glob("*.pt2")
+                if json.loads(p.with_suffix(".json").read_text())["span"] == [1, 1])
+    return decode, json.loads(text), path
+
+
+def test_a_package_from_another_torch_or_cpu_is_not_used(cache):
+    decode, sig, path = _one_package(cache)
+    assert Package.open(path, decode.key, sig, decode.program) is not None
+    record = path.with_suffix(".json")
+    meta = json.loads(record.read_text())
+    try:
+        record.write_text(json.dumps({**meta, "machine": ["1.0", "GenuineIntel", "other", "avx2+"]}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # silently: a package made elsewhere is simply built anew
+            assert Package.open(path, decode.key, sig, decode.program) is None
+    finally:
+        record.write_text(json.dumps(meta))
+
+
+def test_a_damaged_package_is_named_and_rebuilt(cache):
+    decode, sig, path = _one_package(cache)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = b"\0" * 64
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=rf"{path.name}.*do not match the digest"):
+        assert Package.open(path, decode.key, sig, decode.program) is None
+    lm = _steered(0)
+    eager = _greedy(lm)
+    lm.compile(bucket=32)
+    with pytest.warns(UserWarning, match=path.name):
+        assert _greedy(lm) == eager
+    assert lm._decoder().built == 1  # the damaged one only
+    assert Package.open(path, decode.key, sig, decode.program) is not None
+
+
+def test_a_record_that_does_not_read_is_named(cache):
+    decode, sig, path = _one_package(cache)
+    record = path.with_suffix(".json")
+    meta = record.read_text()
+    try:
+        record.write_text("{not json")
+        with pytest.warns(UserWarning, match=rf"{record.name}.*does not read"):
+            assert Package.open(path, decode.key, sig, decode.program) is None
+    finally:
+        record.write_text(meta)
+
+
+def test_the_digest_follows_structure_not_values():
+    a, b = kw.from_hf(FAMILIES["llama"](seed=0)), kw.from_hf(FAMILIES["llama"](seed=1))
+    assert module_digest(a.backbone) == module_digest(b.backbone)  # other weights
+    v = torch.ones(a.head.weight.shape[1])
+    added = a.edit(lambda layer, x: layer(x) + v if layer is a.backbone.layers[1] else layer(x))
+    scaled = a.edit(lambda layer, x: layer(x) * v if layer is a.backbone.layers[1] else layer(x))
+    assert module_digest(added.cached.graph_module) != module_digest(a.cached.graph_module)
+    assert module_digest(added.cached.graph_module) != module_digest(scaled.cached.graph_module)  # code alone
+    wider = kw.from_hf(FAMILIES["llama"](intermediate_size=96))
+    assert module_digest(wider.backbone) != module_digest(a.backbone)
+
+
+def test_the_signature_leaves_a_chunks_length_out():
+    flat = [torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long), torch.tensor(0)]
+    shorter = [torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.tensor(0)]
+    assert signature(flat, True) == signature(shorter, True)
+    assert signature(flat, False) != signature(shorter, False)
+
+
+def test_compile_refuses_ahead_settings_it_cannot_honour():
+    lm = kw.from_hf(FAMILIES["llama"]())
+    with pytest.raises(ValueError, match="ahead=True .* takes no torch.compile options.*'mode'"):
+        lm.compile(ahead=True, mode="max-autotune")
+    with pytest.raises(ValueError, match="ahead must be True, False or None.*'yes'"):
+        lm.compile(ahead="yes")
+    assert lm.compile()._compile_options["ahead"] is True  # the default on a CPU model
+    assert lm.compile(mode="max-autotune")._compile_options["ahead"] is False
