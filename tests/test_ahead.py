@@ -178,3 +178,15 @@ def test_compile_refuses_ahead_settings_it_cannot_honour():
         lm.compile(ahead="yes")
     assert lm.compile()._compile_options["ahead"] is True  # the default on a CPU model
     assert lm.compile(mode="max-autotune")._compile_options["ahead"] is False
+
+
+def test_a_cache_folder_that_cannot_be_written_still_compiles(tmp_path, monkeypatch):
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("")
+    monkeypatch.setenv("KVWIRE_CACHE", str(blocked))  # steps/ cannot be made under a file
+    lm = kw.from_hf(FAMILIES["mistral"]())
+    eager = lm.generate(PROMPTS[:1], max_new_tokens=8, ignore_eos=True, return_logprobs=True).tokens
+    lm.compile(bucket=32, prefill_tokens=0)
+    with pytest.warns(UserWarning, match=r"cannot keep compiled steps in .*not_a_folder"):
+        tokens = lm.generate(PROMPTS[:1], max_new_tokens=8, ignore_eos=True, return_logprobs=True).tokens
+    assert tokens == eager and lm._decoder().built == 1

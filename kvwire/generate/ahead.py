@@ -130,6 +130,16 @@ class AheadDecode:
         path = self.folder / self.key / f"{name}.pt2"
         package = Package.open(path, self.key, sig, self.program)
         if package is None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                probe = path.parent / f".{os.getpid()}.probe"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as e:  # a read-only or full cache: compiled all the same, kept by no one
+                warnings.warn(f"kvwire: cannot keep compiled steps in {path.parent} ({e}); this process "
+                              f"compiles its own", stacklevel=4)
+                with tempfile.TemporaryDirectory() as tmp:
+                    return self._build(Path(tmp) / path.name, sig, flat) or EAGER
             package = self._build(path, sig, flat)
         return package or EAGER
 
