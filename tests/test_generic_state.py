@@ -2,10 +2,12 @@
 layers cached through kvwire's cache contract (`kvwire.models.generic.state`).
 
 Three kinds of state, each on its own tiny random model: LFM2's short convolutions (a conv state
-only), Qwen3-Next's gated delta-nets (a conv state and a recurrent state) and Mamba-2's scans; and
-two hybrids whose layers keep attention keys/values and state both (Falcon-H1's attention beside
-its Mamba mixer in every layer, Zamba2's hybrid layers between Mamba layers). The arbiter is
-transformers: its own cached `generate` and its uncached forward on the same weights."""
+only), Qwen3-Next's gated delta-nets (a conv state and a recurrent state) and Mamba-2's scans; two
+hybrids whose layers keep attention keys/values and state both (Falcon-H1's attention beside its
+Mamba mixer in every layer, Zamba2's hybrid layers between Mamba layers); and Mamba-1 (Mamba,
+FalconMamba), whose multi-token scan ignores a previous state, so chunks continuing one go token
+by token (`kvwire.models.generic.stepping`). The arbiter is transformers: its own cached
+`generate` and its uncached forward on the same weights."""
 import copy
 from types import SimpleNamespace
 
@@ -19,7 +21,9 @@ from .generic_configs import PROMPT_IDS, prompt, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2"]
+TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2", "mamba", "falcon_mamba"]
+# where transformers' scan of several tokens starts from zero whatever state it is handed
+ONE_TOKEN_AT_A_TIME = {"mamba", "falcon_mamba"}
 L = 48  # cache timeline of the direct calls
 ATOL = 1e-4
 
@@ -81,6 +85,11 @@ def test_state_layers_hold_a_fixed_size_slot(model):
         assert all(t.shape[:3] == (2, 1, 1) for t in short[k])  # a ring of one slot
 
 
+def test_only_mixers_ignoring_a_previous_state_in_their_chunks_go_token_by_token(model):
+    steps = {model.lm.backbone.layers[i].states.steps for i in model.stateful}
+    assert steps == {model.name in ONE_TOKEN_AT_A_TIME}
+
+
 def test_a_prompt_prefilled_in_chunks_leaves_the_state_of_one_call(model):
     ids = _ids(13, seed=1)[None]
     whole, cache = _run(model.lm, [ids])
@@ -129,6 +138,20 @@ def test_greedy_rows_of_different_lengths_equal_transformers_generate(model):
             theirs = model.hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
                                        max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
         assert batch[i].tolist() == theirs[0, len(row):].tolist(), i
+
+
+def test_a_prompt_prefilled_four_tokens_a_call_gives_transformers_tokens(model):
+    row = _ids(14, seed=15)
+    model.lm.prefill_call_tokens = 4
+    try:
+        ours = model.lm.generate(row, max_new_tokens=8, ignore_eos=True)
+    finally:
+        model.lm.prefill_call_tokens = None
+    with torch.no_grad():
+        # eos_token_id=None: neither stops at nor suppresses the end token (kvwire's ignore_eos)
+        theirs = model.hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                                   max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert ours.tolist() == theirs[0, len(row):].tolist()
 
 
 def test_left_padded_rows_prefilled_in_small_calls_equal_each_alone(model):

@@ -10,7 +10,7 @@ from torch import nn
 
 from ...layers.linear import Linear, WeightPack
 from . import seam, state as state_slots
-from .checks import check_decoding, close
+from .checks import check_chunks, check_decoding, close
 from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls, takes, with_arguments
 from .sites import find_sites, install
 
@@ -22,13 +22,16 @@ def from_transformers(model):
 
     Decoder layers whose mixer keeps recurrent, convolution or linear-attention state in
     transformers' Cache API (Mamba, short convolutions, gated delta-nets) get a state slot
-    (`kvwire.models.generic.state`), beside their keys and values where they also attend.
+    (`kvwire.models.generic.state`), beside their keys and values where they also attend. Where
+    their mixer's call of several tokens ignores the state it is handed (transformers' Mamba-1
+    scan), chunks that continue a state go through it one token at a time
+    (`kvwire.models.generic.stepping`).
 
     Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention, a
     decoder layer whose attention transformers' interface never sees and that keeps no state in
     the Cache API, one keeping both keys/values and state whose mixer takes no padding mask, a
-    forward the split does not reproduce, or cached decoding that does not reproduce it
-    (`kvwire.models.generic.checks`).
+    forward the split does not reproduce, cached decoding or a prompt prefilled in two chunks that
+    does not reproduce it (`kvwire.models.generic.checks`).
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name = type(model).__name__
@@ -78,6 +81,7 @@ def from_transformers(model):
                          f"final modules")
     try:
         check_decoding(name, backbone, head, probe, seen["logits"])
+        check_chunks(name, backbone, head, probe, seen["logits"])
     except (RuntimeError, IndexError, TypeError) as e:  # a layer that cannot run on a cache slot at all
         raise ValueError(f"{name}: cached decoding fails ({type(e).__name__}: {e}); its layers depend on more than "
                          f"their keys and values, which the generic path does not carry yet") from e

@@ -1,9 +1,11 @@
-"""The build's check of the cached graph against the model's own logits on the probe: decoding
-one token at a time after a prefill. A model the generic cache does not fit is refused here rather
+"""The build's checks of the cached graph against the model's own logits on the probe: decoding
+one token at a time after a prefill, and a prefill in two calls (the second of several tokens
+continuing the first's state). A model the generic cache does not fit is refused here rather
 than decoding wrong tokens."""
 import torch
 
 from ...graph import with_cache
+from . import stepping
 
 TOLERANCE = 1e-4  # relative to the logits' scale, float32
 
@@ -27,6 +29,33 @@ def check_decoding(name, backbone, head, probe, expected, steps=4):
                          f"{_first_difference(got, expected)} of a {T}-token probe, prefilled to {start}); its layers "
                          f"depend on more than their keys and values (positions read from transformers' cache "
                          f"object, chunked attention), which the generic path does not carry yet")
+
+
+def check_chunks(name, backbone, head, probe, expected):
+    """Prefill the probe in two calls, the second of several tokens continuing the first's state:
+    each position's logits must be the model's own. Where they are not (a mixer whose multi-token
+    call ignores the state it is handed, as transformers' Mamba-1 scan does), the stateful layers'
+    mixers continue states one token at a time (`kvwire.models.generic.stepping`) and the check
+    runs again. A model it still does not fit is refused: kvwire prefills prompts in chunks."""
+    T = probe.shape[1]
+    bounds = [T // 2, T]
+    got = cached_logits(backbone, head, probe, bounds)
+    if close(got, expected):
+        return
+    stateful = [part for part in backbone.layers if part.states is not None]
+    tried = ""
+    if stateful and all(part.mixer is not None for part in stateful):
+        for part in stateful:
+            part.states.steps = True
+            stepping.install(part.mixer)
+        got = cached_logits(backbone, head, probe, bounds)
+        if close(got, expected):
+            return
+        tried = ", also with its state-keeping mixers continuing one token at a time"
+    raise ValueError(f"{name}: a prompt prefilled in chunks does not reproduce the model's own logits (first at "
+                     f"position {_first_difference(got, expected)} of a {T}-token probe prefilled in calls of "
+                     f"{bounds[0]} and {T - bounds[0]} tokens{tried}); its layers do not carry their state across "
+                     f"calls of several tokens, and kvwire prefills prompts in chunks")
 
 
 def cached_logits(backbone, head, probe, bounds):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ...layers.base import Block, Layer
 from ...layers.inner import InnerSites
-from . import seam, sites, state as state_slots
+from . import seam, sites, state as state_slots, stepping
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 
@@ -191,9 +191,11 @@ class DecoderLayer(InnerSites, Block):
 
     def _with_state(self, x, gate, positions, inputs, slot, cache_index, attention_mask):
         """(out, next state slot): the layer's own mixer continues its state; the chunk's padding
-        mask keeps pads out of it."""
+        mask keeps pads out of it. A mixer whose multi-token call ignores a previous state goes
+        token by token in a chunk that continues one (`kvwire.models.generic.stepping`)."""
         real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
-        opened = self.states.open(slot, 1.0 - fresh)
+        steps = self.states.steps and stepping.continues(fresh, x.shape[1])
+        opened = self.states.open(slot, 1.0 - fresh, steps)
         if self.attention is None:
             out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
         else:  # the layer's attention_mask is its attention's: the mixer takes the padding mask itself

@@ -11,7 +11,8 @@ growth and prefix store treat it as they treat a ring: reused only at the length
 
 A cached call hands the layer a `StateCache` holding views of that pair and always reporting a
 previous state, so transformers' own code continues the state (its T == 1 step, or its chunked
-form from an initial state) and prefill chunks carry it. Before the call a row whose chunk holds
+form from an initial state) and prefill chunks carry it. A mixer whose chunked form ignores the
+initial state (Mamba-1's scan) continues it one token at a time (`kvwire.models.generic.stepping`). Before the call a row whose chunk holds
 its first real token (position 0, not a pad) starts from zeros: equal to transformers starting
 without a state (a zero conv history is the conv's zero padding; a zero initial state, none). The
 call passes the chunk's padding mask as the layer's 2D `attention_mask`, which transformers' mixers
@@ -36,6 +37,7 @@ import torch
 
 from ...layers.attention import functional_cache_writes
 from ...layers.masks import per_row
+from . import stepping
 
 _padding = contextvars.ContextVar("kvwire_generic_mixer_padding", default=None)
 HOOKED = "_kvwire_padding_hook"  # attribute marking a mixer that has its hook (installed once)
@@ -107,9 +109,13 @@ class StateCache:
 
     def __init__(self, states, layers):
         self.states, self.layers = list(states), layers
+        # the layer's mixer continues a state with several tokens only one at a time (set by the
+        # build's chunked check; `kvwire.models.generic.stepping`)
+        self.steps = False
 
-    def open(self, slot, keep):
-        """A transformers `Cache` over `slot` (the pair), rows scaled by `keep` (B,) (0: start afresh)."""
+    def open(self, slot, keep, steps=False):
+        """A transformers `Cache` over `slot` (the pair), rows scaled by `keep` (B,) (0: start afresh);
+        with `steps`, marked for the layer's mixer to go token by token."""
         from transformers.cache_utils import Cache, DummyLayer
 
         B = slot[0].shape[0]
@@ -121,7 +127,10 @@ class StateCache:
             at[s.kind] += s.size
             views.setdefault(s.layer, []).append((s, part))
         layers = [_view_layer(views[i]) if i in views else _passing(DummyLayer()) for i in range(self.layers)]
-        return Cache(layers=layers)
+        cache = Cache(layers=layers)
+        if steps:
+            setattr(cache, stepping.MARK, True)
+        return cache
 
     def close(self, cache, slot):
         """The slot after the call: the states the layer left in `cache`, flattened back (written into

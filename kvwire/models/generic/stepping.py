@@ -1,0 +1,79 @@
+"""Token mixers whose call of several tokens ignores the state it is handed, continued one token
+at a time.
+
+transformers' Mamba-1 selective scan (mamba, falcon_mamba, jamba, zamba) starts every call of
+more than one token from a zero recurrent state: only its one-token step continues the state in
+the cache. A prompt prefilled in chunks, a stored prefix followed by a chunk, a row joining a batch
+in chunks would each continue from a wrong state. The build finds such layers by prefilling its
+probe in two chunks (`kvwire.models.generic.build`); their mixers get `install`. In a cached call
+that continues a state (`continues`), the cache the layer is handed carries `MARK`, and the mixer
+makes its call of T tokens T calls of one token, each continuing the state the one before left.
+T is static in a trace, so the loop unrolls. A chunk in which every row starts afresh keeps the
+mixer's multi-token scan (a zero initial state is what the scan assumes).
+
+The cost: a continuing chunk runs the mixer's projections on one token at a time (T small matrix
+products instead of one) and its one-token step T times.
+"""
+import inspect
+import types
+
+import torch
+
+from ...kernels.tracing import is_exporting
+
+MARK = "_kvwire_one_token_at_a_time"  # on a transformers Cache: its stepping mixers go token by token
+INSTALLED = "_kvwire_stepping"  # on a mixer whose forward `install` wrapped
+
+
+def continues(fresh, tokens):
+    """Whether a cached call of `tokens` tokens per row must step its mixers: more than one token,
+    and a row not starting afresh (`fresh` (B,) float32, 1 where the row's first real token is in
+    the chunk). A traced call cannot look at its rows: it steps every chunk of several tokens.
+
+    Raises RuntimeError in an export whose chunk length is dynamic: the steps unroll, so an
+    exported program would hold one length only (`lm.compile()`'s prompt chunks then run eager)."""
+    if isinstance(tokens, torch.SymInt) and is_exporting():
+        raise RuntimeError("a state-keeping mixer that continues a state one token at a time unrolls its steps: "
+                           "a prompt chunk of dynamic length cannot be exported")
+    if tokens == 1:
+        return False  # the mixer's own one-token step
+    if torch.compiler.is_compiling() or is_exporting():
+        return True
+    return bool((fresh < 1).any())
+
+
+def install(mixer):
+    """Make `mixer`'s forward go token by token when the cache it is given carries `MARK` (once).
+    Its signature stays its class's (hooks and checks that read it see the same arguments)."""
+    if getattr(mixer, INSTALLED, False):
+        return
+
+    def forward(self, *args, **kwargs):
+        own = type(self).forward.__get__(self)
+        if not any(getattr(value, MARK, False) for value in (*args, *kwargs.values())):
+            return own(*args, **kwargs)
+        return _one_at_a_time(own, args, kwargs)
+
+    forward.__signature__ = inspect.signature(type(mixer).forward)
+    mixer.forward = types.MethodType(forward, mixer)
+    setattr(mixer, INSTALLED, True)
+
+
+def _one_at_a_time(own, args, kwargs):
+    """own(*args, **kwargs) as T calls of one token: every tensor argument of shape (B | 1, T, ...)
+    (the hidden states, the padding mask, other per-token inputs) sliced at each token, the outputs
+    joined along the tokens."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    B, T = hidden.shape[:2]
+    outs = [own(*(_token(a, B, T, t) for a in args), **{k: _token(v, B, T, t) for k, v in kwargs.items()})
+            for t in range(T)]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs, dim=1)
+    return type(outs[0])(torch.cat(parts, dim=1) if isinstance(parts[0], torch.Tensor) else parts[-1]
+                         for parts in zip(*outs))
+
+
+def _token(value, B, T, t):
+    per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] in (1, B) \
+        and value.shape[1] == T
+    return value[:, t:t + 1] if per_token else value
