@@ -242,9 +242,12 @@ def chunk_span(program):
     where the graph needs it, say to lengths past a ring cache's slots)."""
     token_ids = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "token_ids")
     length = token_ids.meta["val"].shape[1]
-    if isinstance(length, int):
-        return [length, length]
-    bounds = program.range_constraints[length.node.expr]
+    expr = length.node.expr if isinstance(length, torch.SymInt) else length
+    if getattr(expr, "is_number", True):  # specialised to the example's length
+        return [int(expr), int(expr)]
+    bounds = program.range_constraints.get(expr)
+    if bounds is None:  # a length tied to another symbol: only the example's is known to hold
+        return [int(token_ids.meta["val"].shape[1].node.hint), int(token_ids.meta["val"].shape[1].node.hint)]
     return [int(bounds.lower), int(bounds.upper)]
 
 
