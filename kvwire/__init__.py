@@ -14,6 +14,11 @@ from .load import from_hf, load
 from .quant import quantize
 from .steer import SAE, Ablate, Clamp, ControlVector, Gate, Steer, patch
 from .steer.capture import Capture, capture
+from .graph.digest import kvwire_sources
+
+# read now (5 ms), with the modules: kept compiled steps are keyed on the code this process runs,
+# not on files edited while it runs
+kvwire_sources()
 
 __all__ = ["BeamSearch", "CachedGraph", "Capture", "CausalLM", "ControlVector", "Engine", "Generation", "Greedy", "MinP",
            "PrefixStore", "Random", "RequestError", "SAE", "Sequence", "Steer", "Ablate", "Clamp", "Gate", "TopK", "TopP", "block_calls", "capture", "clone", "export",
