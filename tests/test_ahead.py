@@ -190,3 +190,61 @@ def test_a_cache_folder_that_cannot_be_written_still_compiles(tmp_path, monkeypa
     with pytest.warns(UserWarning, match=r"cannot keep compiled steps in .*not_a_folder"):
         tokens = lm.generate(PROMPTS[:1], max_new_tokens=8, ignore_eos=True, return_logprobs=True).tokens
     assert tokens == eager and lm._decoder().built == 1
+
+
+def test_an_engine_on_kept_steps_grows_its_timeline_and_steps_over_the_occupied_rows(tmp_path, monkeypatch):
+    from kvwire.generate import engine as engine_module
+
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    monkeypatch.setattr(engine_module, "GROW_FROM", 32)  # the timeline grows within a short test
+    lm = kw.from_hf(FAMILIES["mistral"]())
+    prompts, lengths = [p.tolist() for p in PROMPTS], (40, 12)
+    alone = [lm.generate(torch.tensor(p), max_new_tokens=n, ignore_eos=True).tolist() for p, n in zip(prompts, lengths)]
+    lm.compile(bucket=32, prefill_tokens=0)
+    engine = kw.Engine(lm, max_batch=4, max_length=128, grow=True)
+    a = engine.submit(prompts[0], lengths[0])
+    for _ in range(30):  # alone in row 0 (the timeline grown past 32 positions to hold its 45)
+        engine.step()
+    b = engine.submit(prompts[1], lengths[1])  # joins while a decodes
+    for _ in engine.run([a, b]):
+        pass
+    assert [a.tokens, b.tokens] == alone
+    assert engine.stats["timeline_grown"] >= 1
+    used = {(s[2][0][0], s[5][0][1]) for s in map(json.loads, lm._decoder().runners)}  # (batch, timeline)
+    assert {(1, 64), (2, 64)} <= used and all(batch < 4 for batch, _ in used)
+
+
+def test_a_server_of_a_compiled_model_decodes_on_kept_steps(tmp_path, monkeypatch):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from kvwire.serve import create_app
+
+    from .serve_fixtures import Server, tiny_chat_lm
+
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    hello = [{"role": "user", "content": "Hello there, how are you?"}]
+    lm = tiny_chat_lm()
+    expected = lm.chat(hello, max_new_tokens=8, reuse_prefix=False)
+    server = Server(create_app(lm.compile(), "tiny", max_batch=2, max_length=256))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=hello, temperature=0, max_tokens=8)
+    finally:
+        server.close()
+    assert reply.choices[0].message.content == expected
+    built = [json.loads(p.with_suffix(".json").read_text())["signature"] for p in (tmp_path / "steps").rglob("*.pt2")]
+    assert [s[2][0][0] for s in built] == [1]  # the served (steered) copy decoded one row, compiled
+
+
+def test_serve_compile_compiles_the_loaded_model(tmp_path):
+    from kvwire.cli import parser
+    from kvwire.cli.serve import load_served
+
+    from .conftest import tiny_hf_gpt2
+    from .gguf_files import write_gpt2
+
+    write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))
+    args = parser().parse_args(["serve", "--model", str(tmp_path / "g.gguf"), "--quantize", "none", "--compile"])
+    assert load_served(args, "none").compile_settings["ahead"] is True
+    args = parser().parse_args(["serve", "--model", str(tmp_path / "g.gguf"), "--quantize", "none"])
+    assert load_served(args, "none").compile_settings is None

@@ -13,6 +13,10 @@ def add(commands):
                             "\"steer\": {NAME: strength} (absent names: 0).")
     model_options(s)
     quantize_option(s, default="auto")  # a server batches: ggml's blocks beat float weights where they run
+    s.add_argument("--compile", action="store_true",
+                   help="compiled decode steps, kept on disk: each batch size (1, 2, 4, ...) and timeline length "
+                   "(256, 512, ...) the server meets is built once, ever (a minute or two, requests wait meanwhile); "
+                   "later starts load them in about a second")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--control-vector", action="append", default=None, metavar="NAME=FILE",
@@ -118,16 +122,32 @@ def run(args):
     if args.ray:  # each replica loads the model itself (and the SAE, from its folder); this process only starts them
         from functools import partial
 
-        loader = partial(load_model, argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
+        loader = partial(load_served, argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
         return ray_serve.run_from_args(args, loader, sae=args.sae, **options)
-    lm = load_model(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
+    lm = load_served(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(lm, args.model, sae=sae, **options)
+    if args.compile:
+        from ..kernels.switches import cache_root
+
+        print(f"decode: compiled steps kept in {cache_root() / 'steps'}; a batch size or timeline length met "
+              f"for the first time is built once (a minute or two, requests wait)", file=sys.stderr)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}; SAE: {args.sae or 'none'}; "
           f"API keys: {len(keys) if keys else 'none, open to all'}); "
           f"playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)
+
+
+def load_served(args, quantize):
+    """The model `kvwire serve` serves: `load_model`'s, compiled with --compile (module-level: Ray
+    pickles it for its replicas)."""
+    lm = load_model(args, quantize)
+    if getattr(args, "compile", False):
+        if getattr(args, "runtime", "eager") != "eager":
+            raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
+        lm.compile()
+    return lm
 
 
 def _analysis_limits(args):

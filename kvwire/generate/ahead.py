@@ -69,6 +69,8 @@ class AheadDecode:
         >>> lm.generate("Once upon a time", max_new_tokens=64)   # a fresh process: no re-trace
     """
 
+    kept = True  # each shape is built once, ever: an engine may grow its timeline and vary its batch
+
     def __init__(self, cached, head, bucket=64, prefill_tokens=32, folder=None):
         from .compiled import check_settings
 
@@ -200,7 +202,7 @@ class Package:
         record = path.with_suffix(".json")
         try:
             meta = json.loads(record.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except (OSError, ValueError) as e:
             return _rebuilt(record, f"its record does not read ({e})")

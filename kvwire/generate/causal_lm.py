@@ -174,6 +174,13 @@ class CausalLM(GenerationMethods, nn.Module):
         self.pool.clear()
         return self
 
+    @property
+    def compile_settings(self):
+        """What `compile` was called with ({bucket, prefill_tokens, ahead, torch.compile options}), or
+        None: an edited or steered copy is not compiled unless compiled with these
+        (`copy.compile(**lm.compile_settings)`)."""
+        return None if self._compile_options is None else dict(self._compile_options)
+
     def _decoder(self):
         if self._compile_options is None:
             return None

@@ -67,7 +67,9 @@ class Engine:
             sequences into), or None.
         cache: caches for (max_batch, max_length) to reuse, as `init_cache` makes them.
         grow: start the timeline short and double it as sequences need (see the module docstring);
-            for graphs that take a write index per row, uncompiled, without `cache`. Else every row
+            for graphs that take a write index per row, uncompiled or with kept compiled steps
+            (`lm.compile()` on the CPU, which also decode over the occupied rows only: batch 1, 2, 4,
+            ...), without `cache`. Else every row
             holds max_length positions from the first sequence on.
         decode_threads: torch's CPU threads for decode steps (prefill keeps the pool's size): a
             server leaves a core to its event loop, whose wake-ups stall a full team of OpenMP
@@ -115,7 +117,10 @@ class Engine:
             (adaptive(force=True) if adapt_threads else None)  # kvwire.kernels.threads.Threads or None
         self.per_row = bool(getattr(self.cached, "row_index", False))
         self.cache = cache
-        self.grow = bool(grow) and self.per_row and self.decode is None and cache is None
+        # compiled steps kept on disk (`AheadDecode.kept`) are built once per shape, ever: those may
+        # grow the timeline and step over the occupied rows; torch.compile's would recompile each time
+        self.kept = bool(getattr(self.decode, "kept", False))
+        self.grow = bool(grow) and self.per_row and (self.decode is None or self.kept) and cache is None
         self.length = min(GROW_FROM, max_length) if self.grow else max_length  # the rows' timeline now
         self.rows = [None] * max_batch  # the Sequence in each row (or None)
         self.index, self.pads = [0] * max_batch, [0] * max_batch
@@ -443,8 +448,11 @@ class Engine:
     # -- decoding ---------------------------------------------------------------------------------
 
     def _decode(self):
-        span = self.capacity if self.decode is not None or not self.per_row else \
-            1 + max(r for r, s in enumerate(self.rows) if s is not None)
+        span = self.capacity
+        if self.per_row and (self.decode is None or self.kept):
+            span = 1 + max(r for r, s in enumerate(self.rows) if s is not None)
+            if self.decode is not None:  # kept steps: batch 1, 2, 4, ... (a few shapes)
+                span = min(self.capacity, 1 << (span - 1).bit_length())
         cache = self._main_cache()
         if span < self.capacity:
             cache = tuple((k[:span], v[:span]) for k, v in cache)

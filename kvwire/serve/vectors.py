@@ -85,6 +85,9 @@ class ServedVectors:
         return model, self._engine(model)
 
     def _engine(self, model):
+        settings = self.lm.compile_settings
+        if settings is not None and model.compile_settings is None:  # a steered copy of a compiled model
+            model.compile(**settings)
         return Engine(model, **self.engine_options, prefix_store=PrefixStore(max_bytes=self.prefix_bytes))
 
     def check_new_name(self, name):
