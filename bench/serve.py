@@ -3,7 +3,7 @@ the preset's GGUF file on 127.0.0.1 with the same number of threads.
 
     python bench/serve.py [--model smollm2-135m-instruct] [--clients 1,4,16] [--max-tokens 32]
                           [--requests-per-client 2] [--threads 2] [--quantize gguf] [--skip-peer] [--quick]
-                          [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE]
+                          [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE] [--compile]
 
 On a CPU that other work keeps busy, torch's OpenMP threads spinning at every op's barrier make
 kvwire's server many times slower (measured: 0.7 vs 12.9 tokens/s at one client, 2 threads, load
@@ -95,6 +95,7 @@ def servers_to_start(args, gguf, vector):
     kvwire = ["-m", "kvwire.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "{port}",
               "--max-batch", str(batch), "--max-length", str(args.max_length), "--inline-slots", str(batch)]
     kvwire += ["--quantize", args.quantize] if args.quantize else []
+    kvwire += ["--compile"] if args.compile else []
     out = {"kvwire": (kvwire, "/health", threads),
            "kvwire +happy": (kvwire + ["--control-vector", f"happy={vector}"], "/health", threads)}
     if not args.skip_peer:
@@ -249,6 +250,8 @@ def parser():
                    "keeps busy, PASSIVE spares torch's threads from spinning at every op's barrier)")
     p.add_argument("--quantize", help="passed to kvwire serve (gguf, none, ...); default: the server's own (auto: the "
                    "GGUF's blocks on ggml's kernels where llama-cpp-python is installed)")
+    p.add_argument("--compile", action="store_true",
+                   help="kvwire serve --compile (compiled steps kept on disk; a first run builds them: run twice)")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to become ready")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
@@ -275,7 +278,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped below
     print(header(args.threads), flush=True)
     policy = f" (OMP_WAIT_POLICY={args.omp_wait_policy})" if args.omp_wait_policy else ""
-    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or auto_weights(args.model)}{policy}, "
+    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or auto_weights(args.model)}{policy}{' +compile' if args.compile else ''}, "
           f"llama.cpp the file's own blocks; {args.requests_per_client} requests per client, "
           f"max_tokens {args.max_tokens}, greedy, streamed; load average {os.getloadavg()[0]:.1f} at the start "
           f"(other work on the machine makes timings noisy)", flush=True)
