@@ -32,6 +32,7 @@ from torch import nn
 from ..graph.digest import module_digest
 from ..kernels.switches import cache_root
 from ..layers.shared import per_call
+from .compiled import Buckets, check_settings, inductor_options
 from .direct import flat_args
 
 FORMAT = 1  # bump when what a package holds or how it is called changes
@@ -58,7 +59,7 @@ class StepProgram(nn.Module):
         return self.head(hidden[:, -1])
 
 
-class AheadDecode:
+class AheadDecode(Buckets):
     """decode(ids (B, T), positions (B, T), cache_index () or (B,), mask (B, L), cache, extra) ->
     (logits (B, V), cache): `CompiledDecode`'s contract, from AOTInductor packages kept in `folder`
     (default `$KVWIRE_CACHE/steps`). The first call of a signature no process has compiled builds
@@ -72,8 +73,6 @@ class AheadDecode:
     kept = True  # each shape is built once, ever: an engine may grow its timeline and vary its batch
 
     def __init__(self, cached, head, bucket=64, prefill_tokens=32, folder=None):
-        from .compiled import check_settings
-
         check_settings(bucket, prefill_tokens)
         self.bucket, self.head, self.prefill_tokens = bucket, head, prefill_tokens
         self.graph = cached.graph_module
@@ -82,13 +81,6 @@ class AheadDecode:
         self.runners = {}  # signature -> Package or EAGER
         self.built = 0  # packages this object compiled (the rest were loaded)
         self._key = None
-
-    def length(self, max_length, limit=None):
-        """max_length rounded up to bucket * 2^k (not past `limit` when given)."""
-        rounded = self.bucket
-        while rounded < max_length:
-            rounded *= 2
-        return rounded if limit is None or max_length > limit else min(rounded, limit)
 
     def takes(self, tokens, max_length):
         """Whether a prompt chunk of `tokens` tokens into caches of `max_length` slots runs here (as
@@ -149,7 +141,6 @@ class AheadDecode:
         """Export, compile and keep the step of this signature at `path`; its Package, or None where
         a prompt chunk's graph cannot be exported with a dynamic length."""
         from ..layers.attention import in_place_cache_writes
-        from .compiled import inductor_options
 
         chunk = sig[0]
         dims = None

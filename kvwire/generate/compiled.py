@@ -47,7 +47,19 @@ RECOMPILE_LIMIT = 64  # graphs of the one `step` code, all instances together (s
 WRAPPER_CHECKS_OFF = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
-class CompiledDecode:
+class Buckets:
+    """Cache lengths of compiled steps: `bucket` * 2^k slots, so calls of different lengths share a
+    step and a long context costs a logarithmic number of them (needs `self.bucket`)."""
+
+    def length(self, max_length, limit=None):
+        """max_length rounded up to bucket * 2^k (not past `limit` when given)."""
+        rounded = self.bucket
+        while rounded < max_length:
+            rounded *= 2
+        return rounded if limit is None or max_length > limit else min(rounded, limit)
+
+
+class CompiledDecode(Buckets):
     """decode(ids (B, T), positions (B, T), cache_index () or (B,), mask (B, L), cache, extra) ->
     (logits (B, V) of the last position, cache): the same values as the eager cached graph + head,
     compiled. T is 1 (a decode step) or, for a prompt chunk, up to `prefill_tokens` (`takes`; 0:
@@ -79,13 +91,6 @@ class CompiledDecode:
         self.writes = in_place_cache_writes if (options.get("options") or {}).get("reorder_for_locality") is False \
             else contextlib.nullcontext
         self.seen = set()  # call signatures that run without compiling
-
-    def length(self, max_length, limit=None):
-        """max_length rounded up to bucket * 2^k (not past `limit` when given)."""
-        rounded = self.bucket
-        while rounded < max_length:
-            rounded *= 2
-        return rounded if limit is None or max_length > limit else min(rounded, limit)
 
     def takes(self, tokens, max_length):
         """Whether a prompt chunk of `tokens` tokens per row into caches of `max_length` slots runs
