@@ -248,3 +248,19 @@ def test_serve_compile_compiles_the_loaded_model(tmp_path):
     assert load_served(args, "none").compile_settings["ahead"] is True
     args = parser().parse_args(["serve", "--model", str(tmp_path / "g.gguf"), "--quantize", "none"])
     assert load_served(args, "none").compile_settings is None
+
+
+def test_a_decode_step_export_cannot_make_runs_eager_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    lm = kw.from_hf(FAMILIES["mistral"]())
+    eager = _greedy(lm)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("data-dependent branch\nmore detail")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    lm.compile(bucket=32, prefill_tokens=0)
+    with pytest.warns(UserWarning, match=r"decode step cannot be exported .*RuntimeError: data-dependent branch\);"
+                                         r" it runs eager \(lm.compile\(ahead=False\)"):
+        assert _greedy(lm) == eager
+    assert lm._decoder().built == 0 and not list(tmp_path.rglob("*.pt2"))

@@ -16,8 +16,10 @@ no Inductor import): the first compiled token comes about a second after the mod
 The step writes each chunk into the caches it is given, in place (one slot a decode step), as
 `CompiledDecode` does. A package whose recorded key, torch or CPU differ from this process's is
 rebuilt; one whose bytes no longer match the digest recorded beside it, or that torch cannot load,
-is reported by name (a warning) and rebuilt. A prompt chunk graph torch.export cannot make with a
-dynamic length (say a graph that compares it with a ring cache's slots) runs eager.
+is reported by name (a warning) and rebuilt. Export narrows a prompt chunk graph's length range
+where the graph needs it (say to lengths past a ring cache's slots); chunks outside it, and a chunk
+graph export cannot make at all, run eager. A decode step export cannot make runs eager with a
+warning (`lm.compile(ahead=False)` may still compile it: torch.compile allows graph breaks).
 """
 import hashlib
 import json
@@ -139,7 +141,7 @@ class AheadDecode(Buckets):
 
     def _build(self, path, sig, flat):
         """Export, compile and keep the step of this signature at `path`; its Package, or None where
-        a prompt chunk's graph cannot be exported with a dynamic length."""
+        the graph cannot be exported (a decode step's: with a warning)."""
         from ..layers.attention import in_place_cache_writes
 
         chunk = sig[0]
@@ -153,22 +155,29 @@ class AheadDecode(Buckets):
             with torch.no_grad(), in_place_cache_writes(exports=True):
                 program = torch.export.export(self.program, tuple(flat), dynamic_shapes=dims,
                                               strict=False)
-        except Exception:  # noqa: BLE001 - a chunk graph export cannot make: eager chunks
-            if chunk:
-                return None
-            raise
+        except Exception as e:  # noqa: BLE001 - a graph export cannot make: that signature runs eager
+            if not chunk:  # torch.compile may still manage it (graph breaks): said, not silent
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                warnings.warn(f"kvwire: the decode step cannot be exported to compile it ahead of time "
+                              f"({type(e).__name__}: {first}); it runs eager (lm.compile(ahead=False) tries "
+                              f"torch.compile instead)", stacklevel=5)
+            return None
         span = chunk_span(program) if chunk else [1, 1]
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{os.getpid()}.{path.name}")  # AOTInductor wants a .pt2 name
-        options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=options)
-        self.built += 1
-        meta = {"format": FORMAT, "key": self.key, "machine": machine(), "signature": sig,
-                "sha256": _file_digest(tmp), "constants": constants_of(self.program), "span": span}
         meta_tmp = tmp.with_suffix(".json")
-        meta_tmp.write_text(json.dumps(meta))
-        os.replace(tmp, path)
-        os.replace(meta_tmp, path.with_suffix(".json"))  # last: a package without its record is never used
+        try:
+            options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=options)
+            self.built += 1
+            meta = {"format": FORMAT, "key": self.key, "machine": machine(), "signature": sig,
+                    "sha256": _file_digest(tmp), "constants": constants_of(self.program), "span": span}
+            meta_tmp.write_text(json.dumps(meta))
+            os.replace(tmp, path)
+            os.replace(meta_tmp, path.with_suffix(".json"))  # last: a package without its record is never used
+        finally:  # nothing half-written left behind
+            tmp.unlink(missing_ok=True)
+            meta_tmp.unlink(missing_ok=True)
         package = Package.open(path, self.key, sig, self.program, fresh=True)
         if package is None:
             raise RuntimeError(f"the compiled step just written to {path} does not load")
@@ -240,7 +249,7 @@ def chunk_span(program):
         return [int(expr), int(expr)]
     bounds = program.range_constraints.get(expr)
     if bounds is None:  # a length tied to another symbol: only the example's is known to hold
-        return [int(token_ids.meta["val"].shape[1].node.hint), int(token_ids.meta["val"].shape[1].node.hint)]
+        return [int(length.node.hint)] * 2
     return [int(bounds.lower), int(bounds.upper)]
 
 
