@@ -126,12 +126,12 @@ class CausalLM(GenerationMethods, nn.Module):
         clear_packs(self)
 
     def compile(self, bucket=64, prefill_tokens=32, ahead=None, **options):
-        """Run generation's one-token decode steps and short prompts through `torch.compile` (cached
-        graph + head).
+        """Run generation's one-token decode steps and short prompts compiled (cached graph + head):
+        ahead of time and kept on disk on the CPU (`ahead`), else through `torch.compile`.
 
         Pays where small ops dominate a step: quantised weights at batch 1 (measured in
-        bench/compile.py and bench/generate.py). The first step of each batch size compiles (one to two
-        minutes for the default model; Inductor caches it on disk for later processes), and so does
+        bench/compile.py, bench/compiled_start.py and bench/generate.py). The first step of each batch
+        size compiles (one to two minutes for the default model, once ever where kept), and so does
         each new cache length: lengths are rounded up to `bucket` * 2^k slots, so calls with
         different lengths share compiled steps and a long context compiles a few times, not often.
         A prompt of 2 to `prefill_tokens` tokens runs through the same compiled function (its
