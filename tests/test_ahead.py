@@ -71,6 +71,7 @@ def test_kept_steps_give_eager_tokens_and_serve_other_weights_of_the_same_struct
 
 CHILD = """
 import json, sys, torch
+torch.set_num_threads({threads})  # as this process: a reduction's order may follow the thread count
 sys.path.insert(0, {root!r})
 from tests.test_ahead import _steered, _greedy, PROMPTS
 lm = _steered(0).compile(bucket=32)
@@ -90,7 +91,8 @@ def test_a_fresh_process_loads_the_packages_and_computes_what_this_process_compi
     c = lm.cached.init_cache(2, 32)
     logits, _ = decode(torch.tensor([[5], [6]]), torch.tensor([[0], [0]]), torch.tensor(0),
                        torch.ones(2, 32, dtype=torch.bool), c, tuple(lm.cached.default_inputs(2).values()))
-    out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT))], capture_output=True, text=True,
+    child = CHILD.format(root=str(ROOT), threads=torch.get_num_threads())
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                          env={**os.environ, "KVWIRE_CACHE": str(cache)}, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     child = json.loads(out.stdout.strip().splitlines()[-1])
