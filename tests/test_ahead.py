@@ -105,10 +105,10 @@ def _one_package(cache):
     lm = _steered(0).compile(bucket=32)
     _greedy(lm, 2)
     decode = lm._decoder()
-    [(text, package)] = [(t, p) for t, p in decode.runners.items() if p.span == [1, 1]]
+    [package] = [p for p in decode.runners.values() if p.span == [1, 1]]
     path = next(p for p in (cache / "steps" / decode.key).glob("*.pt2")
                 if json.loads(p.with_suffix(".json").read_text())["span"] == [1, 1])
-    return decode, json.loads(text), path
+    return decode, package.signature, path
 
 
 def test_a_package_from_another_torch_or_cpu_is_not_used(cache):
@@ -212,7 +212,7 @@ def test_an_engine_on_kept_steps_grows_its_timeline_and_steps_over_the_occupied_
         pass
     assert [a.tokens, b.tokens] == alone
     assert engine.stats["timeline_grown"] >= 1
-    used = {(s[2][0][0], s[5][0][1]) for s in map(json.loads, lm._decoder().runners)}  # (batch, timeline)
+    used = {(p.signature[2][0][0], p.signature[5][0][1]) for p in lm._decoder().runners.values()}  # (batch, timeline)
     assert {(1, 64), (2, 64)} <= used and all(batch < 4 for batch, _ in used)
 
 

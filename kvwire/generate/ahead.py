@@ -80,7 +80,7 @@ class AheadDecode(Buckets):
         self.graph = cached.graph_module
         self.program = StepProgram(cached, head).eval()
         self.folder = Path(folder) if folder is not None else cache_root() / "steps"
-        self.runners = {}  # signature -> Package or EAGER
+        self.runners = {}  # fast_key of a call -> Package or EAGER
         self.built = 0  # packages this object compiled (the rest were loaded)
         self._key = None
 
@@ -106,11 +106,11 @@ class AheadDecode(Buckets):
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
         flat = flat_args((token_ids.contiguous(), positions.contiguous(), cache_index, attention_mask, cache, *extra))
-        sig = signature(flat, token_ids.shape[1] > 1)
-        text = json.dumps(sig)
-        runner = self.runners.get(text)
+        chunk = token_ids.shape[1] > 1
+        key = fast_key(flat, chunk)  # a tuple: a JSON signature would cost a step ~4x as much to key
+        runner = self.runners.get(key)
         if runner is None:
-            runner = self.runners[text] = self._runner(sig, flat)
+            runner = self.runners[key] = self._runner(signature(flat, chunk), flat)
         if runner is EAGER or not runner.span[0] <= token_ids.shape[1] <= runner.span[1]:
             with per_call():
                 hidden, cache = self.graph(token_ids, positions, cache_index, attention_mask, cache, *extra)
@@ -187,9 +187,10 @@ class AheadDecode(Buckets):
 class Package:
     """A loaded step: package(flat tensors) -> logits, the model's tensors handed to it by name."""
 
-    def __init__(self, loader, constants, span):
+    def __init__(self, loader, constants, span, signature):
         self.loader, self.constants = loader, constants  # held: the loader reads them by pointer
         self.span = span  # the chunk lengths it takes, [first, last]
+        self.signature = signature  # the calls it serves (`signature`)
 
     def __call__(self, flat):
         return self.loader.run(flat)[0]
@@ -224,7 +225,7 @@ class Package:
         span = meta.get("span")
         if not (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)):
             return _rebuilt(record, f"its record has no valid span of chunk lengths ({span!r})")
-        return cls(loader, tensors, span)
+        return cls(loader, tensors, span, meta["signature"])
 
 
 def signature(flat, chunk):
@@ -237,6 +238,12 @@ def signature(flat, chunk):
             shape, stride = shape[:1], []
         parts.append([shape, stride, str(t.dtype)])
     return parts
+
+
+def fast_key(flat, chunk):
+    """What `signature` tells apart, as a hashable tuple made without converting shapes."""
+    ids = tuple((t.shape[0], t.dtype) if chunk else (t.shape, t.stride(), t.dtype) for t in flat[:2])
+    return chunk, flat[0].device, ids, tuple((t.shape, t.stride(), t.dtype) for t in flat[2:])
 
 
 def chunk_span(program):
