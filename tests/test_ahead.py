@@ -266,3 +266,47 @@ def test_a_decode_step_export_cannot_make_runs_eager_and_says_so(tmp_path, monke
                                          r" it runs eager \(lm.compile\(ahead=False\)"):
         assert _greedy(lm) == eager
     assert lm._decoder().built == 0 and not list(tmp_path.rglob("*.pt2"))
+
+
+def test_a_thread_writing_a_buffer_while_a_step_is_traced_writes_the_real_one(tmp_path, monkeypatch):
+    # a server lends inline steering slots on its handler threads (a vector written into a buffer)
+    # while the engine thread may be exporting a step: export puts fake tensors into the modules it
+    # traces, so a write landing then must still reach the model's own buffer
+    import threading
+
+    from kvwire.serve.inline import InlineBank, SlotSteer
+
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    lm = kw.from_hf(FAMILIES["mistral"]())
+    bank = InlineBank(lm, slots=2)
+    lm = bank.apply(lm).compile(bucket=32, prefill_tokens=0)
+    layer = next(iter(bank.layers.values()))
+    tracing, written, seen = threading.Event(), threading.Event(), {}
+    export, act = torch.export.export, SlotSteer.act
+
+    def paused_act(self, *args, **kwargs):  # inside the trace: let the other thread write now
+        tracing.set()
+        written.wait(60)
+        return act(self, *args, **kwargs)
+
+    def exporting(*args, **kwargs):
+        monkeypatch.setattr(SlotSteer, "act", paused_act)
+        try:
+            return export(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(SlotSteer, "act", act)
+
+    def lend():
+        tracing.wait(60)
+        seen["type"] = type(layer.directions)
+        layer.directions[0].copy_(torch.ones(layer.directions.shape[1]))
+        written.set()
+
+    monkeypatch.setattr(torch.export, "export", exporting)
+    thread = threading.Thread(target=lend)
+    thread.start()
+    lm.generate(PROMPTS[:1], max_new_tokens=2, ignore_eos=True)
+    thread.join()
+    assert tracing.is_set() and seen["type"] is torch.Tensor  # not export's fake tensor
+    assert torch.equal(layer.directions[0], torch.ones(layer.directions.shape[1]))  # the write was kept
+    assert lm._decoder().built == 1

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..graph.digest import module_digest
+from ..graph.shell import shell
 from ..kernels.switches import cache_root
 from ..layers.shared import per_call
 from .compiled import Buckets, check_settings, inductor_options
@@ -152,8 +153,10 @@ class AheadDecode(Buckets):
             length = torch.export.Dim.AUTO(min=2, max=max(self.longest(flat[3].shape[1]), 2))
             dims = ({1: length}, {1: length}, None, None, (None,) * (len(flat) - 4))  # forward's *rest last
         try:
+            # traced through a shell: export swaps fake tensors into the modules it traces, and a
+            # thread reading the model meanwhile (a server lending a steering slot) must see real ones
             with torch.no_grad(), in_place_cache_writes(exports=True):
-                program = torch.export.export(self.program, tuple(flat), dynamic_shapes=dims,
+                program = torch.export.export(shell(self.program), tuple(flat), dynamic_shapes=dims,
                                               strict=False)
         except Exception as e:  # noqa: BLE001 - a graph export cannot make: that signature runs eager
             if not chunk:  # torch.compile may still manage it (graph breaks): said, not silent

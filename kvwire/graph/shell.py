@@ -1,0 +1,46 @@
+"""`shell`: a copy of a module tree that shares every tensor, for passes that swap tensors in place.
+
+torch.export's non-strict tracing puts fake tensors into the parameters and buffers of the modules
+it traces, for as long as the trace runs, then puts the real ones back. Another thread reading the
+model meanwhile (a server lending a steering slot writes its vector into a buffer) gets the fake
+one: its write is lost without an error. Tracing a shell swaps the shell's entries; the model's own
+modules keep their real tensors throughout.
+"""
+from torch import nn
+
+
+def shell(module):
+    """A new module tree with `module`'s classes, settings and submodule structure whose
+    parameters, buffers and tensor attributes are the very tensors of `module` (no copy of any
+    data): what runs through the shell computes what `module` computes, writes into the same
+    storage, and keeps the same names (a program exported from it names its tensors as `module`
+    does).
+
+    Example:
+        >>> twin = shell(lm.backbone)
+        >>> twin.layers[0].mlp is lm.backbone.layers[0].mlp     # False: its own module objects
+        >>> next(twin.parameters()) is next(lm.backbone.parameters())   # True: the same tensors
+    """
+    made = {}
+
+    def copy(m):
+        if id(m) in made:  # a module registered twice (shared) stays shared in the shell
+            return made[id(m)]
+        # object.__new__: the same class, not a new one (a GraphModule's __new__ makes a class per
+        # instance, and its forward lives on the class)
+        twin = made[id(m)] = object.__new__(type(m))
+        state = dict(vars(m))
+        # the dicts a trace changes are the shell's own; everything else (settings, graph code,
+        # plain tensor attributes) is shared by reference
+        state["_parameters"], state["_buffers"] = dict(m._parameters), dict(m._buffers)
+        state["_modules"] = {name: None if child is None else copy(child) for name, child in m._modules.items()}
+        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+                      "_load_state_dict_pre_hooks"):
+            if hooks in state:
+                state[hooks] = type(state[hooks])(state[hooks])
+        object.__setattr__(twin, "__dict__", state)
+        return twin
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shell() takes an nn.Module, got {type(module).__name__}")
+    return copy(module)

@@ -1,0 +1,38 @@
+"""`kvwire.graph.shell`: a module tree of its own over the same tensors."""
+import pytest
+import torch
+from torch import fx, nn
+
+from kvwire.graph.shell import shell
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.again = self.inner  # registered twice: shared in the shell too
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.again(self.inner(x)) * self.scale
+
+
+def test_a_shell_computes_the_same_with_the_same_tensors_in_its_own_modules():
+    x = torch.randn(3, 4)
+    traced = fx.symbolic_trace(_Tied())  # a GraphModule: its forward lives on its own class
+    assert torch.equal(shell(traced)(x), traced(x))
+    model = _Tied()
+    twin = shell(model)
+    assert torch.equal(twin(x), model(x))
+    assert twin is not model and twin.inner is not model.inner and twin.inner is twin.again
+    assert all(a is b for a, b in zip(twin.parameters(), model.parameters()))
+    twin._buffers["scale"] = torch.tensor(5.0)  # what a trace does to the modules it runs
+    assert float(model.scale) == 2.0 and float(twin.scale) == 5.0
+    with torch.no_grad():
+        twin.inner.weight.zero_()  # the same storage
+    assert not model.inner.weight.any()
+
+
+def test_a_shell_of_something_else_is_refused():
+    with pytest.raises(TypeError, match="takes an nn.Module, got list"):
+        shell([nn.Linear(2, 2)])
