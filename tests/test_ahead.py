@@ -202,9 +202,9 @@ def test_an_engine_on_kept_steps_grows_its_timeline_and_steps_over_the_occupied_
     lm = kw.from_hf(FAMILIES["mistral"]())
     prompts, lengths = [p.tolist() for p in PROMPTS], (40, 12)
     alone = [lm.generate(torch.tensor(p), max_new_tokens=n, ignore_eos=True).tolist() for p, n in zip(prompts, lengths)]
-    lm.compile(bucket=32, prefill_tokens=0)
+    lm.compile(bucket=32)
     engine = kw.Engine(lm, max_batch=4, max_length=128, grow=True)
-    a = engine.submit(prompts[0], lengths[0])
+    a = engine.submit(prompts[0], lengths[0])  # prefilled alone into its row: compiled (a group of 1)
     for _ in range(30):  # alone in row 0 (the timeline grown past 32 positions to hold its 45)
         engine.step()
     b = engine.submit(prompts[1], lengths[1])  # joins while a decodes
@@ -212,8 +212,10 @@ def test_an_engine_on_kept_steps_grows_its_timeline_and_steps_over_the_occupied_
         pass
     assert [a.tokens, b.tokens] == alone
     assert engine.stats["timeline_grown"] >= 1
-    used = {(p.signature[2][0][0], p.signature[5][0][1]) for p in lm._decoder().runners.values()}  # (batch, timeline)
+    runners = lm._decoder().runners.values()
+    used = {(p.signature[2][0][0], p.signature[5][0][1]) for p in runners if not p.signature[0]}  # (batch, timeline)
     assert {(1, 64), (2, 64)} <= used and all(batch < 4 for batch, _ in used)
+    assert [(p.signature[2][0][0], p.signature[5][0][1]) for p in runners if p.signature[0]] == [(1, 64)]  # a's prompt
 
 
 def test_a_server_of_a_compiled_model_decodes_on_kept_steps(tmp_path, monkeypatch):
@@ -235,7 +237,8 @@ def test_a_server_of_a_compiled_model_decodes_on_kept_steps(tmp_path, monkeypatc
         server.close()
     assert reply.choices[0].message.content == expected
     built = [json.loads(p.with_suffix(".json").read_text())["signature"] for p in (tmp_path / "steps").rglob("*.pt2")]
-    assert [s[2][0][0] for s in built] == [1]  # the served (steered) copy decoded one row, compiled
+    # the served (steered) copy prefilled and decoded one row, compiled
+    assert sorted((s[0], s[2][0][0]) for s in built) == [(False, 1), (True, 1)]
 
 
 def test_serve_compile_compiles_the_loaded_model(tmp_path):

@@ -72,9 +72,12 @@ class Prefill:
     def advance(self):
         """Run the next chunk; the logits (B, V) after the prompts once the last one ran, else None."""
         engine, end, stop = self.engine, self.ids.shape[1], self._stop()
-        # compiled only into the rows decode steps run on (all of them, as `_decode` does): a scratch
-        # cache or a group of fewer rows would compile a graph for its own length or batch size
-        decode = engine.decode if self.direct and len(self.seqs) == engine.capacity else None
+        # compiled only into the engine's rows (a scratch cache would compile a graph for its own
+        # length): all of them, as `_decode` does, or with steps kept on disk (built once per shape,
+        # ever) a power-of-two group of them, as the batch sizes those decode steps run
+        n = len(self.seqs)
+        rows_compile = n == engine.capacity or (engine.kept and n & (n - 1) == 0)
+        decode = engine.decode if self.direct and rows_compile else None
         logits, self.cache = prefill_chunk(engine.cached, engine.head, decode, self.ids[:, self.at:stop],
                                            self.positions[:, self.at:stop], self.at, self.mask, self.cache,
                                            self.inputs, last=stop == end)
