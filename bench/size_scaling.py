@@ -4,7 +4,7 @@ and ~3B parameters, each in Q4_K_M and Q8_0.
 
     python bench/size_scaling.py [--sizes 0.5b,1.5b,3b] [--formats q4_k_m,q8_0] [--threads 2]
                                  [--cache-dir ~/.cache/kvwire-bench/size-scaling] [--budget-minutes 60]
-                                 [--new-tokens 32] [--repeat 3] [--load-only]
+                                 [--new-tokens 32] [--repeat 3] [--load-only] [--compile]
 
 The models have RANDOM WEIGHTS (normal, std 0.02, seed 0; norm weights 1): right for speed and
 memory, which depend on shapes and formats only, and meaningless as text. Their tokenizer is
@@ -42,6 +42,10 @@ their runs interleaved by this process, best of --repeat; bench/generate.py's `m
   sequence at a time): batch 4 is 4 sequences in one batch a step, as llama.cpp's batched example
   and server run them, in one context (1024 cells, 4 sequences, unified KV cache); greedy tokens
   are the logits' argmax in both.
+- with --compile, a third process, "kvwire +compile": the same load, then `lm.compile()` (steps
+  compiled ahead of time and kept, `kvwire.generate.ahead`); each timed shape is run once before
+  the timing starts, so the steps are built (or loaded) outside it, and the build's seconds are
+  printed. Its load columns are the eager process's (compiling adds nothing to a load).
 - peak RSS: the timed process's (VmHWM), over its load and all timed runs (a 512-token prefill
   and batch-4 decoding included); with --load-only, over its load alone (no generation is timed).
 """
@@ -56,7 +60,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (LibraryDied, LibraryProcess, answer_requests, cpu_paths, header, peak_rss_gb,  # noqa: E402
                     run_worker)
-from generate import TEXT, import_library, kvwire_runner, measure  # noqa: E402
+from generate import TEXT, import_library, kvwire_runner, measure, prompt_ids  # noqa: E402
+
+COMPILED = "kvwire +compile"
+ENGINES = ("kvwire", COMPILED, "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -282,18 +289,23 @@ def llama_cpp_runner(path, threads):
 
 def serve(engine, path, threads):
     """The timed child: load `engine` (timed), then answer generate (seconds), encode and rss requests."""
-    import_library("kvwire" if engine == "kvwire" else "llama.cpp", threads)
+    import_library("llama.cpp" if engine == "llama.cpp" else "kvwire", threads)
     start = time.perf_counter()
-    if engine == "kvwire":
+    if engine != "llama.cpp":
         import kvwire as kw
 
         lm = kw.load(path, quantize="gguf", progress=False)
-        generate = kvwire_runner(lm)
+        generate = kvwire_runner(lm.compile() if engine == COMPILED else lm)
     else:
         generate = llama_cpp_runner(path, threads)
     loaded = time.perf_counter() - start
 
     def handle(request):
+        if request["op"] == "warm":  # build (or load) each timed shape's compiled steps, outside the timing
+            start = time.perf_counter()
+            for ids in request["shapes"]:
+                generate(ids, 2)
+            return {"seconds": time.perf_counter() - start}
         if request["op"] == "encode":
             return {"ids": lm.tokenizer.encode(request["text"])}
         if request["op"] == "rss":
@@ -325,7 +337,7 @@ def compare(path, args):
         cold = run_worker(__file__, ["--cold", str(path), "--threads", str(args.threads)])
         if not cold.ok:
             print(f"  kvwire's cold load failed: {cold.failure}", flush=True)
-        for engine in ("kvwire", "llama.cpp"):
+        for engine in ENGINES if args.compile else ("kvwire", "llama.cpp"):
             try:
                 children[engine] = LibraryProcess(__file__, ["--serve", engine, str(path), "--threads", str(args.threads)])
             except LibraryDied as e:
@@ -336,12 +348,18 @@ def compare(path, args):
             rates, died = {engine: {} for engine in children}, {}
         else:
             ids = children["kvwire"].ask(op="encode", text=TEXT)["ids"]
+            if COMPILED in children:
+                shapes = [prompt_ids(lambda text: ids, n, b) for n, b in ((16, 1), (16, 4), (32, 1), (512, 1))]
+                built = children[COMPILED].ask(op="warm", shapes=shapes)["seconds"]
+                print(f"  kvwire +compile: its steps built or loaded in {built:.1f} s (not timed)", flush=True)
             runners = {e: (lambda ids, n, c=c: c.ask(op="generate", ids=ids, n=n)["seconds"])
                        for e, c in children.items()}
             rates, died = measure(runners, lambda text: ids, args.new_tokens, repeat=args.repeat)
         why.update(died)
         for engine in rates:
             load = children[engine].ready["load_s"]
+            if engine == COMPILED:  # the eager process's load: compiling adds nothing to it
+                load = children["kvwire"].ready["load_s"]
             cold_s = load if engine == "llama.cpp" else cold.value["load_s"] if cold.ok else float("nan")
             results[engine] = {**rates[engine], "load_s": load, "cold_s": cold_s, **children[engine].ask(op="rss")}
     finally:
@@ -357,17 +375,18 @@ COLUMNS = [("cold_s", "load cold s"), ("load_s", "load s"), ("decode_b1", "decod
 
 def report(size, fmt, results, why):
     label = f"{size:6}{FORMATS[fmt][0]:8}"
-    for engine in ("kvwire", "llama.cpp"):
+    engines = [e for e in ENGINES if e in results or e in why]
+    for engine in engines:
         if engine in results:
             cells = "".join(f"{results[engine].get(k, float('nan')):13.2f}" for k, _ in COLUMNS)
             print(f"{label}{engine:18}{cells}")
         else:
             print(f"{label}{engine:18}  {why.get(engine, 'not timed')}")
-    if len(results) == 2:
-        nan = float("nan")  # a column not measured (--load-only): no ratio
-        ratios = "".join(f"{results['kvwire'].get(k, nan) / results['llama.cpp'].get(k, nan):12.2f}x"
+    nan = float("nan")  # a column not measured (--load-only): no ratio
+    for engine in [e for e in engines if e != "llama.cpp" and e in results and "llama.cpp" in results]:
+        ratios = "".join(f"{results[engine].get(k, nan) / results['llama.cpp'].get(k, nan):12.2f}x"
                          for k, _ in COLUMNS)
-        print(f"{label}{'kvwire/llama.cpp':18}{ratios}", flush=True)
+        print(f"{label}{engine + '/llama.cpp':18}{ratios}", flush=True)
 
 
 def parser():
@@ -379,6 +398,8 @@ def parser():
     p.add_argument("--budget-minutes", type=float, default=60.0)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--compile", action="store_true",
+                   help="also time kvwire with lm.compile() (kept compiled steps, built before the timing)")
     p.add_argument("--load-only", action="store_true",
                    help="measure loads (cold, warm) and the peak RSS after them only: no generation")
     p.add_argument("--serve", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
