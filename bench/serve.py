@@ -151,7 +151,9 @@ def throughput_rows(servers, down, args):
             load = loads[(name, clients)]
             cells = [len(load.ok), load.tokens, load.wall, load.tokens_per_s, load.ttft(statistics.mean),
                      load.ttft(statistics.median)]
-            print(f"{name:34}{clients:12}" + "".join(f"{c:12}" if isinstance(c, int) else f"{c:12.2f}" for c in cells)
+            # TTFTs in 3 decimals: at one client they differ by milliseconds
+            print(f"{name:34}{clients:12}" + "".join(f"{c:12}" if isinstance(c, int) else f"{c:12.2f}" for c in cells[:4])
+                  + "".join(f"{c:12.3f}" for c in cells[4:])
                   + (f"{'n/a':>12}" if load.cached_share != load.cached_share else f"{load.cached_share:12.0%}"))
         ours, theirs = loads.get(("kvwire", clients)), loads.get(("llama.cpp", clients))
         if ours and theirs:

@@ -229,7 +229,7 @@ def test_a_server_of_a_compiled_model_decodes_on_kept_steps(tmp_path, monkeypatc
     hello = [{"role": "user", "content": "Hello there, how are you?"}]
     lm = tiny_chat_lm()
     expected = lm.chat(hello, max_new_tokens=8, reuse_prefix=False)
-    server = Server(create_app(lm.compile(), "tiny", max_batch=2, max_length=256))
+    server = Server(create_app(lm.compile(prefill_tokens=128), "tiny", max_batch=2, max_length=256))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(model="tiny", messages=hello, temperature=0, max_tokens=8)

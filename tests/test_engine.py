@@ -183,7 +183,8 @@ def test_prefix_hits_waiting_together_prefill_as_one_batch(family):
     if family == "gemma3":
         suffixes[1] = [8, 9, 10]  # the new part of row 0 (rings: equal new parts only)
     turns = [first.prompt + first.tokens + extra for extra in suffixes]
-    before = engine.stats["scratch_prefills"]
+    before = engine.stats["scratch_prefills"] + engine.stats["direct_prefills"]
+    direct = engine.stats["direct_prefills"]
     seqs = [engine.submit(t, 6) for t in turns]
     drive(engine, seqs)
     for seq, turn in zip(seqs, turns):
@@ -193,10 +194,12 @@ def test_prefix_hits_waiting_together_prefill_as_one_batch(family):
     full = len(stored)
     if family == "llama":  # rows 0-2 batch from the column of row 1's new part (7 tokens); row 3 alone
         assert [s.cached_tokens for s in seqs] == [full - 3, full - 0, full - 1, full]
-        assert engine.stats["scratch_prefills"] - before == 2
+        assert engine.stats["scratch_prefills"] + engine.stats["direct_prefills"] - before == 2
     else:  # rows 0 and 1 batch; row 2's new part is longer and its rings hold only the stored end
         assert [s.cached_tokens for s in seqs] == [full] * 4
-        assert engine.stats["scratch_prefills"] - before == 3
+        assert engine.stats["scratch_prefills"] + engine.stats["direct_prefills"] - before == 3
+    # the first batch found the engine idle: restored straight into its rows; the others joined it
+    assert engine.stats["direct_prefills"] - direct == 1
 
 
 def test_a_waiting_hit_whose_entry_was_evicted_is_looked_up_again():

@@ -32,7 +32,7 @@ def run(args):
             raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
         # kept on disk (ahead of time, the CPU's default), the prompt's graph is built once for every later
         # call; traced anew in each process (other devices), it would cost more than it saves
-        lm.compile(prefill_tokens=None if lm.device.type == "cpu" else 0)
+        lm.compile(prefill_tokens=32 if lm.device.type == "cpu" else 0)
     options = dict(max_new_tokens=args.max_new_tokens, max_length=args.max_length, sampler=sampler,
                    seed=args.seed, stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty)
     if args.runtime != "eager" and args.strength is not None and "steer_strength" in lm.cached.runtime_inputs:

@@ -125,7 +125,7 @@ class CausalLM(GenerationMethods, nn.Module):
             self._prefix_store.clear()
         clear_packs(self)
 
-    def compile(self, bucket=64, prefill_tokens=None, ahead=None, **options):
+    def compile(self, bucket=64, prefill_tokens=32, ahead=None, **options):
         """Run generation's one-token decode steps and short prompts compiled (cached graph + head):
         ahead of time and kept on disk on the CPU (`ahead`), else through `torch.compile`.
 
@@ -136,9 +136,9 @@ class CausalLM(GenerationMethods, nn.Module):
         different lengths share compiled steps and a long context compiles a few times, not often.
         A prompt of 2 to `prefill_tokens` tokens runs through the same compiled function (its
         length dynamic: one more graph per batch size and cache length, which doubles the first
-        call's compile); longer prompts, or all with `prefill_tokens=0`, prefill eagerly. Default:
-        512 ahead of time (a prompt's whole call: measured 1.3x eager's speed at 28 and at 336
-        tokens for SmolLM2), 32 with torch.compile.
+        call's compile); longer prompts, or all with `prefill_tokens=0`, prefill eagerly. Longer
+        compiled chunks pay on small models only (measured ahead of time: SmolLM2 1.3x eager's speed
+        at 28 and at 336 tokens; a 0.5B llama 0.92x at 40 tokens, 0.82x at 120).
         `options` go to `torch.compile`; with Inductor (the default) kvwire
         adds a pass that runs ggml matmuls reading one input as one call, and turns off Inductor's
         `reorder_for_locality` so the step writes one slot of each cache in place (with `mode=`,
@@ -156,8 +156,9 @@ class CausalLM(GenerationMethods, nn.Module):
             >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()
             >>> lm.generate("Once upon a time", max_new_tokens=64)
         """
-        from .compiled import AHEAD_PREFILL_TOKENS, PREFILL_TOKENS, CompiledDecode, check_settings
+        from .compiled import CompiledDecode, check_settings
 
+        check_settings(bucket, prefill_tokens)
         if ahead is None:
             ahead = not options and self.device.type == "cpu"
         elif not isinstance(ahead, bool):
@@ -168,9 +169,6 @@ class CausalLM(GenerationMethods, nn.Module):
         elif ahead and self.device.type != "cpu":
             raise ValueError(f"ahead=True compiles steps for the CPU; this model is on {self.device} "
                              f"(use ahead=False)")
-        if prefill_tokens is None:
-            prefill_tokens = AHEAD_PREFILL_TOKENS if ahead else PREFILL_TOKENS
-        check_settings(bucket, prefill_tokens)
         if options:  # torch.compile checks them now; kvwire's defaults wait for the first step, which
             CompiledDecode(self.cached, self.head, bucket, prefill_tokens, **options)  # imports dynamo (~1.5 s)
         self._compile_options, self._decode = dict(options, bucket=bucket, prefill_tokens=prefill_tokens,

@@ -40,7 +40,6 @@ from .direct import DirectCalls, flat_args
 # Longest prompt chunk run compiled by default (bench/generate.py's prefill 32); longer chunks keep
 # eager's flash attention and, for Q4_1 / Q5_1, its dequantised float GEMM.
 PREFILL_TOKENS = 32
-AHEAD_PREFILL_TOKENS = 512  # kept steps: a prompt's whole prefill call (`session.PREFILL_CALL_TOKENS`)
 RECOMPILE_LIMIT = 64  # graphs of the one `step` code, all instances together (see __call__)
 # Inductor's Python wrapper checks the size, strides and alignment of every input and custom-op output
 # on each call, a measurable part of a token (bench/compile_options.py). kvwire's signature key

@@ -10,7 +10,8 @@ How rows that start at different times share one graph: the cached graph takes a
 in its own timeline. Prompts that arrive while others decode are prefilled (in chunks) into a
 scratch cache of their own length and copied into their row when done, so a decode step never
 touches a half-prefilled row; prompts that find the engine idle are prefilled straight into
-their rows, left-padded together (what `generate` of a batch does). Either way a prefill call
+their rows, left-padded together (what `generate` of a batch does), prefix hits too (their stored
+keys/values restored into the rows first). Either way a prefill call
 runs at most 512 prompt tokens, all rows together, or the model's `prefill_call_tokens`
 (`session.prefill_step`). Graphs that take one write index for the batch (exported runtimes) run
 in lockstep: a batch is admitted only when the engine is empty, and its rows step together until
@@ -305,7 +306,11 @@ class Engine:
                     return
                 for _ in hits:
                     self.waiting.popleft()
-                self._start_job([seq for seq, _ in hits], direct=False, prefix=[hit for _, hit in hits],
+                # an idle engine restores hits straight into their rows (no scratch cache to copy back,
+                # and kept compiled steps run their chunks) where the rows' rings hold what they reuse
+                slots = self._slots(self.length)
+                direct = not busy and not self.jobs and all(e.usable(c, slots) for _, (e, c) in hits)
+                self._start_job([seq for seq, _ in hits], direct=direct, prefix=[hit for _, hit in hits],
                                 rows=free[:len(hits)])
             else:
                 group = self._group(len(free))
