@@ -1,8 +1,9 @@
 """What bounds a batch-1 decode step on GGUF blocks: ggml's matmuls alone, streamed and in cache.
 
-    python bench/decode_bound.py [--model smollm2-135m-instruct | gemma3-270m] [--threads 2] [--repeat 20]
+    python bench/decode_bound.py [--model smollm2-135m-instruct | gemma3-270m | FILE.gguf] [--threads 2]
+                                 [--repeat 20]
 
-Runs one decode step's matmuls of the preset on ggml's kernels (every `GGMLLinear` of
+Runs one decode step's matmuls of the preset (or GGUF file, say one of bench/size_scaling.py's) on ggml's kernels (every `GGMLLinear` of
 `kw.load(model, quantize="gguf")`, one activation row each, q/k/v and gate/up fused as generation
 runs them), with nothing else around them:
 - streamed: each layer's own weights, as a step reads them (the file's blocks from memory);
@@ -35,7 +36,7 @@ def decode_calls(lm):
     for name, module in lm.named_modules():
         if isinstance(module, GGMLLinear) and name.split(".")[0] == "head":  # a tied head's blocks too
             head = module
-        elif isinstance(module, GGMLLinear):
+        elif isinstance(module, GGMLLinear) and "embed" not in name:  # an untied embedding's blocks: rows read, no matmul
             parent, leaf = name.rsplit(".", 1)
             groups.setdefault((parent.rsplit(".", 1)[0], parent, leaf in ("o_proj", "down_proj")), []).append(module)
     layers = {}
@@ -63,10 +64,13 @@ def run(calls):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", choices=["gemma3-270m", "smollm2-135m-instruct"])
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="gemma3-270m, smollm2-135m-instruct or a GGUF file's path")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
+    if not os.path.isfile(args.model) and args.model not in ("gemma3-270m", "smollm2-135m-instruct"):
+        parser.error(f"--model {args.model!r}: expected gemma3-270m, smollm2-135m-instruct or a GGUF file's path")
     import torch
     import kvwire as kw
 
@@ -89,7 +93,8 @@ def main():
     big = torch.ones(64 * 1024 * 1024)
     rows.append(("memory, torch sum of 256 MB", lambda: seconds_of(big.sum), big.numel() * 4 / 1e6))
     try:  # llama.cpp's whole step on the same file, 33 tokens after a 16-token prompt, same rounds
-        llama = llama_cpp_stamps(str(gguf_of(args.model, parser)[0]), args.threads, 64)
+        path = args.model if os.path.isfile(args.model) else gguf_of(args.model, parser)[0]
+        llama = llama_cpp_stamps(str(path), args.threads, 64)
         ids = lm.tokenizer.encode(TEXT)[:16]
         rows.append(("llama.cpp, a whole decode step", lambda: 1 / decode_rate(llama(ids, 33)), None))
     except ImportError as e:
