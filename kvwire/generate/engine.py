@@ -308,8 +308,7 @@ class Engine:
                     self.waiting.popleft()
                 # an idle engine restores hits straight into their rows (no scratch cache to copy back,
                 # and kept compiled steps run their chunks) where the rows' rings hold what they reuse
-                slots = self._slots(self.length)
-                direct = not busy and not self.jobs and all(e.usable(c, slots) for _, (e, c) in hits)
+                direct = not busy and not self.jobs and all(e.usable(c, self._slots(self.length)) for _, (e, c) in hits)
                 self._start_job([seq for seq, _ in hits], direct=direct, prefix=[hit for _, hit in hits],
                                 rows=free[:len(hits)])
             else:

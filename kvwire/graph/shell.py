@@ -34,10 +34,9 @@ def shell(module):
         # plain tensor attributes) is shared by reference
         state["_parameters"], state["_buffers"] = dict(m._parameters), dict(m._buffers)
         state["_modules"] = {name: None if child is None else copy(child) for name, child in m._modules.items()}
-        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
-                      "_load_state_dict_pre_hooks"):
-            if hooks in state:
-                state[hooks] = type(state[hooks])(state[hooks])
+        for name, value in state.items():  # every hook table (a trace may register hooks)
+            if "hooks" in name and isinstance(value, dict):
+                state[name] = type(value)(value)
         object.__setattr__(twin, "__dict__", state)
         return twin
 
