@@ -36,3 +36,25 @@ def test_a_shell_computes_the_same_with_the_same_tensors_in_its_own_modules():
 def test_a_shell_of_something_else_is_refused():
     with pytest.raises(TypeError, match="takes an nn.Module, got list"):
         shell([nn.Linear(2, 2)])
+
+
+@pytest.mark.parametrize("trace", ["export_program", "export_static"])
+def test_exporting_leaves_the_live_model_real_tensors_while_it_traces(trace):
+    # kw.export traces a shell: a thread reading (or steering) the live model meanwhile sees its
+    # real weights, not the fake tensors export runs the trace on
+    import kvwire as kw
+    from kvwire.export import trace as traces
+    from kvwire.export.program import ExportProgram
+
+    from .conftest import FAMILIES
+
+    lm = kw.from_hf(FAMILIES["llama"](vocab_size=64))
+    prog = ExportProgram(lm, 16, False).eval()
+    live = next(m for m in prog.modules() if m._parameters)
+    seen = []
+    live.register_forward_pre_hook(lambda *_: seen.extend(type(p) for p in live._parameters.values()))
+    if trace == "export_program":
+        traces.export_program(prog)
+    else:
+        traces.export_static(prog, prog.example_inputs(1, 2))
+    assert seen and all(t is nn.Parameter for t in seen), seen
