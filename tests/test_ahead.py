@@ -313,3 +313,32 @@ def test_a_thread_writing_a_buffer_while_a_step_is_traced_writes_the_real_one(tm
     assert tracing.is_set() and seen["type"] is torch.Tensor  # not export's fake tensor
     assert torch.equal(layer.directions[0], torch.ones(layer.directions.shape[1]))  # the write was kept
     assert lm._decoder().built == 1
+
+
+
+def _generic_compiled(tmp_path, monkeypatch):
+    """(tiny generic llama compiled ahead with kept steps in tmp_path, its eager tokens)."""
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    lm = kw.from_hf(FAMILIES["llama"](), generic=True)
+    eager = [t.tolist() for t in lm.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True)]
+    return lm.compile(bucket=32, prefill_tokens=0), eager
+
+
+def test_a_generic_model_s_step_that_cannot_be_kept_runs_eager_and_says_why(tmp_path, monkeypatch):
+    # the generic path's trace makes tensors of its own (lifted_tensor_*): a package that holds no
+    # weights cannot be handed them, so the step runs eager, said, and gives eager's tokens (the
+    # shell it is traced from hands the layers their own attention module: the export itself works)
+    lm, eager = _generic_compiled(tmp_path, monkeypatch)
+    with pytest.warns(UserWarning, match="cannot be compiled ahead of time .*not the model's: lifted_tensor_0"):
+        assert [t.tolist() for t in lm.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True)] == eager
+    assert not list(tmp_path.rglob("*.pt2"))  # nothing half-made kept
+
+
+@pytest.mark.xfail(strict=True, reason="the generic path's traced tensors (lifted_tensor_*) are not kept beside "
+                                       "the package yet: its steps run eager")
+def test_a_generic_model_s_decode_step_is_built(tmp_path, monkeypatch):
+    lm, eager = _generic_compiled(tmp_path, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert [t.tolist() for t in lm.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True)] == eager
+    assert lm._decoder().built == 1

@@ -165,6 +165,10 @@ class AheadDecode(Buckets):
                               f"({type(e).__name__}: {first}); it runs eager (lm.compile(ahead=False) tries "
                               f"torch.compile instead)", stacklevel=5)
             return None
+        # tensors the trace created (not the model's): a package without weights cannot be handed them
+        unbound = [n for n in program.graph_signature.lifted_tensor_constants if _tensor_of(self.program, n) is None]
+        if unbound:
+            return self._unbuildable(chunk, f"its graph holds tensors that are not the model's: {', '.join(unbound[:3])}")
         span = chunk_span(program) if chunk else [1, 1]
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{os.getpid()}.{path.name}")  # AOTInductor wants a .pt2 name
@@ -181,10 +185,24 @@ class AheadDecode(Buckets):
         finally:  # nothing half-written left behind
             tmp.unlink(missing_ok=True)
             meta_tmp.unlink(missing_ok=True)
-        package = Package.open(path, self.key, sig, self.program, fresh=True)
+        try:
+            package = Package.open(path, self.key, sig, self.program, fresh=True)
+        except Unbound as e:  # named otherwise by the package than by the export: the same case
+            path.unlink(missing_ok=True)
+            path.with_suffix(".json").unlink(missing_ok=True)
+            return self._unbuildable(chunk, str(e))
         if package is None:
             raise RuntimeError(f"the compiled step just written to {path} does not load")
         return package
+
+
+    @staticmethod
+    def _unbuildable(chunk, why):
+        """None (the signature runs eager), said for a decode step (a chunk falls back silently)."""
+        if not chunk:
+            warnings.warn(f"kvwire: the decode step cannot be compiled ahead of time ({why}); it runs eager "
+                          f"(lm.compile(ahead=False) tries torch.compile instead)", stacklevel=6)
+        return None
 
 
 class Package:
@@ -219,10 +237,13 @@ class Package:
             return _rebuilt(path, "the model's tensors differ from those it was compiled for")
         try:
             loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            tensors = {name: _resolve(program, name).detach() for name in loader.get_constant_fqns()}
+            unbound = [name for name in loader.get_constant_fqns() if _tensor_of(program, name) is None]
+            if unbound:
+                raise Unbound(f"its graph holds tensors that are not the model's: {', '.join(unbound[:3])}")
+            tensors = {name: _tensor_of(program, name).detach() for name in loader.get_constant_fqns()}
             loader.load_constants(tensors, False, True, True, False)  # user-managed: no copy of the weights
         except Exception as e:  # noqa: BLE001 - whatever torch's loader says, the file cannot serve
-            if fresh:
+            if fresh or isinstance(e, Unbound):
                 raise
             return _rebuilt(path, f"torch cannot load it ({type(e).__name__}: {e})")
         span = meta.get("span")
@@ -282,13 +303,16 @@ def constants_of(program):
     return {k: [list(t.shape), list(t.stride()), str(t.dtype)] for k, t in sorted(out.items())}
 
 
-def _resolve(program, name):
+class Unbound(Exception):
+    """A package names a constant the model does not hold (a tensor its trace created)."""
+
+
+def _tensor_of(program, name):
+    """The model's tensor at the dotted `name`, or None."""
     value = program
     for part in name.split("."):
-        value = getattr(value, part)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} is not a tensor of the model")
-    return value
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _rebuilt(path, why):

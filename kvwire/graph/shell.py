@@ -42,4 +42,12 @@ def shell(module):
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"shell() takes an nn.Module, got {type(module).__name__}")
-    return copy(module)
+    root = copy(module)
+    # a module kept as a plain attribute that is also in the tree (a layer's handle on the attention
+    # inside its block) points at the shell's module too: code comparing modules by identity during
+    # the trace (`module is state.module`) sees the module it runs
+    for twin in list(made.values()):
+        for name, value in vars(twin).items():
+            if isinstance(value, nn.Module) and id(value) in made and name != "_modules":
+                twin.__dict__[name] = made[id(value)]
+    return root
