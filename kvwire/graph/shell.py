@@ -46,8 +46,15 @@ def shell(module):
     # a module kept as a plain attribute that is also in the tree (a layer's handle on the attention
     # inside its block) points at the shell's module too: code comparing modules by identity during
     # the trace (`module is state.module`) sees the module it runs
-    for twin in list(made.values()):
-        for name, value in vars(twin).items():
-            if isinstance(value, nn.Module) and id(value) in made and name != "_modules":
-                twin.__dict__[name] = made[id(value)]
+    fixed = 0
+    while fixed < len(made):  # copying an attribute's module may add twins with attributes of their own
+        twins = list(made.values())[fixed:]
+        fixed += len(twins)
+        for twin in twins:
+            for name, value in list(vars(twin).items()):
+                if name != "_modules" and isinstance(value, nn.Module):
+                    known = id(value) in made
+                    twin.__dict__[name] = copy(value)
+                    if not known:
+                        twin._modules.setdefault(name, twin.__dict__[name])
     return root

@@ -20,6 +20,11 @@ from ...layers.attention import AttentionMath, write_chunk
 from ...layers.masks import chunk_mask, slot_mask
 from ...layers.shared import shared
 
+try:  # private to torch: without it, no proxies to see through
+    from torch.fx.experimental.proxy_tensor import _AttrProxy
+except ImportError:  # pragma: no cover - other torch versions
+    _AttrProxy = ()
+
 NAME = "kvwire"
 _active = contextvars.ContextVar("kvwire_generic_attention", default=None)
 _watcher = contextvars.ContextVar("kvwire_generic_watcher", default=None)
@@ -83,7 +88,7 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     (B, Hkv, T, d_v) -> (output (B, T, H, d_v), weights or None)."""
     eager = eager_function(module)
     state = _active.get()
-    if state is None or state.module is not module:
+    if state is None or _unproxied(state.module) is not _unproxied(module):
         out = eager(module, query, key, value, attention_mask, **kwargs)
         watcher = _watcher.get()
         if watcher is not None:
@@ -110,6 +115,12 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     out = eager(module, query, keys, values, bias, **kwargs)
     state.cache = write_chunk(state.cache, key.float(), value.float(), state.cache_index)
     return out
+
+
+def _unproxied(module):
+    """The module itself where torch.export's non-strict tracer hands out a stand-in for it (an
+    attribute proxy, for a module the traced tree reaches by more than one path)."""
+    return module.get_base() if isinstance(module, _AttrProxy) else module
 
 
 class _Core(AttentionMath):
