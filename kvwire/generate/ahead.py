@@ -195,7 +195,6 @@ class AheadDecode(Buckets):
             raise RuntimeError(f"the compiled step just written to {path} does not load")
         return package
 
-
     @staticmethod
     def _unbuildable(chunk, why):
         """None (the signature runs eager), said for a decode step (a chunk falls back silently)."""

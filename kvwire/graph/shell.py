@@ -14,7 +14,8 @@ def shell(module):
     parameters, buffers and tensor attributes are the very tensors of `module` (no copy of any
     data): what runs through the shell computes what `module` computes, writes into the same
     storage, and keeps the same names (a program exported from it names its tensors as `module`
-    does).
+    does; a tensor reached only through a module kept as a plain attribute is named by that
+    attribute's path, which resolves on `module` too).
 
     Example:
         >>> twin = shell(lm.backbone)
@@ -43,9 +44,11 @@ def shell(module):
     if not isinstance(module, nn.Module):
         raise TypeError(f"shell() takes an nn.Module, got {type(module).__name__}")
     root = copy(module)
-    # a module kept as a plain attribute that is also in the tree (a layer's handle on the attention
-    # inside its block) points at the shell's module too: code comparing modules by identity during
-    # the trace (`module is state.module`) sees the module it runs
+    # modules kept as plain attributes, not submodules (the generic path's handle on the attention
+    # inside a block, the transformers model whose embedding it reads) point at shells too: code
+    # comparing modules by identity during a trace sees the module it runs. One not in the tree yet is
+    # also registered (the attribute still wins lookups), so a trace counts its tensors as the
+    # program's own, named by that path, rather than as constants it lifts.
     fixed = 0
     while fixed < len(made):  # copying an attribute's module may add twins with attributes of their own
         twins = list(made.values())[fixed:]
