@@ -3,9 +3,9 @@
     python bench/decode_bound.py [--model smollm2-135m-instruct | gemma3-270m | FILE.gguf] [--threads 2]
                                  [--repeat 20]
 
-Runs one decode step's matmuls of the preset (or GGUF file, say one of bench/size_scaling.py's) on ggml's kernels (every `GGMLLinear` of
-`kw.load(model, quantize="gguf")`, one activation row each, q/k/v and gate/up fused as generation
-runs them), with nothing else around them:
+Runs one decode step's matmuls of the preset (or GGUF file, say one of bench/size_scaling.py's) on
+ggml's kernels (every `GGMLLinear` of `kw.load(model, quantize="gguf")`, one activation row each,
+q/k/v and gate/up fused as generation runs them), with nothing else around them:
 - streamed: each layer's own weights, as a step reads them (the file's blocks from memory);
 - in cache: the first layer's weights for every layer (a working set of a few MB), the same calls;
 - the head alone;

@@ -315,14 +315,12 @@ def test_a_thread_writing_a_buffer_while_a_step_is_traced_writes_the_real_one(tm
     assert lm._decoder().built == 1
 
 
-
 def _generic_compiled(tmp_path, monkeypatch):
     """(tiny generic llama compiled ahead with kept steps in tmp_path, its eager tokens)."""
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
     lm = kw.from_hf(FAMILIES["llama"](), generic=True)
     eager = [t.tolist() for t in lm.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True)]
     return lm.compile(bucket=32, prefill_tokens=0), eager
-
 
 
 def test_a_generic_model_s_decode_step_is_built(tmp_path, monkeypatch):
@@ -352,3 +350,21 @@ def test_a_step_whose_package_names_a_tensor_the_model_lacks_runs_eager_and_says
     with pytest.warns(UserWarning, match="cannot be compiled ahead of time .*not the model's"):
         assert [t.tolist() for t in lm.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)] == eager
     assert not list(tmp_path.rglob("*.pt2")) and list(lm._decoder().runners.values()) == [ahead.EAGER]
+
+
+def test_a_kept_package_naming_a_tensor_the_model_lacks_is_rebuilt_not_raised(tmp_path, monkeypatch):
+    # a package already on disk that names a constant the model does not hold: a later process
+    # names it and builds again (here the build meets the same tensor and runs eager), no exception
+    import kvwire.generate.ahead as ahead
+
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    lm = _steered(0)
+    eager = [t.tolist() for t in lm.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)]
+    lm.compile(bucket=32, prefill_tokens=0).generate(PROMPTS, max_new_tokens=3, ignore_eos=True)  # kept
+    assert list(tmp_path.rglob("*.pt2"))
+    later = _steered(0).compile(bucket=32, prefill_tokens=0)
+    resolve = ahead._tensor_of
+    monkeypatch.setattr(ahead, "_tensor_of", lambda program, name: None if name.endswith("head.weight") or
+                        name.endswith("output.weight") else resolve(program, name))
+    with pytest.warns(UserWarning, match="is not used: .*not the model's"):
+        assert [t.tolist() for t in later.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)] == eager

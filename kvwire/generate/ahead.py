@@ -242,7 +242,7 @@ class Package:
             tensors = {name: _tensor_of(program, name).detach() for name in loader.get_constant_fqns()}
             loader.load_constants(tensors, False, True, True, False)  # user-managed: no copy of the weights
         except Exception as e:  # noqa: BLE001 - whatever torch's loader says, the file cannot serve
-            if fresh or isinstance(e, Unbound):
+            if fresh:
                 raise
             return _rebuilt(path, f"torch cannot load it ({type(e).__name__}: {e})")
         span = meta.get("span")
