@@ -163,6 +163,38 @@ def test_the_digest_follows_structure_not_values():
     assert module_digest(added.cached.graph_module) != module_digest(scaled.cached.graph_module)  # code alone
     wider = kw.from_hf(FAMILIES["llama"](intermediate_size=96))
     assert module_digest(wider.backbone) != module_digest(a.backbone)
+    # save a tensor a compiler writes into its code by value (0-d, or 1-d of at most 8)
+    small, long = torch.nn.Module(), torch.nn.Module()
+    small.register_buffer("s", torch.tensor(2.0))
+    long.register_buffer("s", torch.ones(16))
+    before = module_digest(small), module_digest(long)
+    small.s.fill_(0.5)
+    long.s.fill_(0.5)
+    assert module_digest(small) != before[0] and module_digest(long) == before[1]
+
+
+def test_a_scale_written_into_the_compiled_code_keys_its_package(tmp_path, monkeypatch):
+    """A 0-d tensor is compiled in by value: a model scaling by another value builds its own step
+    (sharing the package would give the first model's tokens)."""
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    base = kw.from_hf(FAMILIES["llama"]())
+
+    def scaled(value):
+        s = torch.tensor(value)
+        return base.edit(lambda layer, x: layer(x) * s if layer is base.backbone.layers[1] else layer(x))
+
+    ids = torch.tensor([3, 17, 42, 9, 55])
+    runs = []
+    for value in (3.0, -2.0):
+        lm = scaled(value)
+        eager = lm.generate(ids, max_new_tokens=8, ignore_eos=True).tolist()
+        lm.compile(bucket=32, prefill_tokens=0)
+        runs.append((eager, lm.generate(ids, max_new_tokens=8, ignore_eos=True).tolist(), lm._decoder().built))
+    (eager_a, compiled_a, built_a), (eager_b, compiled_b, built_b) = runs
+    assert eager_a != eager_b and compiled_a == eager_a and compiled_b == eager_b
+    assert built_a == built_b == 1
+
+
 
 
 def test_the_signature_leaves_a_chunks_length_out():

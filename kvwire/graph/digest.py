@@ -7,7 +7,8 @@ What goes in, per submodule: the class (and, for a class outside torch, transfor
 its source), a graph module's code, its plain settings (numbers, strings, dtypes, tuples of them;
 other objects by type), and the name, shape, stride and dtype of every parameter, buffer and tensor
 attribute (a steering vector or an edit's constant: values are inputs of the program, not part of
-it). Then the sources of kvwire itself and the versions of Python, torch and transformers. A module
+it), save where a compiler writes a tensor's values into its code (`inlined`: 0-d, or at most 8
+elements in 1-d): those values go in too. Then the sources of kvwire itself and the versions of Python, torch and transformers. A module
 whose code cannot be read (a class defined in an interactive session) has no digest: None.
 """
 import hashlib
@@ -71,7 +72,16 @@ def kvwire_sources():
 
 
 def _tensor(t):
-    return [list(t.shape), list(t.stride()), str(t.dtype), t.device.type]
+    out = [list(t.shape), list(t.stride()), str(t.dtype), t.device.type]
+    if inlined(t):  # its values are written into a compiled program
+        out.append(t.detach().cpu().tolist())
+    return out
+
+
+def inlined(t):
+    """Whether Inductor writes `t`'s values into the code it compiles instead of reading the tensor
+    (a 0-d tensor, or 1-d of at most 8 elements): two modules differing there compile differently."""
+    return t.dim() == 0 or (t.dim() == 1 and t.shape[0] <= 8)
 
 
 def _setting(value, depth=0):
