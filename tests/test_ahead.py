@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -195,8 +196,6 @@ def test_a_scale_written_into_the_compiled_code_keys_its_package(tmp_path, monke
     assert built_a == built_b == 1
 
 
-
-
 def test_the_signature_leaves_a_chunks_length_out():
     flat = [torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long), torch.tensor(0)]
     shorter = [torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.tensor(0)]
@@ -210,6 +209,10 @@ def test_compile_refuses_ahead_settings_it_cannot_honour():
         lm.compile(ahead=True, mode="max-autotune")
     with pytest.raises(ValueError, match="ahead must be True, False or None.*'yes'"):
         lm.compile(ahead="yes")
+    with pytest.raises(ValueError, match="background=True builds steps ahead of time .*needs ahead"):
+        lm.compile(ahead=False, background=True)
+    with pytest.raises(ValueError, match="background must be True or False, got 1"):
+        lm.compile(background=1)
     assert lm.compile()._compile_options["ahead"] is True  # the default on a CPU model
     assert lm.compile(mode="max-autotune")._compile_options["ahead"] is False
 
@@ -261,14 +264,21 @@ def test_a_server_of_a_compiled_model_decodes_on_kept_steps(tmp_path, monkeypatc
     hello = [{"role": "user", "content": "Hello there, how are you?"}]
     lm = tiny_chat_lm()
     expected = lm.chat(hello, max_new_tokens=8, reuse_prefix=False)
-    server = Server(create_app(lm.compile(prefill_tokens=128), "tiny", max_batch=2, max_length=256))
+    # as `kvwire serve --compile`: the first request is answered (eager) while children build its steps
+    server = Server(create_app(lm.compile(prefill_tokens=128, background=True), "tiny", max_batch=2, max_length=256))
+    records = lambda: list((tmp_path / "steps").rglob("*.json"))  # noqa: E731
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        first = client.chat.completions.create(model="tiny", messages=hello, temperature=0, max_tokens=8)
+        assert len(records()) < 2  # answered before both steps were compiled
+        deadline = time.monotonic() + 300
+        while len(records()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
         reply = client.chat.completions.create(model="tiny", messages=hello, temperature=0, max_tokens=8)
     finally:
         server.close()
-    assert reply.choices[0].message.content == expected
-    built = [json.loads(p.with_suffix(".json").read_text())["signature"] for p in (tmp_path / "steps").rglob("*.pt2")]
+    assert first.choices[0].message.content == reply.choices[0].message.content == expected
+    built = [json.loads(p.read_text())["signature"] for p in records()]
     # the served (steered) copy prefilled and decoded one row, compiled
     assert sorted((s[0], s[2][0][0]) for s in built) == [(False, 1), (True, 1)]
 
@@ -282,7 +292,8 @@ def test_serve_compile_compiles_the_loaded_model(tmp_path):
 
     write_gpt2(tmp_path / "g.gguf", tiny_hf_gpt2(vocab_size=300))
     args = parser().parse_args(["serve", "--model", str(tmp_path / "g.gguf"), "--quantize", "none", "--compile"])
-    assert load_served(args, "none").compile_settings["ahead"] is True
+    settings = load_served(args, "none").compile_settings
+    assert settings["ahead"] is True and settings["background"] is True  # steps build beside serving
     args = parser().parse_args(["serve", "--model", str(tmp_path / "g.gguf"), "--quantize", "none"])
     assert load_served(args, "none").compile_settings is None
 

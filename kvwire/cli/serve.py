@@ -15,7 +15,8 @@ def add(commands):
     quantize_option(s, default="auto")  # a server batches: ggml's blocks beat float weights where they run
     s.add_argument("--compile", action="store_true",
                    help="compiled decode steps, kept on disk: each batch size (1, 2, 4, ...) and timeline length "
-                   "(256, 512, ...) the server meets is built once, ever (a minute or two, requests wait meanwhile); "
+                   "(256, 512, ...) the server meets is built once, ever, by a child process (a minute or two; requests "
+                   "run eager meanwhile, after a few seconds' export); "
                    "later starts load them in about a second")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -131,7 +132,8 @@ def run(args):
         from ..kernels.switches import cache_root
 
         print(f"decode: compiled steps kept in {cache_root() / 'steps'}; a batch size or timeline length met "
-              f"for the first time is built once (a minute or two, requests wait)", file=sys.stderr)
+              f"for the first time runs eager while a child process builds its step (a minute or two, once)",
+              file=sys.stderr)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}; SAE: {args.sae or 'none'}; "
           f"API keys: {len(keys) if keys else 'none, open to all'}); "
@@ -146,7 +148,8 @@ def load_served(args, quantize):
     if getattr(args, "compile", False):
         if getattr(args, "runtime", "eager") != "eager":
             raise ValueError(f"--compile applies to eager models; --runtime {args.runtime} runs its own program")
-        lm.compile()
+        # a server keeps answering while a new batch size's step compiles (in a child process)
+        lm.compile(background=lm.device.type == "cpu")
     return lm
 
 

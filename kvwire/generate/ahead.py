@@ -20,6 +20,8 @@ is reported by name (a warning) and rebuilt. Export narrows a prompt chunk graph
 where the graph needs it (say to lengths past a ring cache's slots); chunks outside it, and a chunk
 graph export cannot make at all, run eager. A decode step export cannot make runs eager with a
 warning (`lm.compile(ahead=False)` may still compile it: torch.compile allows graph breaks).
+`background=True` moves the compile into a child process while the signature runs eager
+(`kvwire.generate.background`): a server keeps answering while a new batch size is built.
 """
 import hashlib
 import json
@@ -35,6 +37,7 @@ from ..graph.digest import module_digest
 from ..graph.shell import shell
 from ..kernels.switches import cache_root
 from ..layers.shared import per_call
+from .background import Building, check_handed
 from .compiled import Buckets, check_settings, inductor_options
 from .direct import flat_args
 
@@ -67,6 +70,9 @@ class AheadDecode(Buckets):
     (logits (B, V), cache): `CompiledDecode`'s contract, from AOTInductor packages kept in `folder`
     (default `$KVWIRE_CACHE/steps`). The first call of a signature no process has compiled builds
     its package (as long as a `torch.compile` of it); later ones, here or in another process, load it.
+    With `background` the build does not hold the caller up past the graph's export (seconds): a
+    child process compiles it (`kvwire.generate.background`) while that signature runs eager, and
+    the first call after the child is done loads the package.
 
     Example:
         >>> lm = kw.load("smollm2-135m-instruct", quantize="gguf").compile()   # AheadDecode steps
@@ -75,14 +81,17 @@ class AheadDecode(Buckets):
 
     kept = True  # each shape is built once, ever: an engine may grow its timeline and vary its batch
 
-    def __init__(self, cached, head, bucket=64, prefill_tokens=32, folder=None):
+    def __init__(self, cached, head, bucket=64, prefill_tokens=32, folder=None, background=False):
         check_settings(bucket, prefill_tokens)
+        if not isinstance(background, bool):
+            raise ValueError(f"background must be True or False, got {background!r}")
         self.bucket, self.head, self.prefill_tokens = bucket, head, prefill_tokens
         self.graph = cached.graph_module
         self.program = StepProgram(cached, head).eval()
         self.folder = Path(folder) if folder is not None else cache_root() / "steps"
-        self.runners = {}  # fast_key of a call -> Package or EAGER
-        self.built = 0  # packages this object compiled (the rest were loaded)
+        self.background = background  # compile new packages in a child process; eager meanwhile
+        self.runners = {}  # fast_key of a call -> Package, EAGER or Building
+        self.built = 0  # packages compiled for this object (the rest were loaded)
         self._key = None
 
     def takes(self, tokens, max_length):
@@ -112,7 +121,9 @@ class AheadDecode(Buckets):
         runner = self.runners.get(key)
         if runner is None:
             runner = self.runners[key] = self._runner(signature(flat, chunk), flat)
-        if runner is EAGER or not runner.span[0] <= token_ids.shape[1] <= runner.span[1]:
+        if isinstance(runner, Building) and runner.over():
+            runner = self.runners[key] = self._settle(runner)
+        if runner is EAGER or isinstance(runner, Building) or not runner.span[0] <= token_ids.shape[1] <= runner.span[1]:
             with per_call():
                 hidden, cache = self.graph(token_ids, positions, cache_index, attention_mask, cache, *extra)
             return self.head(hidden[:, -1]), cache
@@ -126,6 +137,8 @@ class AheadDecode(Buckets):
                 return self._build(path, sig, flat) or EAGER
         path = self.folder / self.key / f"{name}.pt2"
         package = Package.open(path, self.key, sig, self.program)
+        if package is None and self.background:  # a child of this process may be writing it already
+            package = Building.at(path)
         if package is None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,12 +150,13 @@ class AheadDecode(Buckets):
                               f"compiles its own", stacklevel=4)
                 with tempfile.TemporaryDirectory() as tmp:
                     return self._build(Path(tmp) / path.name, sig, flat) or EAGER
-            package = self._build(path, sig, flat)
+            package = self._build(path, sig, flat, kept=True)
         return package or EAGER
 
-    def _build(self, path, sig, flat):
-        """Export, compile and keep the step of this signature at `path`; its Package, or None where
-        the graph cannot be exported (a decode step's: with a warning)."""
+    def _build(self, path, sig, flat, kept=False):
+        """Export, compile and keep the step of this signature at `path`: its Package; None where the
+        graph cannot be exported (a decode step's: with a warning); with `background`, a `Building`
+        whose compile runs in a child process where the package is `kept` (not a temporary one)."""
         from ..layers.attention import in_place_cache_writes
 
         chunk = sig[0]
@@ -169,25 +183,38 @@ class AheadDecode(Buckets):
         unbound = [n for n in program.graph_signature.lifted_tensor_constants if _tensor_of(self.program, n) is None]
         if unbound:
             return self._unbuildable(chunk, f"its graph holds tensors that are not the model's: {', '.join(unbound[:3])}")
-        span = chunk_span(program) if chunk else [1, 1]
+        record = {"format": FORMAT, "key": self.key, "machine": machine(), "signature": sig,
+                  "constants": constants_of(self.program), "span": chunk_span(program) if chunk else [1, 1]}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{os.getpid()}.{path.name}")  # AOTInductor wants a .pt2 name
-        meta_tmp = tmp.with_suffix(".json")
-        try:
-            options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=options)
-            self.built += 1
-            meta = {"format": FORMAT, "key": self.key, "machine": machine(), "signature": sig,
-                    "sha256": _file_digest(tmp), "constants": constants_of(self.program), "span": span}
-            meta_tmp.write_text(json.dumps(meta))
-            os.replace(tmp, path)
-            os.replace(meta_tmp, path.with_suffix(".json"))  # last: a package without its record is never used
-        finally:  # nothing half-written left behind
-            tmp.unlink(missing_ok=True)
-            meta_tmp.unlink(missing_ok=True)
+        if self.background and kept:
+            return Building(program, path, record)
+        keep(program, path, record)
+        self.built += 1
+        return self._open_built(path, sig, chunk)
+
+    def _settle(self, building):
+        """What a finished `Building` gives: its Package, or EAGER (its failure said, for a decode step)."""
+        chunk, sig = building.record["signature"][0], building.record["signature"]
+        if building.failure is not None:
+            if not chunk:
+                warnings.warn(f"kvwire: the decode step's compile in a child process failed "
+                              f"({building.failure}); it runs eager", stacklevel=4)
+            return EAGER
+        self.built += 1
+        package = self._open_built(building.path, sig, chunk)
+        wrong = package and check_handed(package, building.shapes)
+        if wrong:  # never served: removed, and the next process builds it again
+            building.path.unlink(missing_ok=True)
+            building.path.with_suffix(".json").unlink(missing_ok=True)
+            return self._unbuildable(chunk, f"the package its child process compiled is not used: {wrong}") or EAGER
+        return package or EAGER
+
+    def _open_built(self, path, sig, chunk):
+        """The package just written at `path`, or None (named otherwise by the package than by the
+        export: a tensor that is not the model's; the files removed)."""
         try:
             package = Package.open(path, self.key, sig, self.program, fresh=True)
-        except Unbound as e:  # named otherwise by the package than by the export: the same case
+        except Unbound as e:
             path.unlink(missing_ok=True)
             path.with_suffix(".json").unlink(missing_ok=True)
             return self._unbuildable(chunk, str(e))
@@ -202,6 +229,23 @@ class AheadDecode(Buckets):
             warnings.warn(f"kvwire: the decode step cannot be compiled ahead of time ({why}); it runs eager "
                           f"(lm.compile(ahead=False) tries torch.compile instead)", stacklevel=6)
         return None
+
+
+def keep(program, path, record):
+    """AOTInductor-compile the exported `program` into the package at `path`, then write `record`
+    (with the package's sha256) beside it; nothing half-written is left, and the record comes last:
+    a package without its record is never used. Runs here or in a child process (`background`)."""
+    tmp = path.with_name(f".{os.getpid()}.{path.name}")  # AOTInductor wants a .pt2 name
+    meta_tmp = tmp.with_suffix(".json")
+    try:
+        options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=options)
+        meta_tmp.write_text(json.dumps({**record, "sha256": _file_digest(tmp)}))
+        os.replace(tmp, path)
+        os.replace(meta_tmp, path.with_suffix(".json"))
+    finally:
+        tmp.unlink(missing_ok=True)
+        meta_tmp.unlink(missing_ok=True)
 
 
 class Package:

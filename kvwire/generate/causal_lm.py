@@ -125,7 +125,7 @@ class CausalLM(GenerationMethods, nn.Module):
             self._prefix_store.clear()
         clear_packs(self)
 
-    def compile(self, bucket=64, prefill_tokens=32, ahead=None, **options):
+    def compile(self, bucket=64, prefill_tokens=32, ahead=None, background=False, **options):
         """Run generation's one-token decode steps and short prompts compiled (cached graph + head):
         ahead of time and kept on disk on the CPU (`ahead`), else through `torch.compile`.
 
@@ -152,6 +152,11 @@ class CausalLM(GenerationMethods, nn.Module):
         model of the same structure (say steered with other vectors), loads it in about a second
         instead of re-tracing with dynamo (10-20 s). `ahead=False` keeps `torch.compile`'s steps.
 
+        `background` (ahead only): a step no process has built runs eager while a child process
+        compiles it, instead of holding generation up for that minute; only the graph's export
+        (seconds) happens in the caller's step (`kvwire.generate.background`). For servers; a short
+        command would exit before the child is done.
+
         Example:
             >>> lm = kw.load("gemma3-270m", quantize="gguf").compile()
             >>> lm.generate("Once upon a time", max_new_tokens=64)
@@ -169,16 +174,21 @@ class CausalLM(GenerationMethods, nn.Module):
         elif ahead and self.device.type != "cpu":
             raise ValueError(f"ahead=True compiles steps for the CPU; this model is on {self.device} "
                              f"(use ahead=False)")
+        if not isinstance(background, bool):
+            raise ValueError(f"background must be True or False, got {background!r}")
+        if background and not ahead:
+            raise ValueError("background=True builds steps ahead of time in a child process; it needs ahead "
+                             "(a CPU model compiled with no torch.compile options)")
         if options:  # torch.compile checks them now; kvwire's defaults wait for the first step, which
             CompiledDecode(self.cached, self.head, bucket, prefill_tokens, **options)  # imports dynamo (~1.5 s)
         self._compile_options, self._decode = dict(options, bucket=bucket, prefill_tokens=prefill_tokens,
-                                                   ahead=ahead), None
+                                                   ahead=ahead, background=background), None
         self.pool.clear()
         return self
 
     @property
     def compile_settings(self):
-        """What `compile` was called with ({bucket, prefill_tokens, ahead, torch.compile options}), or
+        """What `compile` was called with ({bucket, prefill_tokens, ahead, background, torch.compile options}), or
         None: an edited or steered copy is not compiled unless compiled with these
         (`copy.compile(**lm.compile_settings)`)."""
         return None if self._compile_options is None else dict(self._compile_options)
@@ -188,7 +198,9 @@ class CausalLM(GenerationMethods, nn.Module):
             return None
         if self._decode is None:
             options = dict(self._compile_options)
+            background = options.pop("background", False)
             if options.pop("ahead"):
+                options["background"] = background
                 from .ahead import AheadDecode
 
                 self._decode = AheadDecode(self.cached, self.head, **options)
