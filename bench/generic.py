@@ -1,12 +1,15 @@
 """The generic path's speed: SmolLM2 through transformers' own modules with kvwire's cache, against
 kvwire's native decoder and transformers' own `generate`, on the same weights, in one run.
 
-    python bench/generic.py [--threads 2] [--new 48] [--rounds 3] [--tiny]
+    python bench/generic.py [--threads 2] [--new 48] [--rounds 3] [--tiny] [--compile]
 
 Each engine decodes `--new` tokens greedily at batch 1 and 4, and prefills prompts of 32 and 512
 tokens; the best of `--rounds` rounds is kept (rounds interleave the three, so a busy machine slows
 all alike). Prints tokens/s and the ratios generic / transformers and generic / native, with the
 CPU. `--tiny` runs a random 2-layer llama instead of the preset (for the smoke test).
+`--compile` compiles both kvwire models (`lm.compile()`: steps built ahead of time and kept, the
+builds done before timing starts) and leaves transformers eager (its `generate` re-traces with dynamo
+in each process); the rows say which ran compiled.
 """
 import argparse
 import os
@@ -75,24 +78,40 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--compile", action="store_true", help="compile both kvwire models (transformers stays eager)")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
     native, generic, hf = models(args.tiny)
+    if args.compile:
+        native.compile(), generic.compile()
     cases = [("decode b1", 1, args.new, 8), ("decode b4", 4, args.new, 8), ("prefill 32", 1, 1, 32),
              ("prefill 512", 1, 1, 64 if args.tiny else 512)]
     rates(native, generic, hf, 1, 4, 8)  # warm-up: first-call allocations and kernel picks
+    if args.compile:  # every step the cases meet built (or loaded) before timing
+        for case, batch, new, prompt in cases:
+            rates(native, generic, hf, batch, min(new, 3), prompt)
     best = {case: {} for case, *_ in cases}
     for _ in range(args.rounds):
         for case, batch, new, prompt in cases:
             for name, rate in rates(native, generic, hf, batch, new, prompt).items():
                 best[case][name] = max(best[case].get(name, 0.0), rate)
     print(header(args.threads))
+    if args.compile:
+        steps = {name: compiled_steps(lm) for name, lm in (("native", native), ("generic", generic))}
+        print(f"compiled: native and generic (kept steps: native {steps['native']}, generic {steps['generic']}); "
+              f"transformers eager")
     print(f"{'case':<12} {'native':>9} {'generic':>9} {'transformers':>13} {'gen/hf':>7} {'gen/native':>10}  (tokens/s)")
     for case, r in best.items():
         print(f"{case:<12} {r['native']:>9.1f} {r['generic']:>9.1f} {r['transformers']:>13.1f} "
               f"{r['generic'] / r['transformers']:>7.2f} {r['generic'] / r['native']:>10.2f}")
+
+
+def compiled_steps(lm):
+    """How many compiled (not eager) step programs `lm` holds."""
+    decode = lm._decoder()
+    return 0 if decode is None else sum(1 for r in getattr(decode, "runners", {}).values() if hasattr(r, "span"))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ the preset's GGUF file on 127.0.0.1 with the same number of threads.
     python bench/serve.py [--model smollm2-135m-instruct] [--clients 1,4,16] [--max-tokens 32]
                           [--requests-per-client 2] [--threads 2] [--quantize gguf] [--skip-peer] [--quick]
                           [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE] [--compile]
+                          [--warm] [--warm-minutes 40]
 
 On a CPU that other work keeps busy, torch's OpenMP threads spinning at every op's barrier make
 kvwire's server many times slower (measured: 0.7 vs 12.9 tokens/s at one client, 2 threads, load
@@ -25,6 +26,11 @@ ready) and stopped by this script:
 3. prefix reuse: a ~1,000-token user message (turn 1, 16 new tokens), then turn 2 = turn 1 + the
    reply + a short question; turn 2's TTFT vs that of the same conversation with another first word
    (nothing shared: a full prefill), and usage's cached_tokens.
+With --compile --warm, the loads of 1. to 3. first run untimed on kvwire's servers, then the bench
+waits until their child processes have built every compiled step met (their
+`kvwire_compiled_steps_building` gauge), pass after pass until one builds nothing: the timed runs are
+then those of a server whose steps are all built. Without --warm, a fresh step folder shows a
+server that meets its shapes for the first time (served eager while they build).
 Then the goal lines (throughput >= 1.0x llama.cpp at the largest client count, steering costing
 < 10 % of throughput, prefix reuse >= 5x sooner) with the measured ratios, and each server's peak
 RSS (VmHWM). A server that is missing, fails to start or dies gets rows saying so; the rest prints.
@@ -35,6 +41,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import header  # noqa: E402
@@ -197,6 +204,47 @@ def prefix_rows(servers, down, args):
     return out
 
 
+def warm(servers, down, args):
+    """--warm: the throughput and prefix loads, untimed, on kvwire's servers, then a wait for the
+    compiled steps their children build, until a pass leaves nothing to build or the budget ends."""
+    ours = [label for label in servers if label.startswith("kvwire") and label not in down]
+    start, deadline = time.monotonic(), time.monotonic() + 60 * args.warm_minutes
+    passes, left = 0, {}
+    while time.monotonic() < deadline:
+        passes += 1
+        for label in ours:
+            s = servers[label]
+            for clients in args.clients:
+                for steer_of in ((NONE, HALF, each_inline) if label == "kvwire +happy" else (NONE,)):
+                    run_load(s.url, s.model, clients, args.requests_per_client, args.max_tokens, steer_of)
+            if label == "kvwire":
+                prefix_reuse(s.url, s.model, args.prefix_words, 1)
+        built = False
+        while time.monotonic() < deadline:
+            left = {label: building(servers[label]) for label in ours}
+            if not any(left.values()):
+                break
+            built = True
+            time.sleep(5)
+        if not built:
+            break
+    print(f"warm-up (--warm): {passes} pass(es) of the load in {time.monotonic() - start:.0f} s; compiled steps "
+          f"still building: " + ", ".join(f"{label} {n}" for label, n in left.items()), flush=True)
+
+
+def building(server):
+    """The server's kvwire_compiled_steps_building gauge (0 where it cannot be read)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0
+    line = next((ln for ln in text.splitlines() if ln.startswith("kvwire_compiled_steps_building ")), "")
+    return int(float(line.split()[1])) if line else 0
+
+
 def goal(name, target, measured, met):
     """One goal line; met None: not measured (`measured` then says why)."""
     print(f"goal: {name}: not measured ({measured})" if met is None else
@@ -253,7 +301,12 @@ def parser():
     p.add_argument("--quantize", help="passed to kvwire serve (gguf, none, ...); default: the server's own (auto: the "
                    "GGUF's blocks on ggml's kernels where llama-cpp-python is installed)")
     p.add_argument("--compile", action="store_true",
-                   help="kvwire serve --compile (compiled steps kept on disk; a first run builds them: run twice)")
+                   help="kvwire serve --compile (compiled steps kept on disk, built by child processes while the "
+                   "shapes they serve run eager; see --warm)")
+    p.add_argument("--warm", action="store_true",
+                   help="with --compile: before timing, run the whole load untimed on kvwire's servers, wait until "
+                   "their compiled steps are built (their /metrics gauge), and again until a pass builds nothing")
+    p.add_argument("--warm-minutes", type=float, default=40, help="--warm's budget (default %(default)s)")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to become ready")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
@@ -295,6 +348,8 @@ def main(argv=None):
                 if label not in down:
                     run_load(s.url, s.model, 1, 1, 2)
                     run_load(s.url, s.model, max(args.clients), 1, 2, HALF if label == "kvwire +happy" else NONE)
+            if args.warm and args.compile:
+                warm(servers, down, args)
             sizes = {label: prompt_tokens(s.url, s.model, PROMPTS[0]) for label, s in servers.items()
                      if label not in down}
             print("the first prompt rendered by each server's chat template: " + ", ".join(

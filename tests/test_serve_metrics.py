@@ -3,6 +3,7 @@ that move by what known requests report in their usage. Tiny chat model over uvi
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -160,6 +161,14 @@ def test_the_queue_and_rows_are_read_when_scraped(server):
     assert len(answers) == 3
     gauges = scrape(server)
     assert gauges[("kvwire_requests_waiting", ())] == 0 and gauges[("kvwire_rows_running", ())] == 0
+
+
+def test_steps_being_built_are_read_when_scraped(server, monkeypatch):
+    from kvwire.generate import background
+
+    assert scrape(server)[("kvwire_compiled_steps_building", ())] == 0
+    monkeypatch.setitem(background._PENDING, Path("/nowhere/a.pt2"), object())  # as a Building queued
+    assert scrape(server)[("kvwire_compiled_steps_building", ())] == 1
 
 
 def test_each_app_has_its_own_registry():

@@ -38,8 +38,9 @@ from ..graph.shell import shell
 from ..kernels.switches import cache_root
 from ..layers.shared import per_call
 from .background import Building, check_handed
-from .compiled import Buckets, check_settings, inductor_options
+from .compiled import Buckets, check_settings
 from .direct import flat_args
+from .keep import file_digest, keep
 
 FORMAT = 1  # bump when what a package holds or how it is called changes
 EAGER = "eager"  # a signature whose graph torch.export could not make
@@ -231,23 +232,6 @@ class AheadDecode(Buckets):
         return None
 
 
-def keep(program, path, record):
-    """AOTInductor-compile the exported `program` into the package at `path`, then write `record`
-    (with the package's sha256) beside it; nothing half-written is left, and the record comes last:
-    a package without its record is never used. Runs here or in a child process (`background`)."""
-    tmp = path.with_name(f".{os.getpid()}.{path.name}")  # AOTInductor wants a .pt2 name
-    meta_tmp = tmp.with_suffix(".json")
-    try:
-        options = {**inductor_options(), "aot_inductor.package_constants_in_so": False}
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=options)
-        meta_tmp.write_text(json.dumps({**record, "sha256": _file_digest(tmp)}))
-        os.replace(tmp, path)
-        os.replace(meta_tmp, path.with_suffix(".json"))
-    finally:
-        tmp.unlink(missing_ok=True)
-        meta_tmp.unlink(missing_ok=True)
-
-
 class Package:
     """A loaded step: package(flat tensors) -> logits, the model's tensors handed to it by name."""
 
@@ -274,7 +258,7 @@ class Package:
         if not isinstance(meta, dict) or [meta.get("format"), meta.get("key"), meta.get("machine")] != \
                 _jsonable([FORMAT, key, machine()]) or meta.get("signature") != _jsonable(sig):
             return None  # another kvwire, torch or CPU (the key folds them in): build anew
-        if not path.is_file() or _file_digest(path) != meta.get("sha256"):
+        if not path.is_file() or file_digest(path) != meta.get("sha256"):
             return _rebuilt(path, "its bytes do not match the digest recorded when it was written")
         if meta.get("constants") != constants_of(program):
             return _rebuilt(path, "the model's tensors differ from those it was compiled for")
@@ -361,14 +345,6 @@ def _tensor_of(program, name):
 def _rebuilt(path, why):
     warnings.warn(f"kvwire: the compiled step {path} is not used: {why}; it is built again", stacklevel=3)
     return None
-
-
-def _file_digest(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _jsonable(value):

@@ -8,13 +8,14 @@ The graph goes to the child without the model's tensors: weights, lifted constan
 inputs are saved as meta tensors of the same shape, stride and dtype (a package holds no weights
 anyway, `aot_inductor.package_constants_in_so` off), and the child stands in uninitialised CPU
 memory for them, which the compiler never reads. The child runs at a lower priority with one compile
-thread, and writes the package and its record as an in-process build does (`ahead.keep`), so a
+thread, and writes the package and its record as an in-process build does (`keep`), so a
 package a child finished after its parent exited is loaded by the next process. Builds run one at a
 time, in the order they were asked for; children still compiling when the parent exits are stopped.
 
 Run as `python -m kvwire.generate.background PROGRAM PACKAGE RECORD` (the child's side).
 """
 import atexit
+import importlib
 import json
 import os
 import queue
@@ -44,7 +45,7 @@ class Building:
     Args:
         program: the step's `torch.export.ExportedProgram` (its tensors are swapped for meta ones).
         path: the package's path (its record goes beside it as `.json`).
-        record: what `ahead.keep` writes in the record (the child adds the package's sha256).
+        record: what `keep.keep` writes in the record (the child adds the package's sha256).
     """
 
     def __init__(self, program, path, record):
@@ -88,6 +89,12 @@ class Building:
             with _LOCK:
                 _PENDING.pop(self.path, None)
             self._over.set()
+
+
+def building():
+    """How many packages children of this process are compiling or have queued."""
+    with _LOCK:
+        return len(_PENDING)
 
 
 def weightless(program):
@@ -203,10 +210,10 @@ def main(argv):
         raise SystemExit(f"usage: python -m kvwire.generate.background PROGRAM PACKAGE RECORD (got {argv})")
     if hasattr(os, "nice"):
         os.nice(10)  # the parent's generation goes first
-    import kvwire.kernels.ggml.ops  # noqa: F401 - the ggml operators' schemas, for the saved graph
     from ..layers.linear import allow_packs_in_compiled_graphs
-    from .ahead import keep
+    from .keep import keep
 
+    importlib.import_module("kvwire.kernels.ggml.ops")  # the ggml operators' schemas, for the saved graph
     allow_packs_in_compiled_graphs()
     program = materialised(torch.export.load(argv[0]))
     keep(program, Path(argv[1]), json.loads(Path(argv[2]).read_text()))

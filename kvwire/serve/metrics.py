@@ -4,13 +4,14 @@
 What is recorded, and where: each HTTP answer's status as it starts (`CountRequests`, middleware);
 each generation request's sequences once they are over (`Metrics.record`, called by the bridge's
 `Run.updates` on the event loop: a few increments per request, nothing per token on the engine
-thread); the queue and the busy rows read from the engine when scraped.
+thread); the queue, the busy rows and the compiled steps being built read when scraped.
 """
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 from starlette.routing import Match
 
+from ..generate.background import building
 from ..steer.ops import LIMIT
 
 # seconds; a first token waits for the prompt's prefill (and the queue), a later one for one decode step
@@ -107,20 +108,22 @@ class _EngineGauges:
         self.bridge = bridge
 
     def describe(self):
-        return list(self._families(0, 0, 0, 0.0, 0))
+        return list(self._families(0, 0, 0, 0.0, 0, 0))
 
     def collect(self):
         engine = self.bridge.engine
         running = sum(r is not None for r in engine.rows)
         return list(self._families(self.bridge.waiting, running, engine.capacity, engine.mask_seconds,
-                                   engine.decode_steps))
+                                   engine.decode_steps, building()))
 
     @staticmethod
-    def _families(waiting, running, rows, mask_seconds, steps):
+    def _families(waiting, running, rows, mask_seconds, steps, builds):
         yield GaugeMetricFamily("kvwire_requests_waiting", "sequences waiting for a row", value=waiting)
         yield GaugeMetricFamily("kvwire_rows_running", "rows holding a sequence (prefilling or decoding)",
                                 value=running)
         yield GaugeMetricFamily("kvwire_rows", "rows of the engine (--max-batch)", value=rows)
+        yield GaugeMetricFamily("kvwire_compiled_steps_building", "compiled steps (--compile) child processes are "
+                                "building or have queued; their call shapes run eager until built", value=builds)
         # the engine's own totals (a served model swapped for one with a new vector starts them afresh)
         yield CounterMetricFamily("kvwire_constraint_mask_seconds", "seconds spent masking constrained rows' "
                                   "logits (response_format, forced tool calls)", value=mask_seconds)
