@@ -218,7 +218,7 @@ def warm(servers, down, args):
                 for steer_of in ((NONE, HALF, each_inline) if label == "kvwire +happy" else (NONE,)):
                     run_load(s.url, s.model, clients, args.requests_per_client, args.max_tokens, steer_of)
             if label == "kvwire":
-                prefix_reuse(s.url, s.model, args.prefix_words, 1)
+                prefix_reuse(s.url, s.model, args.prefix_words, 1, first_seed=2000 + passes)  # not the timed texts
         built = False
         while time.monotonic() < deadline:
             left = {label: building(servers[label]) for label in ours}

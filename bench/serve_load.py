@@ -236,12 +236,12 @@ def long_text(words, seed):
     return f"Record {seed}. " + " ".join(out)
 
 
-async def _prefix(url, model, words, repeats, turn1_tokens=16, turn2_tokens=8):
+async def _prefix(url, model, words, repeats, first_seed, turn1_tokens=16, turn2_tokens=8):
     question, follow_up = "\n\nSummarise the text above in one sentence.", "Now give that summary a title."
     results = []
     async with openai_client(url) as client:
         for r in range(repeats):
-            text = long_text(words, seed=1000 + r)
+            text = long_text(words, seed=first_seed + r)
             first = [{"role": "user", "content": text + question}]
             turn1 = await chat(client, model, first, turn1_tokens)
             if turn1.error:
@@ -255,11 +255,11 @@ async def _prefix(url, model, words, repeats, turn1_tokens=16, turn2_tokens=8):
     return results
 
 
-def prefix_reuse(url, model, words, repeats):
+def prefix_reuse(url, model, words, repeats, first_seed=1000):
     """[(turn 1, turn 2 reusing turn 1's prefix, turn 2 of a conversation whose first word differs)]
     as `Reply`s, one triple per repeat, each repeat on a text of its own (so nothing is cached from
-    an earlier one)."""
-    return asyncio.run(_prefix(url, model, words, repeats))
+    an earlier one; texts are seeded first_seed, first_seed + 1, ...: a warm-up takes others)."""
+    return asyncio.run(_prefix(url, model, words, repeats, first_seed))
 
 
 def median(values):
