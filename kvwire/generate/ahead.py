@@ -124,7 +124,8 @@ class AheadDecode(Buckets):
             runner = self.runners[key] = self._runner(signature(flat, chunk), flat)
         if isinstance(runner, Building) and runner.over():
             runner = self.runners[key] = self._settle(runner)
-        if runner is EAGER or isinstance(runner, Building) or not runner.span[0] <= token_ids.shape[1] <= runner.span[1]:
+        if runner is EAGER or isinstance(runner, Building) or \
+                not runner.span[0] <= token_ids.shape[1] <= runner.span[1]:
             with per_call():
                 hidden, cache = self.graph(token_ids, positions, cache_index, attention_mask, cache, *extra)
             return self.head(hidden[:, -1]), cache

@@ -4,13 +4,16 @@
 then AOTInductor compiles it in a child process (the minute it takes) while that call signature runs
 eager; the next call after the child is done loads the package.
 
-The graph goes to the child without the model's tensors: weights, lifted constants and example
-inputs are saved as meta tensors of the same shape, stride and dtype (a package holds no weights
-anyway, `aot_inductor.package_constants_in_so` off), and the child stands in uninitialised CPU
-memory for them, which the compiler never reads. The child runs at a lower priority with one compile
-thread, and writes the package and its record as an in-process build does (`keep`), so a
-package a child finished after its parent exited is loaded by the next process. Builds run one at a
-time, in the order they were asked for; children still compiling when the parent exits are stopped.
+The graph goes to the child without the model's weights: its tensors and example inputs are saved
+as meta tensors of the same shape, stride and dtype (a package holds no weights anyway,
+`aot_inductor.package_constants_in_so` off), and the child stands in uninitialised CPU memory for
+them. Only the tensors whose values a compiler reads travel with them (`weightless`: those it
+writes into its code, and those a computation of model tensors alone reads, which it may fold);
+a package that took in a tensor sent as a shape only is refused when it is opened (`check_handed`).
+The child runs at a lower priority with one compile thread and writes the package and its record
+as a build in the generating process does (`keep`). Builds run one at a time, in the order they
+were asked for; children still compiling when the parent exits are stopped (a package is written
+whole or not at all).
 
 Run as `python -m kvwire.generate.background PROGRAM PACKAGE RECORD` (the child's side).
 """
@@ -101,9 +104,9 @@ def weightless(program):
     """Swap `program`'s state dict, lifted constants and example inputs for meta tensors of the same
     shape, stride and dtype (in place), except the tensors a compiler reads the values of: those it
     writes into its code (`graph.digest.inlined`: rotary frequencies of a small head) and those a
-    computation of model tensors alone reads (a norm's `1 + weight`, which it may fold). Returns the names of the tensors sent
-    as shapes that the graph reads: the built package must take every one of them from its caller
-    (`check_handed`)."""
+    computation of model tensors alone reads (a norm's `1 + weight`, which it may fold). Returns the
+    names of the tensors sent as shapes that the graph reads: the built package must take every one
+    of them from its caller (`check_handed`)."""
     valued, read = _folded_inputs(program)
     shapes = []
     valued |= {name for table in (program.state_dict, program.constants) for name, value in table.items()
