@@ -405,3 +405,42 @@ def test_a_bf16_prompt_attends_in_bf16_on_a_cpu_with_bf16_units(monkeypatch):
     assert upcast == {(torch.float32,) * 3}
     # bf16 rounding of q, k, v: measured 0.004
     torch.testing.assert_close(torch.tensor(fast.logprobs), torch.tensor(slow.logprobs), atol=0.02, rtol=0)
+
+
+class _Product(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(96, 64, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return linear(x, self.weight)
+
+
+def _exported_ops(x, own_step):
+    """The call targets of `_Product` exported at x's shape, as kvwire's own step (`compiled_steps`)
+    or as any other export."""
+    from contextlib import nullcontext
+
+    from kvwire.kernels.products import compiled_steps
+
+    with torch.no_grad(), (compiled_steps() if own_step else nullcontext()):
+        program = torch.export.export(_Product(), (x,), strict=False)
+    product = program.module()(x)
+    torch.testing.assert_close(product, x @ _Product().weight.detach().t(), atol=1e-5, rtol=1e-5)
+    return {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+
+
+def test_a_compiled_step_keeps_the_product_form_this_cpu_streams_faster(monkeypatch):
+    """Exported as kvwire's own compiled step, few float32 rows keep W @ x^T where that is the
+    CPU's form (MKL then runs the few rows as its small dimension); other exports keep `linear`,
+    and so does the `linear` form. Both forms forced, whatever this CPU chooses."""
+    x = torch.randn(4, 64)
+    for asked, own in (("transposed", True), ("linear", False)):
+        monkeypatch.setenv("KVWIRE_F32_GEMV", asked)
+        cpu.f32_gemv.cache_clear()
+        step, other = _exported_ops(x, own_step=True), _exported_ops(x, own_step=False)
+        assert ("aten.linear.default" not in step) is own, (asked, step)
+        assert "aten.linear.default" in other, (asked, other)
+    monkeypatch.setenv("KVWIRE_F32_GEMV", "transposed")
+    cpu.f32_gemv.cache_clear()
+    assert "aten.linear.default" in _exported_ops(torch.randn(65, 64), own_step=True)  # many rows: linear

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..graph.digest import module_digest
 from ..graph.shell import shell
+from ..kernels.products import compiled_steps
 from ..kernels.switches import cache_root
 from ..layers.shared import per_call
 from .background import Building, check_handed
@@ -171,7 +172,7 @@ class AheadDecode(Buckets):
         try:
             # traced through a shell: export swaps fake tensors into the modules it traces, and a
             # thread reading the model meanwhile (a server lending a steering slot) must see real ones
-            with torch.no_grad(), in_place_cache_writes(exports=True):
+            with torch.no_grad(), in_place_cache_writes(exports=True), compiled_steps():
                 program = torch.export.export(shell(self.program), tuple(flat), dynamic_shapes=dims,
                                               strict=False)
         except Exception as e:  # noqa: BLE001 - a graph export cannot make: that signature runs eager

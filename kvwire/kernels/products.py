@@ -14,6 +14,8 @@ packed copy a `layers.linear.WeightPack` keeps for it.
 
 docs/kernels.md gives the measurements behind each threshold.
 """
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -27,10 +29,30 @@ PACKED_BF16_ROWS = 256
 _UPCAST = (torch.bfloat16, torch.float16)
 
 
+_STEPS = []  # non-empty while kvwire exports one of its own compiled steps (`compiled_steps`)
+
+
+@contextmanager
+def compiled_steps():
+    """While kvwire exports one of its own compiled steps (`generate.ahead`), few-row float32
+    products keep the W @ x^T form this CPU streams faster, as plain ops in the graph: the compiled
+    code would otherwise call MKL as x @ W^T (measured: the default model's head at 4 rows 13.6 ms
+    against 2.7). Other exports (ONNX, ExecuTorch, Core ML) keep `linear`: their graph does not
+    depend on the exporting CPU. Read at trace time, on the tracing thread's call."""
+    _STEPS.append(True)
+    try:
+        yield
+    finally:
+        _STEPS.pop()
+
+
 def linear(x, weight, bias=None):
     """x (..., in) @ weight (out, in)^T + bias -> (..., out), on the kernel this CPU runs fastest."""
     rows = x.numel() // x.shape[-1]
     if torch.compiler.is_compiling():
+        # a compiled step's row count is static (an int) where its form may depend on it
+        if _STEPS and isinstance(rows, int) and _transposed(x, rows):
+            return _transposed_product(x, weight, bias, rows)
         return nn.functional.linear(x, weight, bias)
     if rows == 1 and x.dtype == torch.float32 and f32_row() == "kvwire" and gemv.applies(x, weight, bias):
         return gemv.product(x, weight, bias)  # batch-1 decode: kvwire's GEMV streams weights faster
@@ -40,8 +62,17 @@ def linear(x, weight, bias=None):
                                                                         and bf16_gemm() != "upcast"):
         b = None if bias is None else bias.float()
         return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
-    if rows > SMALL_ROWS or x.dtype != torch.float32 or f32_gemv() == "linear":
+    if not _transposed(x, rows):
         return nn.functional.linear(x, weight, bias)
+    return _transposed_product(x, weight, bias, rows)
+
+
+def _transposed(x, rows):
+    """Whether a product of `rows` rows of `x` runs as W @ x^T here."""
+    return rows <= SMALL_ROWS and x.dtype == torch.float32 and f32_gemv() == "transposed"
+
+
+def _transposed_product(x, weight, bias, rows):
     x2 = x.reshape(rows, x.shape[-1])
     if rows % 2 and weight.shape[0] >= weight.shape[1]:
         # an odd row count streams a wide or square weight slower than an even one: repeat the last
