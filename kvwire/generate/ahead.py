@@ -207,8 +207,7 @@ class AheadDecode(Buckets):
         package = self._open_built(building.path, sig, chunk)
         wrong = package and check_handed(package, building.shapes)
         if wrong:  # never served: removed, and the next process builds it again
-            building.path.unlink(missing_ok=True)
-            building.path.with_suffix(".json").unlink(missing_ok=True)
+            _discard(building.path)
             return self._unbuildable(chunk, f"the package its child process compiled is not used: {wrong}") or EAGER
         return package or EAGER
 
@@ -218,8 +217,7 @@ class AheadDecode(Buckets):
         try:
             package = Package.open(path, self.key, sig, self.program, fresh=True)
         except Unbound as e:
-            path.unlink(missing_ok=True)
-            path.with_suffix(".json").unlink(missing_ok=True)
+            _discard(path)
             return self._unbuildable(chunk, str(e))
         if package is None:
             raise RuntimeError(f"the compiled step just written to {path} does not load")
@@ -342,6 +340,12 @@ def _tensor_of(program, name):
     for part in name.split("."):
         value = getattr(value, part, None)
     return value if isinstance(value, torch.Tensor) else None
+
+
+def _discard(path):
+    """Remove the package at `path` and its record."""
+    path.unlink(missing_ok=True)
+    path.with_suffix(".json").unlink(missing_ok=True)
 
 
 def _rebuilt(path, why):

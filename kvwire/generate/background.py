@@ -109,16 +109,15 @@ def weightless(program):
     of them from its caller (`check_handed`)."""
     valued, read = _folded_inputs(program)
     shapes = []
-    valued |= {name for table in (program.state_dict, program.constants) for name, value in table.items()
-               if isinstance(value, torch.Tensor) and inlined(value)}  # written into the code by value
-    for table in (program.state_dict, program.constants):
-        for name, value in list(table.items()):
-            if isinstance(value, torch.Tensor) and name not in valued:
-                table[name] = _like(value, "meta")
-                if name in read:
-                    shapes.append(name)
-    program.example_inputs = tree_map(lambda v: _like(v, "meta") if isinstance(v, torch.Tensor) else v,
-                                      program.example_inputs)
+
+    def shape_only(name, value):
+        if name is not None and (name in valued or inlined(value)):  # its values are read: kept
+            return value
+        if name in read:
+            shapes.append(name)
+        return _like(value, "meta")
+
+    _swap_tensors(program, shape_only)
     return sorted(shapes)
 
 
@@ -154,14 +153,19 @@ def _folded_inputs(program):
 
 def materialised(program):
     """The inverse of `weightless`: uninitialised CPU tensors in place of meta ones (in place)."""
-    def real(value):
-        return _like(value, "cpu") if isinstance(value, torch.Tensor) and value.is_meta else value
+    _swap_tensors(program, lambda name, value: _like(value, "cpu") if value.is_meta else value)
+    return program
 
+
+def _swap_tensors(program, swap):
+    """Replace each tensor of `program`'s state dict and lifted constants by `swap(name, tensor)`,
+    and each tensor of its example inputs by `swap(None, tensor)` (in place)."""
     for table in (program.state_dict, program.constants):
         for name, value in list(table.items()):
-            table[name] = real(value)
-    program.example_inputs = tree_map(real, program.example_inputs)
-    return program
+            if isinstance(value, torch.Tensor):
+                table[name] = swap(name, value)
+    program.example_inputs = tree_map(lambda v: swap(None, v) if isinstance(v, torch.Tensor) else v,
+                                      program.example_inputs)
 
 
 def _like(tensor, device):

@@ -8,8 +8,9 @@ its source), a graph module's code, its plain settings (numbers, strings, dtypes
 other objects by type), and the name, shape, stride and dtype of every parameter, buffer and tensor
 attribute (a steering vector or an edit's constant: values are inputs of the program, not part of
 it), save where a compiler writes a tensor's values into its code (`inlined`: 0-d, or at most 8
-elements in 1-d): those values go in too. Then the sources of kvwire itself and the versions of Python, torch and transformers. A module
-whose code cannot be read (a class defined in an interactive session) has no digest: None.
+elements in 1-d): those values go in too. Then the sources of kvwire itself and the versions of
+Python, torch and transformers. A module whose code cannot be read (a class defined in an
+interactive session) has no digest: None.
 """
 import hashlib
 import importlib.metadata
