@@ -2,16 +2,19 @@
 `--strengths` strengths x `--examples` A/B examples (the shipped sentiment-ab questions, numbered to
 make 64 distinct prompts), in one run.
 
-    python bench/steer_eval.py [--threads 2] [--layers 10 15 20] [--strengths 16] [--examples 64] [--tiny]
+    python bench/steer_eval.py [--threads 2] [--layers 10 15 20] [--when all generated]
+                               [--strengths 16] [--examples 64] [--tiny]
 
-- loop: per strength, `lm.steer(vec, s)` and one batched call over the examples (the whole steered
-  model, left-padded, the head at the answer tokens only);
-- rows: kvwire's evaluation path (`kvwire.steer.rows.RowRunner`): the steered model built once, the
-  blocks below the steered one run once for the examples, the rest once per (strength, example) row,
-  `--batch` rows a call, each row's strength a runtime input.
+- loop: per strength, `lm.steer(vec, s, when=...)` and one batched call over the examples (the whole
+  steered model, left-padded, the head at the answer tokens only);
+- rows: kvwire's evaluation path (`Reference.logit_diffs`): the steered model built once, each
+  row's strength a runtime input, `--batch` rows a call, and what rows share run once: with the
+  vector on every position ("all"), the blocks below the steered one, once per example; with the
+  vector on the answer alone ("generated", CAA's convention: the prompt is not steered), the whole
+  prompt, once per example, each row then running its answer tokens on a copy of that cache.
 Both give the same A/B logit differences (checked). Prints the CPU, both wall times and their ratio
-per layer, and `kw.steer.evaluate`'s own wall time (which adds the side effects on neutral text).
-`--tiny` runs a random 4-layer llama with a character tokenizer.
+per layer and schedule, and `kw.steer.evaluate`'s own wall time (which adds the side effects on
+neutral text). `--tiny` runs a random 4-layer llama with a character tokenizer.
 """
 import argparse
 import os
@@ -51,7 +54,7 @@ def _numbered(example, i):
     return Example(f"Question {i + 1}. {example.prompt}", example.positive, example.negative)
 
 
-def loop(lm, vec, ans, strengths):
+def loop(lm, vec, ans, strengths, when):
     """Logit differences (S, N): per strength a freshly steered model, one call over the examples."""
     import torch
 
@@ -60,39 +63,27 @@ def loop(lm, vec, ans, strengths):
 
     out = []
     for s in strengths:
-        runner = RowRunner(lm.steer(vec, s), split=False)
-        batch = runner.encode(ans.texts)
+        runner = RowRunner(lm.steer(vec, s, when=when), split=False)
+        batch = runner.encode(ans.texts, prompts=ans.prompts)
         which = torch.arange(len(ans.texts))
         score, _, ex = answer_logprobs(lm.head, runner.final(batch, {}, which), which, ans, batch["lengths"])
         out.append(torch.zeros(int(ans.example.max()) + 1, dtype=torch.float64).index_add_(0, ex, score.double()))
     return torch.stack(out)
 
 
-def rows(lm, vec, ans, strengths, chunk):
+def rows(reference, vec, strengths, when):
     """Logit differences (S, N) the evaluation's way: one steered model, strengths as rows."""
-    import torch
+    from kvwire.steer import Operation
 
-    from kvwire.steer.rows import RowRunner
-    from kvwire.steer.scoring import answer_logprobs
-
-    runner = RowRunner(lm.steer(vec, 0.0, name="eval"))
-    batch = runner.encode(ans.texts, chunk)
-    n = len(ans.texts)
-    values = torch.tensor(strengths).repeat_interleave(n)
-    texts = torch.arange(n).repeat(len(strengths))
-    diff = torch.zeros(len(strengths), int(ans.example.max()) + 1, dtype=torch.float64)
-    for start in range(0, len(values), chunk):
-        which = texts[start:start + chunk]
-        hidden = runner.final(batch, {"eval_strength": values[start:start + chunk]}, which)
-        score, r, ex = answer_logprobs(lm.head, hidden, which, ans, batch["lengths"])
-        diff.index_put_(((start + r) // n, ex), score.double(), accumulate=True)
-    return diff
+    return reference.logit_diffs(Operation.add(vec, when=when), strengths)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, nargs="+", default=[10, 15, 20])
+    p.add_argument("--when", nargs="+", default=["all", "generated"], choices=["all", "generated"],
+                   help="the positions steered: every one, or the answer's alone (default both)")
     p.add_argument("--strengths", type=int, default=16)
     p.add_argument("--examples", type=int, default=64)
     p.add_argument("--batch", type=int, default=64, help="rows a call on the rows path (default 64)")
@@ -102,33 +93,36 @@ def main(argv=None):
     import torch
 
     import kvwire as kw
-    from kvwire.steer.scoring import answers
+    from kvwire.steer.evaluate import Reference
 
     torch.set_num_threads(args.threads)
     lm = model(args.tiny)
     data = examples(args.examples)
-    ans = answers(lm, data)
+    reference = Reference(lm, data, batch_size=args.batch)
+    ans = reference.answers
     strengths = [float(s) for s in torch.linspace(-4, 4, args.strengths)]
     width = lm.head.weight.shape[1]
     print(header(args.threads))
     print(f"{args.strengths} strengths x {args.examples} examples ({sum(map(len, ans.texts))} prompt tokens), "
           f"{len(kw.block_calls(lm.backbone))} blocks")
-    print(f"{'block':>5} {'loop s':>8} {'rows s':>8} {'ratio':>6} {'max |diff|':>10}")
+    print(f"{'block':>5} {'steered':>9} {'loop s':>8} {'rows s':>8} {'ratio':>6} {'max |diff|':>10}")
     result = {}
     with torch.inference_mode():
         for layer in args.layers:
             vec = kw.ControlVector({layer: torch.randn(width, generator=torch.Generator().manual_seed(layer)) * 0.5})
-            rows(lm, vec, ans, strengths[:2], args.batch)  # warm-up: first-call allocations
-            start = time.perf_counter()
-            slow = loop(lm, vec, ans, strengths)
-            t_loop = time.perf_counter() - start
-            start = time.perf_counter()
-            fast = rows(lm, vec, ans, strengths, args.batch)
-            t_rows = time.perf_counter() - start
-            gap = float((slow - fast).abs().max())
-            assert gap < 1e-3, gap
-            result[layer] = (t_loop, t_rows)
-            print(f"{layer:>5} {t_loop:>8.2f} {t_rows:>8.2f} {t_loop / t_rows:>6.2f} {gap:>10.2e}", flush=True)
+            for when in args.when:
+                rows(reference, vec, strengths[:2], when)  # warm-up: first-call allocations
+                start = time.perf_counter()
+                slow = loop(lm, vec, ans, strengths, when)
+                t_loop = time.perf_counter() - start
+                start = time.perf_counter()
+                fast = rows(reference, vec, strengths, when)
+                t_rows = time.perf_counter() - start
+                gap = float((slow - fast).abs().max())
+                assert gap < 1e-3, gap
+                result[layer, when] = (t_loop, t_rows)
+                print(f"{layer:>5} {when:>9} {t_loop:>8.2f} {t_rows:>8.2f} {t_loop / t_rows:>6.2f} {gap:>10.2e}",
+                      flush=True)
         if args.no_evaluate:
             return result
         start = time.perf_counter()

@@ -114,6 +114,12 @@ def test_eval_and_calibrate_commands_write_what_the_api_returns(folder, capsys):
     want = kw.steer.evaluate(lm, vec, str(data), [-1, 0, 2], neutral="the theory of the cat")
     assert got["logit_diff"] == pytest.approx(want.logit_diff, abs=1e-5) and got["kl"] == pytest.approx(want.kl)
     assert (folder / "e.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["steer", "eval", *common, "--generated-only", "--json", str(folder / "g.json")]) == 0
+    answers = kw.steer.evaluate(lm, kw.steer.Operation.of(vec, when="generated"), str(data), [-1, 0, 2],
+                                neutral="the theory of the cat")
+    got = json.loads((folder / "g.json").read_text())
+    assert got["logit_diff"] == pytest.approx(answers.logit_diff, abs=1e-5) and got["operation"].endswith("generated positions")
+    assert got["logit_diff"] != pytest.approx(want.logit_diff, abs=1e-3)  # the prompts are not steered
     assert cli.main(["steer", "calibrate", *common, "--max-kl", "100", "--max-ppl-increase", "100", "--json",
                      str(folder / "c.json"), "--plot", str(folder / "c.png"), "-o", str(folder / "best.gguf")]) == 0
     report = json.loads((folder / "c.json").read_text())

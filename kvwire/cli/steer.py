@@ -67,6 +67,9 @@ def add(commands):
         p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
         p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the result")
         model_options(p)
+    e.add_argument("--generated-only", action="store_true",
+                   help="steer each example's answer alone, not its prompt (CAA's convention; the prompts then "
+                        "run once)")
     e.set_defaults(run=run_eval)
     c.add_argument("--layers", default=None, metavar="A-B", help="blocks to try (default: the vector's)")
     c.add_argument("--sites", nargs="+", default=None, choices=SITES, metavar="SITE",
@@ -170,10 +173,11 @@ def _write(result, args):
 
 
 def run_eval(args):
-    from ..steer import evaluate
+    from ..steer import Operation, evaluate
 
     lm, vector, data, neutral = _measured(args)
-    r = evaluate(lm, vector, data, args.strengths, neutral=neutral, neutral_tokens=args.neutral_tokens,
+    operation = Operation.of(vector, when="generated" if args.generated_only else None)
+    r = evaluate(lm, operation, data, args.strengths, neutral=neutral, neutral_tokens=args.neutral_tokens,
                  batch_size=args.batch_size)
     print("| strength | logit diff | KL | perplexity |\n|---:|---:|---:|---:|")
     for row in zip(r.strengths, r.logit_diff, r.kl, r.perplexity):

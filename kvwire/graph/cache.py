@@ -168,6 +168,11 @@ class CachedGraph(nn.Module):
 
     row_index = True  # takes a (B,) cache_index (exported runtimes take a scalar only)
 
+    @property
+    def readers(self):
+        """The layers that read runtime inputs, in the order the graph first calls them."""
+        return tuple(self._readers)
+
     def default_inputs(self, batch_size, prompt_lengths=None):
         """The runtime inputs' default values for a batch: {name: (batch_size,) tensor}.
 

@@ -126,37 +126,57 @@ class Reference:
     def measure(self, op, strengths):
         """An `Evaluation` of `op` (an Operation) at `strengths`."""
         strengths = check_strengths(strengths)
-        lm, ans = self.lm, self.answers
         with torch.inference_mode():
-            steered = op.build(lm)
-            runner = RowRunner(steered)
-            S, n = len(strengths), len(ans.texts)
-            diff = torch.zeros(S, len(self.data), dtype=torch.float64, device=lm.device)
-            batch = runner.encode(ans.texts, self.batch_size)
-            for which, s_index, inputs in self._chunks(op, runner, strengths, n):
+            steered = op.build(self.lm)
+            diff = self.logit_diffs(op, strengths, steered)
+            kl, nll = self._side_effects(op, strengths, steered)
+        return self._result(op, strengths, diff.cpu(), kl, nll)
+
+    def logit_diffs(self, op, strengths, steered=None):
+        """The A/B logit differences (S, N) float64 of `op` at `strengths` (S) on the N examples;
+        `steered`: `op.build(lm)` when already built. A schedule's "prompt" is an example's prompt and
+        "generated" its answer; a prompt the operation leaves alone runs once per text."""
+        lm, ans, strengths = self.lm, self.answers, check_strengths(strengths)
+        with torch.inference_mode():
+            steered = op.build(lm) if steered is None else steered
+            runner = RowRunner(steered, varies=op.inputs(torch.zeros(1)))
+            diff = torch.zeros(len(strengths), len(self.data), dtype=torch.float64, device=lm.device)
+            batch = runner.encode(ans.texts, self.batch_size, prompts=ans.prompts)
+            for which, s_index, inputs in self._chunks(op, runner, strengths, batch["lengths"]):
                 hidden = runner.final(batch, inputs, which)
                 score, r, ex = answer_logprobs(lm.head, hidden, which, ans, batch["lengths"])
                 diff.index_put_((s_index[r], ex), score.double(), accumulate=True)
-            kl, nll = [0.0] * S, [0.0] * S
-            batch = runner.encode(self.windows, self.batch_size)
-            for which, s_index, inputs in self._chunks(op, runner, strengths, len(self.windows)):
-                hidden = runner.final(batch, inputs, which)
-                for h, w, s in zip(hidden, which.tolist(), s_index.tolist()):
-                    k, e = side_effects(next_logprobs(lm.head, h, len(self.windows[w])), self.base[w], self.next[w])
-                    kl[s] += k
-                    nll[s] += e
-        return self._result(op, strengths, diff.cpu(), kl, nll)
+        return diff
 
-    def _chunks(self, op, runner, strengths, n):
-        """(texts (R,), strength index (R,), inputs {name: (R,)}) per `batch_size` rows of the S x n
-        rows (strength-major)."""
-        device = self.lm.device
-        s_all = torch.arange(len(strengths), device=device).repeat_interleave(n)
-        t_all = torch.arange(n, device=device).repeat(len(strengths))
+    def _side_effects(self, op, strengths, steered):
+        """(KL, NLL) summed over the neutral text's positions, per strength; the operation acts on
+        every position there (neutral text has no prompt)."""
+        runner = RowRunner(steered)
+        kl, nll = [0.0] * len(strengths), [0.0] * len(strengths)
+        batch = runner.encode(self.windows, self.batch_size)
+        for which, s_index, inputs in self._chunks(op, runner, strengths, batch["lengths"]):
+            hidden = runner.final(batch, inputs, which)
+            for h, w, s in zip(hidden, which.tolist(), s_index.tolist()):
+                k, e = side_effects(next_logprobs(self.lm.head, h, len(self.windows[w])), self.base[w],
+                                    self.next[w])
+                kl[s] += k
+                nll[s] += e
+        return kl, nll
+
+    def _chunks(self, op, runner, strengths, lengths):
+        """(texts (R,), strength index (R,), inputs {name: (R,)}) per call of at most `batch_size`
+        rows: every strength of a text in the same call where they fit (a shared prompt then runs
+        once), texts of like lengths together (less padding)."""
+        device, S = self.lm.device, len(strengths)
         values = torch.tensor(strengths, dtype=torch.float32, device=device)
-        for start in range(0, len(s_all), self.batch_size):
-            which, s_index = t_all[start:start + self.batch_size], s_all[start:start + self.batch_size]
-            yield which, s_index, row_inputs(op, runner, values[s_index])
+        order = torch.argsort(lengths, stable=True)
+        per = max(1, self.batch_size // S)  # texts a call
+        for g in range(0, len(order), per):
+            texts = order[g:g + per]
+            which, s_index = texts.repeat_interleave(S), torch.arange(S, device=device).repeat(len(texts))
+            for start in range(0, len(which), self.batch_size):  # more strengths than batch_size: split
+                rows = slice(start, start + self.batch_size)
+                yield which[rows], s_index[rows], row_inputs(op, runner, values[s_index[rows]])
 
     def _result(self, op, strengths, diff, kl, nll):
         s = torch.tensor(strengths, dtype=torch.float64)

@@ -23,7 +23,9 @@ class Operation:
             (inputs left out keep their defaults).
         label: how reports name it.
 
-    The constructors cover the steering API (runtime inputs named `<name>_...`, default "eval"):
+    The constructors cover the steering API (runtime inputs named `<name>_...`, default "eval"; `when`
+    the positions they act on, see `kvwire.steer.schedule`: in `evaluate` an example's prompt is the
+    prompt and its answer what is generated, so when="generated" steers the answer alone):
     - `add(vector)`: s times the vector's direction added at each of its blocks (`lm.steer`);
     - `ablate(directions)`: the fraction s of the span removed (1: directional ablation; `lm.ablate`);
     - `clamp(directions, bound=)`: the projection held at s ("value"), at least s ("lo") or at most s
@@ -45,34 +47,37 @@ class Operation:
     label: str = "operation"
 
     @classmethod
-    def of(cls, operation):
+    def of(cls, operation, when=None):
         """`operation` as an Operation: itself, or a ControlVector by its `operation` ("add",
-        "ablate" or "clamp" with bound "value")."""
+        "ablate" or "clamp" with bound "value") on the positions `when` picks."""
         if isinstance(operation, Operation):
+            if when is not None:
+                raise ValueError(f"when={when!r} applies to a kw.ControlVector; operation {operation.label!r} is "
+                                 f"built already: give when to its constructor")
             return operation
         if isinstance(operation, ControlVector):
-            return getattr(cls, operation.operation)(operation)
+            return getattr(cls, operation.operation)(operation, when=when)
         raise TypeError(f"operation must be a kw.steer.Operation or a kw.ControlVector, got "
                         f"{type(operation).__name__}")
 
     @classmethod
-    def add(cls, vector, *, site=None, name="eval"):
+    def add(cls, vector, *, site=None, when=None, name="eval"):
         """s * direction added at each of `vector`'s blocks (at `site`, default the vector's)."""
         if not isinstance(vector, ControlVector):
             raise TypeError(f"Operation.add expects a kw.ControlVector, got {type(vector).__name__}")
         plain = vector if vector.operation == "add" else ControlVector(
             vector.directions, vector.model_hint, vector.method, "add", vector.site, vector.fingerprint)
-        return cls(lambda lm: lm.steer(plain, 0.0, site=site, name=name), _named(name, "strength"),
-                   f"add at {_where(vector, site)}")
+        return cls(lambda lm: lm.steer(plain, 0.0, site=site, when=when, name=name), _named(name, "strength"),
+                   f"add at {_where(vector, site, when=when)}")
 
     @classmethod
-    def ablate(cls, directions, *, layers=None, site=None, name="eval"):
+    def ablate(cls, directions, *, layers=None, site=None, when=None, name="eval"):
         """The fraction s of the span of `directions` removed (see `lm.ablate` for the arguments)."""
-        return cls(lambda lm: lm.ablate(directions, layers=layers, site=site, strength=0.0, name=name),
-                   _named(name, "strength"), f"ablate at {_where(directions, site, layers)}")
+        return cls(lambda lm: lm.ablate(directions, layers=layers, site=site, strength=0.0, when=when, name=name),
+                   _named(name, "strength"), f"ablate at {_where(directions, site, layers, when)}")
 
     @classmethod
-    def clamp(cls, directions, *, layers=None, site=None, bound="value", name="eval"):
+    def clamp(cls, directions, *, layers=None, site=None, bound="value", when=None, name="eval"):
         """The projection on `directions` held at s (bound "value"), at least s ("lo") or at most s
         ("hi") (see `lm.clamp` for the other arguments)."""
         if bound not in BOUNDS:
@@ -82,11 +87,11 @@ class Operation:
             lo = s if bound != "hi" else torch.full_like(s, -LIMIT)
             hi = s if bound != "lo" else torch.full_like(s, LIMIT)
             return {f"{name}_lo": lo, f"{name}_hi": hi}
-        return cls(lambda lm: lm.clamp(directions, 0.0, 0.0, layers=layers, site=site, name=name), inputs,
-                   f"clamp ({bound}) at {_where(directions, site, layers)}")
+        return cls(lambda lm: lm.clamp(directions, 0.0, 0.0, layers=layers, site=site, when=when, name=name), inputs,
+                   f"clamp ({bound}) at {_where(directions, site, layers, when)}")
 
     @classmethod
-    def features(cls, sae, features, *, mode="set", layer=None, site=None, name="eval"):
+    def features(cls, sae, features, *, mode="set", layer=None, site=None, when=None, name="eval"):
         """SAE features {index: weight}: each set to (mode "set") or raised by ("add") weight * s."""
         if mode not in ("set", "add"):
             raise ValueError(f"Operation.features takes mode 'set' or 'add', got {mode!r}; for bounds give "
@@ -95,16 +100,25 @@ class Operation:
             raise TypeError(f"features must be a non-empty {{feature index: weight}} dict, got {features!r:.60}")
         weights = {i: float(w) for i, w in features.items()}
         return cls(lambda lm: lm.steer_features(sae, {i: 0.0 for i in weights}, mode=mode, layer=layer, site=site,
-                                                name=name),
+                                                when=when, name=name),
                    lambda s: {f"{name}_f{i}": w * s for i, w in weights.items()},
-                   f"SAE features {sorted(weights)} ({mode})")
+                   f"SAE features {sorted(weights)} ({mode}){_on(when)}")
 
 
 def _named(name, what):
     return lambda s: {f"{name}_{what}": s}
 
 
-def _where(directions, site, layers=None):
+def _where(directions, site, layers=None, when=None):
     if isinstance(directions, ControlVector):
-        return f"blocks {summarize_indices(directions.layers)}, {site or directions.site}"
-    return f"blocks {'all' if layers is None else layers}, {site or 'block_out'}"
+        return f"blocks {summarize_indices(directions.layers)}, {site or directions.site}{_on(when)}"
+    return f"blocks {'all' if layers is None else layers}, {site or 'block_out'}{_on(when)}"
+
+
+def _on(when):
+    """A label's schedule part: nothing for every position."""
+    if when in (None, "all"):
+        return ""
+    if isinstance(when, str):
+        return f", {when} positions"
+    return f", positions >= {when}" if isinstance(when, int) else f", positions in [{when[0]}, {when[1]})"

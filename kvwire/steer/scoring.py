@@ -10,12 +10,14 @@ class Answers:
     """A dataset tokenised for scoring.
 
     texts: the distinct token-id rows to run (prompt + answer but its last token; the two answers of
-    an example share one row when they differ only in their last token, as " (A" and " (B" do).
+    an example share one row when they differ only in their last token, as " (A" and " (B" do);
+    prompts: each text's prompt length (its answer tokens follow: what a "generated" schedule steers).
     Per scored token (M of them): `text` (M,) its row, `position` (M,) where it is predicted
     (unpadded), `token` (M,), `example` (M,) and `sign` (M,) float (+1 positive, -1 negative answer).
     """
 
     texts: list
+    prompts: list
     text: torch.Tensor
     position: torch.Tensor
     token: torch.Tensor
@@ -26,7 +28,7 @@ class Answers:
 def answers(lm, data):
     """`Answers` of `data` (an ABDataset), its tensors on the model's device; an answer that encodes
     to no tokens is refused by line."""
-    texts, index, cols = [], {}, ([], [], [], [], [])
+    texts, prompts, index, cols = [], [], {}, ([], [], [], [], [])
     for n, ex in enumerate(data):
         prompt = lm.encode(ex.prompt)
         for sign, kind, answer in ((1.0, "positive", ex.positive), (-1.0, "negative", ex.negative)):
@@ -36,14 +38,15 @@ def answers(lm, data):
                                  f"least one")
             row = tuple(prompt + tokens[:-1])
             lm.check_length(len(row) + 1, f"{ex.where}'s prompt and answer")
-            t = index.setdefault(row, len(texts))
+            t = index.setdefault((row, len(prompt)), len(texts))  # the same tokens with another prompt: steered apart
             if t == len(texts):
                 texts.append(list(row))
+                prompts.append(len(prompt))
             for j, token in enumerate(tokens):
                 for col, value in zip(cols, (t, len(prompt) - 1 + j, token, n, sign)):
                     col.append(value)
     t, p, tok, ex, sign = (torch.tensor(c, device=lm.device) for c in cols)
-    return Answers(texts, t, p, tok, ex, sign.float())
+    return Answers(texts, prompts, t, p, tok, ex, sign.float())
 
 
 def answer_logprobs(head, hidden, rows, ans, lengths):
