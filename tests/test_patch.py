@@ -123,3 +123,29 @@ def test_bad_requests_name_what_was_given(pair):
         kw.patch.run(lm, CLEAN, CORRUPTED, [[("mlp_out", 1, 0)]], answers=ANSWERS)
     with pytest.raises(ValueError, match=r"the incorrect answer must be a token id in \[0, 96\)"):
         kw.patch.sweep(lm, CLEAN, CORRUPTED, answers=(1, 500))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rows_share_the_blocks_below_their_patches(family, monkeypatch):
+    lm = kw.from_hf(FAMILIES[family]().eval())
+    sites = ["resid_pre", "attn_heads", "block_out"]
+    shared = kw.patch.Patcher(lm, CLEAN, CORRUPTED, sites, None, ANSWERS, None, None)
+    whole = kw.patch.Patcher(lm, CLEAN, CORRUPTED, sites, None, ANSWERS, None, None, share=False)
+    lower_rows = []
+    real = shared._cut
+
+    def counted(block):
+        cut = real(block)
+        return cut if cut is None else (cut[0], lower_rows.append(len(cut[1])) or cut[1])
+    monkeypatch.setattr(shared, "_cut", counted)
+    got = kw.patch.sweep_with(shared, shared.positions(None), batch_size=7)
+    want = kw.patch.sweep_with(whole, whole.positions(None), batch_size=7)
+    assert got.scores.shape == (3, 4, 6)
+    torch.testing.assert_close(got.scores, want.scores, atol=1e-5, rtol=0)
+    assert float(got.scores.std()) > 1e-3  # the patches differ
+    assert lower_rows and set(lower_rows) == {1}  # what is below a batch's patches ran for one row
+    # rows of any patches come back in their own order, whatever order they ran in
+    rows = [[("block_out", 3, None)], [], [("resid_pre", 1, 2), ("block_out", 2, 4)], [("attn_heads", 0, 5)]]
+    mixed = shared.run(rows, batch_size=2)
+    torch.testing.assert_close(mixed.scores, whole.run(rows, batch_size=2).scores, atol=1e-5, rtol=0)
+    assert mixed.recovered[1].abs() <= mixed.noise_floor + 1e-5

@@ -12,6 +12,13 @@ sweep, any set of patches per row in `run`. Row 0 of every batch patches nothing
 prompt beside the patched rows, whose spread from the corrupted prompt run alone is the measured
 noise floor (what batching alone moves the metric by).
 
+What rows share is run once: a batch whose patches all sit at block b or above starts from the
+corrupted prompt's states at the input of a cut block at or below b (`kvwire.steer.rows.upper_from`;
+the states of every cut are read in one run of the corrupted prompt); rows are run in order of
+their lowest patched block, so a sweep's batches each hold few blocks. The graph is cut at most at
+CUTS evenly spaced blocks: each cut costs a graph clone (~0.1 s for a 30-block model) against
+the blocks it saves, which a short sweep does not repay for every block.
+
 Clean and corrupted prompts of different token lengths are refused unless a `position_map`
 ({corrupted position: clean position}) says which clean position feeds which corrupted one.
 """
@@ -23,6 +30,9 @@ from ..graph import clone, insert_after
 from ..graph.sites import put_inside
 from ..layers.base import Layer
 from .capture import read_sites, site_reads, token_rows
+from .rows import block_starts, given, upper_from
+
+CUTS = 4  # the most blocks a Patcher cuts its graph at (the first patched one included, never cut)
 from .patch_checks import metric_of, position_map_of
 
 
@@ -127,9 +137,12 @@ def run(lm, clean, corrupted, patches, *, sites="block_out", layers=None, answer
 
 
 class Patcher:
-    """The patched clone of `lm` for one clean/corrupted pair (see the module docstring)."""
+    """The patched clone of `lm` for one clean/corrupted pair (see the module docstring).
 
-    def __init__(self, lm, clean, corrupted, sites, layers, answers, metric, position_map):
+    share: False runs every row through the whole model (what sharing saves is measured against it
+    in bench/patch_sweep.py)."""
+
+    def __init__(self, lm, clean, corrupted, sites, layers, answers, metric, position_map, share=True):
         (self.clean_ids,), (self.ids,) = token_rows(lm, [clean], "clean"), token_rows(lm, [corrupted], "corrupted")
         self.lm, self.map = lm, position_map_of(position_map, len(self.clean_ids), len(self.ids))
         self.metric = metric_of(lm, answers, metric)
@@ -143,6 +156,11 @@ class Patcher:
         for key, read in reads.items():
             if not isinstance(read, str):
                 put_inside(self.module, key[0], {read[0]: self.layers[key]})
+        starts = block_starts(self.module) if share else {}
+        step = -(-len(self.blocks) // CUTS)
+        # evenly over the patched blocks, the first only where something is below it
+        self.starts = {b: starts[b] for b in self.blocks[::step] if b in starts and b > min(starts)}
+        self._cuts = {}  # block -> (upper graph from its input, the corrupted prompt's states there)
 
     def positions(self, positions):
         """Corrupted positions checked: in range (negative from the end) and with a clean counterpart."""
@@ -160,38 +178,80 @@ class Patcher:
             out.append(p % n)
         return out
 
-    def _scores(self, ids, masks):
+    def _scores(self, ids, masks, block=None):
+        """The metric (B,) of rows `ids` (B, T) patched where `masks` {(site, block): (B, T)} say;
+        `block`: no row patches below it (what is below then runs for one row)."""
+        cut = self._cut(block)
+        if cut is not None:
+            states = cut[1]  # the corrupted prompt's states at the cut's input: every row's there
         for key, layer in self.layers.items():
             layer.rows = None if masks is None else masks[key]
         try:
-            logits = self.lm.head(self.module(ids)[:, -1]).float()  # (B, V) at the last position
+            if cut is None:
+                hidden = self.module(ids)
+            else:
+                with given(states.expand(len(ids), -1, -1)):
+                    hidden = cut[0](ids)
+            logits = self.lm.head(hidden[:, -1]).float()  # (B, V) at the last position
         finally:
             for layer in self.layers.values():
                 layer.rows = None
         return self.metric(logits)
+
+    def _cut(self, block):
+        """(upper graph, the corrupted prompt's states (1, T, D) there) of the patched clone cut at
+        the input of the highest cut block at or below `block`, or None (none there)."""
+        below = [b for b in self.starts if block is not None and b <= block]
+        if not below:
+            return None
+        if not self._cuts:
+            self._cuts = {b: [None, states] for b, states in self._cut_states().items()}
+        at = max(below)
+        if self._cuts[at][0] is None:
+            self._cuts[at][0] = upper_from(self.module, self.starts[at])
+        return self._cuts[at]
+
+    def _cut_states(self):
+        """{cut block: the corrupted prompt's states (1, T, D) at its input}, from one run (no
+        Patch set: the corrupted prompt as it is)."""
+        seen, hooks = {}, []
+        for block, call in self.starts.items():
+            def keep(module, args, block=block):
+                seen.setdefault(block, args[0])
+            hooks.append(self.module.get_submodule(call).register_forward_pre_hook(keep))
+        try:
+            with torch.inference_mode():
+                self.module(torch.tensor([self.ids], device=self.lm.device))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return seen
 
     def run(self, patches, batch_size=16):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         rows = [self._row(i, row) for i, row in enumerate(patches)]
         device, T = self.lm.device, len(self.ids)
+        lowest = [min((block for _, block in row), default=None) for row in rows]
+        order = sorted(range(len(rows)), key=lambda i: (lowest[i] is not None, lowest[i] or 0))
         with torch.inference_mode():
             clean = float(self._scores(torch.tensor([self.clean_ids], device=device), None)[0])
             corrupted = float(self._scores(torch.tensor([self.ids], device=device), None)[0])
-            scores, unpatched = [], []
+            scores, unpatched = torch.zeros(len(rows)), []
             for start in range(0, len(rows), batch_size):
-                chunk = [{}] + rows[start:start + batch_size]  # row 0: the unpatched corrupted prompt
+                picked = order[start:start + batch_size]
+                chunk = [{}] + [rows[i] for i in picked]  # row 0: the unpatched corrupted prompt
                 masks = {key: torch.zeros(len(chunk), T, dtype=torch.bool, device=device) for key in self.layers}
                 for r, row in enumerate(chunk):
                     for key, where in row.items():
                         masks[key][r, where] = True
-                got = self._scores(torch.tensor([self.ids] * len(chunk), device=device), masks).cpu()
+                block = min((lowest[i] for i in picked if lowest[i] is not None), default=None)
+                got = self._scores(torch.tensor([self.ids] * len(chunk), device=device), masks, block).cpu()
                 unpatched.append(got[0])
-                scores.append(got[1:])
+                scores[picked] = got[1:]
         if clean == corrupted:
             raise ValueError(f"the clean and corrupted prompts give the same metric ({clean}); the fraction "
                              f"recovered is undefined: pick answers (or a metric) they differ on")
-        scores = torch.cat(scores) if scores else torch.zeros(0)
         noise = max((abs(float(u) - corrupted) for u in unpatched), default=0.0)
         return PatchResult(scores, (scores - corrupted) / (clean - corrupted), clean, corrupted, noise,
                            noise / abs(clean - corrupted), list(self.ids))
