@@ -108,10 +108,10 @@ def score(lm, context, continuation):
     return float(lm.score(ids)[-len(tail):].sum()), greedy
 
 
-@pytest.mark.parametrize("steer", [False, True])
-def test_lm_eval_matches_kvwire_scores_and_generations(files, offline, steer):
+@pytest.mark.parametrize("steer,batch", [(False, "3"), (True, "3"), (False, "auto:2")])
+def test_lm_eval_matches_kvwire_scores_and_generations(files, offline, steer, batch):
     lm = kw.load(files / "model")
-    args = f"pretrained={files / 'model'},batch_size=3"
+    args = f"pretrained={files / 'model'},batch_size={batch}"
     if steer:
         lm = lm.steer(kw.ControlVector.load(files / "vec.gguf"), 4.0)
         args += f",control_vector={files / 'vec.gguf'},strength=4"
@@ -154,6 +154,30 @@ def test_shared_contexts_score_as_whole_rows(files):
             torch.testing.assert_close(logprobs, w, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="request 1 has 2 context and 0 continuation tokens"):
         continuation_logprobs(lm, [([1], [2]), ([1, 2], [])])
+
+
+def test_auto_batches_take_the_rows_that_fit_the_memory_left(files, monkeypatch):
+    from kvwire.harness import continuation_logprobs, scoring
+    from kvwire.serve.memory import cache_bytes
+
+    lm = kw.load(files / "model")
+    row = 2 * cache_bytes(lm.runner().graph, 1, 40) + 40 * lm.head.weight.shape[1] * 4
+    assert [scoring.auto_rows(lm, 40, 64, budget=b) for b in (0, 5 * row, 5 * row - 1, 1000 * row)] == [1, 5, 4, 64]
+    pairs = [split_ids(lm, d["question"], " " + c) for d in MC for c in d["choices"]]
+    want = [lm.score(torch.tensor(head + tail))[-len(tail):] for head, tail in pairs]
+    sizes, real = [], scoring._score_batch
+    monkeypatch.setattr(scoring, "_score_batch",
+                        lambda runner, contexts, conts: sizes.append(sum(map(len, conts))) or real(runner, contexts, conts))
+    for free, most, batches in ((0, 64, [len(d["choices"]) for d in MC]), (1 << 40, 64, [len(pairs)]),
+                                (1 << 40, len(pairs) - 1, None)):
+        monkeypatch.setattr(scoring, "available_bytes", lambda: (free, "test"))
+        sizes.clear()
+        got = continuation_logprobs(lm, pairs, batch_size="auto", max_batch_size=most)
+        for w, (logprobs, _) in zip(want, got):
+            torch.testing.assert_close(logprobs, w, atol=1e-5, rtol=0)
+        assert sorted(sizes) == sorted(batches) if batches else len(sizes) == 2 and max(sizes) <= most, sizes
+    monkeypatch.setattr(scoring, "available_bytes", lambda: (None, "no /proc/meminfo"))
+    assert scoring.auto_rows(lm, 40, 64) == scoring.FALLBACK_ROWS
 
 
 def test_eval_command_writes_results(files, capsys, monkeypatch):
@@ -201,8 +225,12 @@ def test_bad_model_args_are_refused(files):
     model = str(files / "model")
     with pytest.raises(ValueError, match="strength=4 needs control_vector=PATH"):
         KvwireLM(pretrained=model, strength=4)
-    with pytest.raises(ValueError, match="batch_size must be a positive int for the kvwire model, got 'auto'"):
-        KvwireLM(pretrained=model, batch_size="auto")
+    for bad in ("auto:0", "automatic", 0):
+        with pytest.raises(ValueError, match=f"batch_size must be a positive int, 'auto' or 'auto:N' for the "
+                                             f"kvwire model, got {bad!r}"):
+            KvwireLM(pretrained=model, batch_size=bad)
+    with pytest.raises(ValueError, match="max_batch_size must be a positive int for the kvwire model, got 'auto'"):
+        KvwireLM(pretrained=model, batch_size="auto", max_batch_size="auto")
     with pytest.raises(ValueError, match=r"clamp=.*needs clamp_lo, clamp_hi or both"):
         KvwireLM(pretrained=model, clamp=str(files / "vec.gguf"))
     lm = KvwireLM(pretrained=model)

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from .. import generate as g
 from ..load import load
 from ..steer import ControlVector
-from .scoring import continuation_logprobs
+from .scoring import auto_rows, continuation_logprobs
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model that names no context length
 # generation options taken (lm-eval's aliases of max_gen_toks included); others are refused by name
@@ -29,7 +29,10 @@ class KvwireLM(TemplateLM):
     Args:
         pretrained: a preset name, a GGUF file or a Hugging Face folder (`kw.load`), or a `CausalLM`.
         dtype: the weights' dtype ("float32", "bfloat16", "float16").
-        batch_size: continuations scored, or prompts generated, per batch (lm-eval's `batch_size`).
+        batch_size: continuations scored, or prompts generated, per batch (lm-eval's `batch_size`);
+            "auto" (or lm-eval's "auto:N"): each batch as many rows as fit in a quarter of the memory
+            this process may still take (`kvwire.harness.scoring.auto_rows`), at most
+            `max_batch_size`; sized batch by batch, so N (how often lm-eval re-sizes) changes nothing.
         device: where the weights go (None: the CPU).
         quantize: as `kw.load` ("gguf", "q8_0", "int8", ...; None: float weights).
         control_vector: a vector file (`kw.ControlVector.load`) to steer with, at `strength` (default:
@@ -41,7 +44,7 @@ class KvwireLM(TemplateLM):
         max_length: context + continuation tokens at most (None: the model's context, else 2048);
             longer requests lose tokens on the left, as lm-eval's `hf` model does.
         max_gen_toks: new tokens when a task gives no `max_gen_toks` (lm-eval's default, 256).
-        max_batch_size: lm-eval passes it for `batch_size="auto"`, which this model does not take.
+        max_batch_size: the most rows an automatic batch takes (lm-eval's default, 64).
 
     Example:
         >>> import kvwire.harness, lm_eval
@@ -54,6 +57,7 @@ class KvwireLM(TemplateLM):
                  max_length=None, max_gen_toks=256, max_batch_size=None):
         super().__init__()
         self.batch_size = _batch_size(batch_size)
+        self.max_batch_size = _batch_size(64 if max_batch_size is None else max_batch_size, "max_batch_size")
         self._max_length, self._max_gen_toks = max_length, max_gen_toks
         if isinstance(pretrained, g.CausalLM):
             lm, self.name = pretrained, "CausalLM"
@@ -101,7 +105,8 @@ class KvwireLM(TemplateLM):
                 raise ValueError(f"a continuation has {len(continuation)} tokens but max_length is {self.max_length}")
             whole = (context + continuation)[-(self.max_length + 1):]  # lm-eval's left truncation
             pairs.append((whole[:len(whole) - len(continuation)], continuation))
-        scored = continuation_logprobs(self.lm, pairs, self.batch_size, progress=not disable_tqdm)
+        scored = continuation_logprobs(self.lm, pairs, self.batch_size, progress=not disable_tqdm,
+                                       max_batch_size=self.max_batch_size)
         out = []
         for (texts, _, _), (logprobs, greedy) in zip(requests, scored):
             answer = (float(logprobs.sum()), greedy)
@@ -140,11 +145,14 @@ class KvwireLM(TemplateLM):
             if room < 1:
                 raise ValueError(f"max_gen_toks is {new} but max_length is {self.max_length}; nothing is left for "
                                  f"the context")
-            members = sorted(members, key=lambda i: -len(requests[i].args[0]))  # similar lengths batch together
-            for at in range(0, len(members), self.batch_size):
-                batch = members[at:at + self.batch_size]
-                rows = [torch.tensor(self.tok_encode(requests[i].args[0])[-room:] or [self.prefix_token_id])
-                        for i in batch]
+            encoded = {i: self.tok_encode(requests[i].args[0])[-room:] or [self.prefix_token_id] for i in members}
+            members = sorted(members, key=lambda i: -len(encoded[i]))  # similar lengths batch together
+            at = 0
+            while at < len(members):
+                size = self.batch_size if self.batch_size != "auto" else \
+                    auto_rows(self.lm, len(encoded[members[at]]) + new, self.max_batch_size)
+                batch, at = members[at:at + size], at + size
+                rows = [torch.tensor(encoded[i]) for i in batch]
                 texts = self.lm.generate_ids(rows, max_new_tokens=new, sampler=sampler, stop=stop).texts
                 for i, text in zip(batch, texts):
                     out[i] = text
@@ -199,13 +207,17 @@ def steered(lm, control_vector=None, strength=None, site=None, ablate=None, clam
     return lm
 
 
-def _batch_size(value):
-    """lm-eval's batch_size (an int, its text, or None: 16); "auto" is refused by name."""
+def _batch_size(value, what="batch_size"):
+    """lm-eval's batch_size (an int, its text, None: 16, or "auto" / "auto:N": "auto")."""
     if value is None:
         return 16
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
+    elif what == "batch_size" and isinstance(value, str) and value.strip().split(":")[0] == "auto":
+        times = value.strip()[5:]
+        if value.strip() == "auto" or (value.strip()[4] == ":" and times.isdigit() and int(times) > 0):
+            return "auto"
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"batch_size must be a positive int for the kvwire model, got {value!r} "
-                         f"('auto' is not supported: give a number, e.g. 16)")
+        also = ", 'auto' or 'auto:N'" if what == "batch_size" else ""
+        raise ValueError(f"{what} must be a positive int{also} for the kvwire model, got {value!r}")
     return value

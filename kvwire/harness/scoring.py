@@ -10,18 +10,43 @@ import torch
 from tqdm import tqdm
 
 from ..generate.session import left_pad, prefill_step
+from ..serve.memory import available_bytes, cache_bytes
 
 HEAD_ROWS = 512  # hidden states per head call: bounds the (rows, vocab) logits a long continuation makes
+AUTO_SHARE = 0.25  # of the memory available, what an automatic batch's rows may take
+FALLBACK_ROWS = 16  # an automatic batch where the memory available cannot be read
 
 
-def continuation_logprobs(lm, requests, batch_size=16, progress=False):
+def auto_rows(lm, length, max_rows=64, budget=None):
+    """Rows of `length` positions a batch takes under `batch_size="auto"`: as many as fit `budget`
+    bytes (default AUTO_SHARE of what this process may still allocate, `available_bytes`), at least 1,
+    at most `max_rows`. A row costs its keys and values twice (a context's cache is copied to each of
+    its continuations) plus its float32 hidden states.
+
+    Example:
+        >>> auto_rows(lm, 512, max_rows=64)
+        64
+    """
+    if budget is None:
+        free, _ = available_bytes()
+        if free is None:
+            return min(FALLBACK_ROWS, max_rows)
+        budget = int(free * AUTO_SHARE)
+    graph = lm.runner().graph
+    row = 2 * cache_bytes(graph, 1, length) + length * lm.head.weight.shape[1] * 4
+    return max(1, min(max_rows, budget // max(row, 1)))
+
+
+def continuation_logprobs(lm, requests, batch_size=16, progress=False, max_batch_size=64):
     """log p(continuation | context) per token, and whether greedy decoding would produce it.
 
     Args:
         lm: a `CausalLM` (steered or edited alike).
         requests: [(context ids, continuation ids), ...], both non-empty lists of ints; requests
             with equal contexts share one run of it.
-        batch_size: continuations per batch (their contexts run once each within it).
+        batch_size: continuations per batch (their contexts run once each within it), or "auto":
+            each batch as many as fit in memory (`auto_rows` of its longest request), at most
+            `max_batch_size`.
         progress: show a progress bar over batches.
 
     Returns:
@@ -33,8 +58,14 @@ def continuation_logprobs(lm, requests, batch_size=16, progress=False):
         >>> ctx, cont = lm.encode("The capital of France is"), lm.tokenizer.encode(" Paris", add_bos=False)
         >>> (logprobs, greedy), = continuation_logprobs(lm, [(ctx, cont)])
     """
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if batch_size == "auto":
+        def fits(length):
+            return auto_rows(lm, length, max_batch_size)
+    elif not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1 or 'auto', got {batch_size!r}")
+    else:
+        def fits(length):
+            return batch_size
     groups = {}  # context -> indices of its requests, in request order
     for i, (context, continuation) in enumerate(requests):
         if len(context) == 0 or len(continuation) == 0:
@@ -44,7 +75,8 @@ def continuation_logprobs(lm, requests, batch_size=16, progress=False):
         groups.setdefault(tuple(context), []).append(i)
     longest_first = sorted(groups.items(), key=lambda g: -(len(g[0]) + max(len(requests[i][1]) for i in g[1])))
     out = [None] * len(requests)
-    batches, runner = list(_batches(longest_first, batch_size)), lm.runner()
+    longest = [len(g[0]) + max(len(requests[i][1]) for i in g[1]) - 1 for g in longest_first]
+    batches, runner = list(_batches(longest_first, [fits(n) for n in longest])), lm.runner()
     with torch.inference_mode():
         for batch in tqdm(batches, desc="scoring continuations", disable=not progress, leave=False):
             conts = [[requests[i][1] for i in members] for _, members in batch]
@@ -55,14 +87,17 @@ def continuation_logprobs(lm, requests, batch_size=16, progress=False):
     return out
 
 
-def _batches(groups, batch_size):
-    """Groups of (context, request indices) packed into batches of at most `batch_size` continuations
-    (a group larger than that forms a batch of its own)."""
-    batch, rows = [], 0
-    for group in groups:
-        if batch and rows + len(group[1]) > batch_size:
+def _batches(groups, sizes):
+    """Groups of (context, request indices), longest first, packed into batches of at most
+    sizes[k] continuations, k the batch's first (longest) group (a group larger than that forms a
+    batch of its own)."""
+    batch, rows, size = [], 0, None
+    for group, fit in zip(groups, sizes):
+        if batch and rows + len(group[1]) > size:
             yield batch
             batch, rows = [], 0
+        if not batch:
+            size = fit
         batch.append(group)
         rows += len(group[1])
     if batch:
