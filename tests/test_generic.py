@@ -149,3 +149,23 @@ def test_a_generic_model_exports_to_onnx_and_runs_the_same_tokens(tmp_path):
     ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(6))
     expected = rollout(hf, ids, 12)[0].tolist()
     assert load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist() == expected
+
+
+def test_a_layer_making_two_attention_calls_keeps_a_cache_per_call():
+    """Differential attention (DiffLlama) calls the attention function twice per layer, with the same
+    keys and two halves of the values: each call gets its own cache, taken in call order."""
+    import copy
+
+    from .generic_configs import hf_logits, prompt, rollout, tiny_model
+
+    original = tiny_model("diffllama")
+    hf = copy.deepcopy(original)
+    lm = kw.from_hf(original, generic=True)
+    layer = lm.backbone.layers[0]
+    assert len(layer.calls) == 2 and list(layer.cache_parts) == ["attention", "attention2"]
+    assert len(lm.cached.slots) == 2 * len(lm.backbone.layers)
+    rows = [prompt(1, 7, 1)[0].tolist(), prompt(1, 4, 2)[0].tolist()]  # left-padded together
+    got = lm.generate([torch.tensor(r) for r in rows], max_new_tokens=8, ignore_eos=True)
+    for r, row in enumerate(rows):
+        want = rollout(lambda x: hf_logits(hf, x), torch.tensor([row]), 8)[0].tolist()
+        assert got[r].tolist()[-8:] == want[-8:], r

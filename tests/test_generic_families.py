@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 NAMED = ["llama4_text", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v4", "smollm3",
          "gemma4_text", "cohere2", "falcon", "gpt_neox", "phi", "stablelm", "starcoder2", "bloom", "mpt", "opt",
          "qwen3_next", "qwen3_5_text", "lfm2", "olmo_hybrid", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2",
-         "jamba", "glm4_moe", "ernie4_5", "exaone4", "seed_oss"]
+         "jamba", "glm4_moe", "ernie4_5", "exaone4", "seed_oss", "diffllama"]
 STEPS = 12
 SCALE = 1.5  # the edit: the middle block's output scaled
 STRENGTH = 0.5  # the control vector's strength; its direction has the block output's RMS

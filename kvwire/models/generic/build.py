@@ -11,7 +11,7 @@ from torch import nn
 from ...layers.linear import Linear, WeightPack
 from . import seam, state as state_slots
 from .checks import check_chunks, check_decoding, close
-from .parts import DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls, takes, with_arguments
+from .parts import AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls, takes, with_arguments
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
@@ -55,14 +55,12 @@ def from_transformers(model):
         if not calls:  # a recurrent or state-space mixer, or nothing cached: the probe below decides
             parts.append(DecoderLayer(layer, i))
             continue
-        if len(calls) != 1:
-            raise ValueError(f"{name}: decoder layer {i} ({type(layer).__name__}) has {len(calls)} attention calls; "
-                             f"the generic path caches layers with one attention call each")
-        module, kv_heads, key_size, value_size, window, plain_math = calls[0]
-        if not getattr(module, "is_causal", True):
-            raise ValueError(f"{name}: decoder layer {i}'s attention ({type(module).__name__}) is bidirectional; "
-                             f"kvwire runs causal language models")
-        parts.append(DecoderLayer(layer, i, module, kv_heads, key_size, value_size, window, plain_math))
+        for module, *_ in calls:
+            if not getattr(module, "is_causal", True):
+                raise ValueError(f"{name}: decoder layer {i}'s attention ({type(module).__name__}) is "
+                                 f"bidirectional; kvwire runs causal language models")
+        paths = {id(m): p for p, m in layer.named_modules()}
+        parts.append(DecoderLayer(layer, i, [AttentionCall(paths[id(module)], *shape) for module, *shape in calls]))
     tail_names = seen["tail"]
     stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
     backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"]), parts,

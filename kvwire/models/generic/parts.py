@@ -12,6 +12,7 @@ the layer graph between them stays plain tensors: insert, tap, steer and cache i
 """
 import contextvars
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -96,6 +97,27 @@ class Prelude(Layer):
         return store[0][0]
 
 
+@dataclass
+class AttentionCall:
+    """One attention call of a decoder layer as the build's probe saw it: the path of the
+    transformers module making it inside the layer ("" the layer itself; a path, not the module, so
+    copies and shells of the layer resolve their own), its key heads, key and value sizes, sliding
+    window (None: full) and whether kvwire's attention math gave the module's own output (`seam`)."""
+
+    path: str
+    kv_heads: int
+    key_size: int
+    value_size: int
+    window: int = None
+    plain_math: bool = False
+
+    def cache_spec(self, batch_size, max_length):
+        """(key shape, value shape): (B, key heads, slots, size), slots the window - 1 of a sliding
+        call or max_length."""
+        slots = max_length if self.window is None else max(1, min(self.window - 1, max_length))
+        return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
+
+
 class DecoderLayer(InnerSites, Block):
     """transformers' decoder layer `index`, called with the arguments the prelude recorded: a block
     (control vectors and `layers.N` selectors count it) that is one node at every depth.
@@ -104,23 +126,36 @@ class DecoderLayer(InnerSites, Block):
     "resid_pre" and, where the layer has them, "attn_out", "resid_mid", "mlp_out", "attn_heads":
     what is put there runs inside the transformers layer's call.
 
-    Its attention (found by the build's probe) reads and writes this layer's cache in the cached
-    graph: `cache_spec` gives (B, key heads, slots, key size) and (..., value size), slots the
-    window - 1 of a sliding layer or max_length. A layer whose mixer keeps recurrent state instead
-    (`states`, a `kvwire.models.generic.state.StateCache`) holds a state slot: (B, 1, 1, conv sizes)
-    and (B, 1, 1, recurrent sizes), read and written through transformers' Cache API. A layer with
-    both holds both (`cache_parts`: "attention", then "state").
+    Each attention call of the layer (`calls`, `AttentionCall`s found by the build's probe, in call
+    order; most layers make one, a differential-attention layer two) reads and writes its own cache
+    in the cached graph: (B, key heads, slots, key size) and (..., value size), slots the window - 1
+    of a sliding call or max_length. A layer whose mixer keeps recurrent state instead (`states`, a
+    `kvwire.models.generic.state.StateCache`) holds a state slot: (B, 1, 1, conv sizes) and (B, 1, 1,
+    recurrent sizes), read and written through transformers' Cache API. A layer with several caches
+    lists them in `cache_parts`: "attention", "attention2", ..., then "state".
     """
 
-    def __init__(self, layer, index, attention=None, kv_heads=None, key_size=None, value_size=None, window=None,
-                 plain_math=False, states=None):
+    def __init__(self, layer, index, calls=(), states=None):
         super().__init__()
         self.block, self.index, self.states = layer, index, states
         self.__dict__["mixer"] = None  # a stateful layer's token mixer (a submodule of block; found by the build)
-        self.__dict__["attention"] = attention  # the transformers attention module (a submodule of block)
-        self.kv_heads, self.key_size, self.value_size, self.window = kv_heads, key_size, value_size, window
-        self.plain_math = plain_math  # cached calls may use kvwire's attention math (the probe checked it)
+        self.calls = list(calls)
         self.inner_sites, self.points, self.width, self.heads_width = ("resid_pre",), {}, None, None
+
+    @property
+    def attention(self):
+        """The module making the layer's first attention call (a submodule of block), or None."""
+        return self.block.get_submodule(self.calls[0].path) if self.calls else None
+
+    @property
+    def plain_math(self):
+        """Whether cached calls use kvwire's attention math (the probe found it equal, every call)."""
+        return bool(self.calls) and all(call.plain_math for call in self.calls)
+
+    @plain_math.setter
+    def plain_math(self, value):
+        for call in self.calls:
+            call.plain_math = bool(value)
 
     opaque = True
 
@@ -135,8 +170,8 @@ class DecoderLayer(InnerSites, Block):
 
     @property
     def head_size(self):
-        """Columns per head at "attn_heads": the attention's value size."""
-        return self.value_size
+        """Columns per head at "attn_heads": the first attention call's value size."""
+        return self.calls[0].value_size if self.calls else None
 
     def forward(self, x, gate=None):
         return self._run(x, None, None, gate)
@@ -158,18 +193,22 @@ class DecoderLayer(InnerSites, Block):
         return out[0] if isinstance(out, tuple) else out
 
     def cache_spec(self, batch_size, max_length, dtype):
-        """The attention's (key, value) shapes, else the state slot's, else None."""
+        """The first attention call's (key, value) shapes, else the state slot's, else None."""
         if self.attention is None:
             return None if self.states is None else state_slots.spec(self.states.states, batch_size)
-        slots = max_length if self.window is None else max(1, min(self.window - 1, max_length))
-        return ((batch_size, self.kv_heads, slots, self.key_size), (batch_size, self.kv_heads, slots, self.value_size))
+        return self.calls[0].cache_spec(batch_size, max_length)
 
     @property
     def cache_parts(self):
-        """{"attention": this layer, "state": its state slot} for a layer keeping both, else None."""
-        if self.attention is None or self.states is None:
+        """{"attention": this layer, "attention2": its second call's cache, ..., "state": its state
+        slot} for a layer keeping more than one cache, else None."""
+        if len(self.calls) + (self.states is not None) < 2:
             return None
-        return {"attention": self, "state": _StatePart(self)}
+        parts = {"attention": self}
+        parts.update({f"attention{k + 1}": _AttentionPart(self, k) for k in range(1, len(self.calls))})
+        if self.states is not None:
+            parts["state"] = _StatePart(self)
+        return parts
 
     def forward_cached(self, x, gate=None, *, positions, cache_index=None, attention_mask=None, cache=None,
                        **inputs):
@@ -177,17 +216,20 @@ class DecoderLayer(InnerSites, Block):
             return self._run(x, positions, inputs, gate)
         if self.attention is None:
             return self._with_state(x, gate, positions, inputs, cache, cache_index, attention_mask)
-        keys, slot = cache if self.states is not None else (cache, None)
-        state = seam.Attending(self.attention, self.window, keys, cache_index, attention_mask, self.plain_math)
-        with seam.attending(state):
+        parts = [cache] if self.cache_parts is None else list(cache)  # the caches in `cache_parts` order
+        slot = parts.pop() if self.states is not None else None
+        states = [seam.Attending(self.block.get_submodule(call.path), call.window, pair, cache_index, attention_mask,
+                                 call.plain_math) for call, pair in zip(self.calls, parts)]
+        with seam.attending(states) as step:
             if slot is None:
                 out = self._run(x, positions, inputs, gate)
             else:
                 out, slot = self._with_state(x, gate, positions, inputs, slot, cache_index, attention_mask)
-        if state.calls != 1:
-            raise RuntimeError(f"decoder layer {self.index} called its attention {state.calls} times in one step; "
-                               f"the generic cache expects one call")
-        return (out, state.cache) if slot is None else (out, (state.cache, slot))
+        if step.calls != len(states):
+            raise RuntimeError(f"decoder layer {self.index} made {step.calls} attention calls in one step; its "
+                               f"cache holds {len(states)} (the probe's)")
+        caches = [state.cache for state in states] + ([slot] if slot is not None else [])
+        return (out, caches[0]) if len(caches) == 1 else (out, tuple(caches))
 
     def _with_state(self, x, gate, positions, inputs, slot, cache_index, attention_mask):
         """(out, next state slot): the layer's own mixer continues its state; the chunk's padding
@@ -202,6 +244,18 @@ class DecoderLayer(InnerSites, Block):
             with state_slots.padding(self.mixer, real.to(torch.long)):
                 out = self._run(x, positions, inputs, gate, {"cache": opened})
         return out, self.states.close(opened, slot)
+
+
+class _AttentionPart(nn.Module):
+    """The cache of a decoder layer's attention call `k` after its first (a further cache part): its
+    `cache_spec`, and the layer's weights (whose device the cache is made on)."""
+
+    def __init__(self, layer, k):
+        super().__init__()
+        self.layer, self.k = layer, k  # a submodule here only: parameters() finds the layer's device
+
+    def cache_spec(self, batch_size, max_length, dtype):
+        return self.layer.calls[self.k].cache_spec(batch_size, max_length)
 
 
 class _StatePart(nn.Module):

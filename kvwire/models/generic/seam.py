@@ -5,9 +5,10 @@ transformers' attention modules compute queries, keys and values (rotary, QK-nor
 projections: whatever the family does) and hand them to the configured attention function. Ours:
 - outside a kvwire cached call it is the module's own eager attention, with transformers' mask;
 - inside one (`attending`), for the module being called, it writes the chunk's keys/values into
-  kvwire's cache for that layer at each row's `cache_index` and calls the same eager attention
+  kvwire's cache for that call at each row's `cache_index` and calls the same eager attention
   over the cache as it was plus the chunk, with kvwire's mask (per-row positions, left padding,
-  sliding window). The module's own function keeps its extras (sinks, soft-caps, scaling).
+  sliding window). The module's own function keeps its extras (sinks, soft-caps, scaling). A layer
+  making several attention calls (differential attention) has a cache per call, taken in order.
 """
 import contextvars
 import sys
@@ -33,7 +34,7 @@ _registered = []
 
 @dataclass
 class Attending:
-    """One cached call of one block: its attention module, cache pair and the call's inputs."""
+    """One attention call in a cached call of one block: its module, cache pair and the call's inputs."""
 
     module: torch.nn.Module
     window: int
@@ -41,15 +42,31 @@ class Attending:
     cache_index: torch.Tensor
     attention_mask: torch.Tensor
     plain_math: bool = False  # the probe found kvwire's attention math equal to the module's
+
+
+@dataclass
+class _Step:
+    """The attention calls a block's cached call expects, in order, and how many it made."""
+
+    states: list
     calls: int = 0
+
+    def next_for(self, module):
+        """The state of the next expected call when `module` makes it (counted), else None."""
+        if self.calls < len(self.states) and _unproxied(self.states[self.calls].module) is _unproxied(module):
+            self.calls += 1
+            return self.states[self.calls - 1]
+        return None
 
 
 @contextmanager
-def attending(state):
-    """Inside: `state.module`'s attention reads and writes `state.cache`."""
-    token = _active.set(state)
+def attending(states):
+    """Inside: the k-th attention call of `states[k].module` reads and writes `states[k].cache`
+    (states: an `Attending` or a list of them); yields the step, whose `calls` counts them."""
+    step = _Step(list(states) if isinstance(states, (list, tuple)) else [states])
+    token = _active.set(step)
     try:
-        yield state
+        yield step
     finally:
         _active.reset(token)
 
@@ -87,8 +104,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-interface signature: query (B, H, T, d), key (B, Hkv, T, d), value
     (B, Hkv, T, d_v) -> (output (B, T, H, d_v), weights or None)."""
     eager = eager_function(module)
-    state = _active.get()
-    if state is None or _unproxied(state.module) is not _unproxied(module):
+    step = _active.get()
+    state = None if step is None else step.next_for(module)
+    if state is None:
         out = eager(module, query, key, value, attention_mask, **kwargs)
         watcher = _watcher.get()
         if watcher is not None:
@@ -98,7 +116,6 @@ def attention(module, query, key, value, attention_mask, **kwargs):
             watcher(module, key, value, window, _plain_math_fits(module, query, key, value, window, kwargs, out[0]))
         return out
     window = state.window
-    state.calls += 1
     if state.plain_math:  # kvwire's grouped attention: no repeated or concatenated keys and values
         core = _Core(key.shape[1], kwargs.get("scaling"), kwargs.get("softcap"), window)
         out, state.cache = core.attend_cached(query, key.float(), value.float(), state.cache, state.cache_index,
