@@ -17,21 +17,26 @@ AUTO_SHARE = 0.25  # of the memory available, what an automatic batch's rows may
 FALLBACK_ROWS = 16  # an automatic batch where the memory available cannot be read
 
 
+def auto_budget():
+    """Bytes automatic batches may take: AUTO_SHARE of what this process may still allocate
+    (`available_bytes`), or None where that cannot be read."""
+    free, _ = available_bytes()
+    return None if free is None else int(free * AUTO_SHARE)
+
+
 def auto_rows(lm, length, max_rows=64, budget=None):
     """Rows of `length` positions a batch takes under `batch_size="auto"`: as many as fit `budget`
-    bytes (default AUTO_SHARE of what this process may still allocate, `available_bytes`), at least 1,
-    at most `max_rows`. A row costs its keys and values twice (a context's cache is copied to each of
-    its continuations) plus its float32 hidden states.
+    bytes (default `auto_budget()`), at least 1, at most `max_rows` (FALLBACK_ROWS at most where
+    the memory available cannot be read). A row costs its keys and values twice (a context's cache
+    is copied to each of its continuations) plus its float32 hidden states.
 
     Example:
         >>> auto_rows(lm, 512, max_rows=64)
         64
     """
+    budget = auto_budget() if budget is None else budget
     if budget is None:
-        free, _ = available_bytes()
-        if free is None:
-            return min(FALLBACK_ROWS, max_rows)
-        budget = int(free * AUTO_SHARE)
+        return min(FALLBACK_ROWS, max_rows)
     graph = lm.runner().graph
     row = 2 * cache_bytes(graph, 1, length) + length * lm.head.weight.shape[1] * 4
     return max(1, min(max_rows, budget // max(row, 1)))
@@ -59,8 +64,10 @@ def continuation_logprobs(lm, requests, batch_size=16, progress=False, max_batch
         >>> (logprobs, greedy), = continuation_logprobs(lm, [(ctx, cont)])
     """
     if batch_size == "auto":
+        budget = auto_budget()  # read once: the batches below are sized against the same memory
+
         def fits(length):
-            return auto_rows(lm, length, max_batch_size)
+            return auto_rows(lm, length, max_batch_size, budget)
     elif not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1 or 'auto', got {batch_size!r}")
     else:
