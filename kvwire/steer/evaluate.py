@@ -127,19 +127,21 @@ class Reference:
         """An `Evaluation` of `op` (an Operation) at `strengths`."""
         strengths = check_strengths(strengths)
         with torch.inference_mode():
-            steered = op.build(self.lm)
-            diff = self.logit_diffs(op, strengths, steered)
-            kl, nll = self._side_effects(op, strengths, steered)
+            runner = self._runner(op)
+            diff = self.logit_diffs(op, strengths, runner)
+            kl, nll = self._side_effects(op, strengths, runner)
         return self._result(op, strengths, diff.cpu(), kl, nll)
 
-    def logit_diffs(self, op, strengths, steered=None):
-        """The A/B logit differences (S, N) float64 of `op` at `strengths` (S) on the N examples;
-        `steered`: `op.build(lm)` when already built. A schedule's "prompt" is an example's prompt and
-        "generated" its answer; a prompt the operation leaves alone runs once per text."""
+    def _runner(self, op):
+        return RowRunner(op.build(self.lm), varies=op.inputs(torch.zeros(1)))
+
+    def logit_diffs(self, op, strengths, runner=None):
+        """The A/B logit differences (S, N) float64 of `op` at `strengths` (S) on the N examples
+        (`runner`: a `RowRunner` of `op` already built). A schedule's "prompt" is an example's prompt
+        and "generated" its answer; a prompt the operation leaves alone runs once per text."""
         lm, ans, strengths = self.lm, self.answers, check_strengths(strengths)
         with torch.inference_mode():
-            steered = op.build(lm) if steered is None else steered
-            runner = RowRunner(steered, varies=op.inputs(torch.zeros(1)))
+            runner = self._runner(op) if runner is None else runner
             diff = torch.zeros(len(strengths), len(self.data), dtype=torch.float64, device=lm.device)
             batch = runner.encode(ans.texts, self.batch_size, prompts=ans.prompts)
             for which, s_index, inputs in self._chunks(op, runner, strengths, batch["lengths"]):
@@ -148,10 +150,9 @@ class Reference:
                 diff.index_put_((s_index[r], ex), score.double(), accumulate=True)
         return diff
 
-    def _side_effects(self, op, strengths, steered):
+    def _side_effects(self, op, strengths, runner):
         """(KL, NLL) summed over the neutral text's positions, per strength; the operation acts on
         every position there (neutral text has no prompt)."""
-        runner = RowRunner(steered)
         kl, nll = [0.0] * len(strengths), [0.0] * len(strengths)
         batch = runner.encode(self.windows, self.batch_size)
         for which, s_index, inputs in self._chunks(op, runner, strengths, batch["lengths"]):
