@@ -89,6 +89,11 @@ def test_inline_vectors_on_examples_equal_evaluate(api, lm):
                                      neutral=[NEUTRAL, NEUTRAL[:15]], neutral_tokens=20)
         same(answer, expected)
         assert answer["vector"] is None and answer["dataset"] == "examples" and len(answer["per_example"]) == 3
+    answer = evaluate(api, vector=vector, strengths=[0, 0.5, 1], examples=EXAMPLES, neutral=NEUTRAL, neutral_tokens=20,
+                      generated_only=True)  # the answers alone: the library's when="generated"
+    operation = kw.steer.Operation.of(kw.ControlVector({1: d1, 3: d3}, operation="ablate"), when="generated")
+    same(answer, kw.steer.evaluate(lm, operation, data, [0, 0.5, 1], neutral=NEUTRAL, neutral_tokens=20))
+    assert answer["operation"].endswith("generated positions")
 
 
 def test_a_vector_at_another_site(api, lm):

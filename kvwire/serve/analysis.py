@@ -4,7 +4,8 @@ activation patching, and the evaluation of a steering vector.
     POST /kvwire/capture  {input, sites?, layers?, encoding_format?} -> each prompt's activations
     POST /kvwire/patch    {clean, corrupted, answers, sites?, layers?, positions?, position_map?}
                           -> logit difference and fraction recovered per (site, layer, position)
-    POST /kvwire/evaluate {vector, strengths, dataset? | examples?, neutral?, neutral_tokens?}
+    POST /kvwire/evaluate {vector, strengths, dataset? | examples?, neutral?, neutral_tokens?,
+                           generated_only?}
                           -> `kw.steer.evaluate(...).to_dict()`: A/B logit difference, slopes, KL and
                           perplexity per strength
 
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from ..generate.request import RequestError, length
 from ..layers.site import ALL_SITES
-from ..steer import ABDataset, ControlVector, dataset as shipped_dataset, evaluate, patch
+from ..steer import ABDataset, ControlVector, Operation, dataset as shipped_dataset, evaluate, patch
 from ..steer.capture import Capture, read_sites, site_reads, token_rows
 from ..steer.dataset import SHIPPED
 from ..steer.evaluate import check_strengths
@@ -202,7 +203,8 @@ def _evaluate(served, body, limits):
         if tokens > limits.eval_neutral_tokens:
             raise _too_many("neutral", f"{tokens} tokens", limits.eval_neutral_tokens, "eval_neutral_tokens")
     try:
-        return evaluate(lm, vector, data, strengths, neutral=body.neutral, neutral_tokens=body.neutral_tokens)
+        operation = Operation.of(vector, when="generated" if body.generated_only else None)
+        return evaluate(lm, operation, data, strengths, neutral=body.neutral, neutral_tokens=body.neutral_tokens)
     except RequestError as e:  # an example past the model's context: the library names the line
         raise APIError(str(e), param="examples" if body.examples is not None else "dataset", code=e.code) from None
 

@@ -12,7 +12,8 @@ SAE features set, added to or clamped (see `kvwire.serve.inline_sae`), and `resp
 """
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
 Number = Union[StrictInt, StrictFloat]
@@ -165,7 +166,8 @@ class EvalExample(BaseModel):
 class EvaluateRequest(BaseModel):
     """POST /kvwire/evaluate: `kw.steer.evaluate` of `vector` (a served vector's name, or one inline)
     at `strengths` on a shipped `dataset` (default "sentiment-ab") or on `examples`, with side effects
-    on `neutral` text (default: the package's neutral prose) cut into rows of `neutral_tokens`."""
+    on `neutral` text (default: the package's neutral prose) cut into rows of `neutral_tokens`;
+    `generated_only` steers each example's answer alone (`when="generated"`), not its prompt."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     vector: Union[StrictStr, EvalVector]
@@ -174,6 +176,7 @@ class EvaluateRequest(BaseModel):
     examples: list[EvalExample] | None = None
     neutral: Union[StrictStr, list[StrictStr], None] = None
     neutral_tokens: StrictInt = 128
+    generated_only: StrictBool = False
 
     @field_validator("vector", mode="wrap")
     @classmethod
