@@ -140,3 +140,50 @@ def test_ctrl_c_stops_a_reply_keeps_the_conversation_and_quits_cleanly_at_the_pr
     assert code == 0 and "(reply stopped)" in err and "(bye)" in err and "Traceback" not in err
     assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]  # the stopped turn was kept
     assert seen[1][1]["content"] and seen[1][2]["content"] == "More"
+
+
+def test_a_chat_template_file_for_a_model_without_one(folder, monkeypatch, capsys, tmp_path):
+    plain = tmp_path / "plain"
+    tiny_chat_hf().save_pretrained(plain)
+    backend().save(str(plain / "tokenizer.json"))
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    hello = [{"role": "user", "content": "Hello"}]
+    expected = kw.load(folder).chat(hello, max_new_tokens=6)  # the same weights with the template in the folder
+    code, out, err = run_chat(monkeypatch, capsys, ["--model", str(plain), "--max-new-tokens", "6",
+                                                    "--chat-template", str(tmp_path / "chatml.jinja")], "Hello\n")
+    assert code == 0 and out == f"{expected}\n", err
+    # another template than the model's own wins: the rendered prompt changes the reply's context
+    (tmp_path / "other.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    code, out, err = run_chat(monkeypatch, capsys, ["--model", str(folder), "--max-new-tokens", "6",
+                                                    "--chat-template", str(tmp_path / "other.jinja")], "Hello\n")
+    lm = kw.load(folder)
+    lm.tokenizer.chat_template = kw.io.chat_template.ChatTemplate("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert code == 0 and out == f"{lm.chat(hello, max_new_tokens=6)}\n", err
+    assert out != f"{expected}\n"  # the model's own template gives another reply
+    for name, text, says in (("missing.jinja", None, "cannot read it"), ("empty.jinja", " \n", "the file is empty"),
+                             ("broken.jinja", "{% for m in %}", "the chat template does not compile")):
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        code, _, err = run_chat(monkeypatch, capsys, ["--model", str(plain), "--chat-template", str(tmp_path / name)],
+                                "Hello\n")
+        assert code == 2 and f"--chat-template {tmp_path / name}" in err and says in err, err
+
+
+def test_serve_renders_chats_with_a_chat_template_file(folder, monkeypatch, tmp_path):
+    import httpx
+
+    plain = tmp_path / "plain"
+    tiny_chat_hf().save_pretrained(plain)
+    backend().save(str(plain / "tokenizer.json"))
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    served = []
+    monkeypatch.setattr("kvwire.serve.serve", lambda app, host, port: served.append(app))
+    assert cli.main(["serve", "--model", str(plain), "--max-batch", "2", "--max-length", "96",
+                     "--chat-template", str(tmp_path / "chatml.jinja")]) == 0
+    server = Server(served[0])
+    try:
+        body = {"messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "max_tokens": 6}
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body).json()
+        assert reply["choices"][0]["message"]["content"] == kw.load(folder).chat(body["messages"], max_new_tokens=6)
+    finally:
+        server.close()

@@ -2,8 +2,8 @@
 import sys
 
 from ..generate import BeamSearch
-from .options import (echo, load_model, model_options, quantize_option, sampling_options, steer_options,
-                      make_sampler)
+from .options import (chat_template_option, echo, load_model, model_options, quantize_option, sampling_options,
+                      steer_options, make_sampler)
 
 
 def add(commands):
@@ -12,6 +12,7 @@ def add(commands):
                             "stream as they are produced; each turn reuses the conversation's cached keys/values. "
                             "/reset clears the conversation, /exit or end of input quits.")
     model_options(c)
+    chat_template_option(c)
     quantize_option(c)
     sampling_options(c, max_new_tokens=256)
     c.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation")

@@ -61,7 +61,12 @@ def load_model(args, quantize=None):
     heads = head_specs(getattr(args, "ablate_heads", None))
     features = feature_specs(getattr(args, "sae", None), getattr(args, "feature", None))
     quantize = None if quantize == "none" else quantize
+    template = chat_template_file(getattr(args, "chat_template", None))  # a bad file is refused before loading
     lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
+    if template is not None:
+        if lm.tokenizer is None:
+            raise ValueError(f"--chat-template {args.chat_template}: {args.model} has no tokenizer to render it with")
+        lm.tokenizer.chat_template = template
     site = getattr(args, "site", None)  # None: each vector's own
     when = "generated" if getattr(args, "generated_only", False) else None
     if getattr(args, "control_vector", None):
@@ -83,6 +88,29 @@ def load_model(args, quantize=None):
 
         lm = lm.steer_features(SAE.load(args.sae), features, mode=args.feature_mode, when=when)
     return lm
+
+
+def chat_template_option(p):
+    p.add_argument("--chat-template", default=None, metavar="FILE.jinja",
+                   help="render conversations with this jinja chat template instead of the model's own (for a "
+                        "model whose files carry none, or another one)")
+
+
+def chat_template_file(path):
+    """--chat-template FILE -> a ChatTemplate (None without one); a missing, unreadable or
+    non-compiling file is refused naming it."""
+    if path is None:
+        return None
+    from ..io.chat_template import ChatTemplate
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it ({e}); expected a UTF-8 jinja file") from None
+    if not source.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty; expected a jinja chat template")
+    return ChatTemplate(source, f"--chat-template {path}")
 
 
 def head_specs(specs):

@@ -3,7 +3,7 @@ import argparse
 import sys
 
 from ..serve import limits, ray_serve  # ray_serve imports no Ray until --ray runs
-from .options import load_model, model_options, named_files, positive, quantize_option
+from .options import chat_template_option, load_model, model_options, named_files, positive, quantize_option
 
 
 def add(commands):
@@ -12,6 +12,7 @@ def add(commands):
                             "GET /v1/models, /health, /metrics. Requests choose control-vector strengths with "
                             "\"steer\": {NAME: strength} (absent names: 0).")
     model_options(s)
+    chat_template_option(s)
     quantize_option(s, default="auto")  # a server batches: ggml's blocks beat float weights where they run
     s.add_argument("--compile", action="store_true",
                    help="compiled decode steps, kept on disk: each batch size (1, 2, 4, ...) and timeline length "
