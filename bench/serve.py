@@ -4,7 +4,12 @@ the preset's GGUF file on 127.0.0.1 with the same number of threads.
     python bench/serve.py [--model smollm2-135m-instruct] [--clients 1,4,16] [--max-tokens 32]
                           [--requests-per-client 2] [--threads 2] [--quantize gguf] [--skip-peer] [--quick]
                           [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE] [--compile]
-                          [--warm] [--warm-minutes 40]
+                          [--warm] [--warm-minutes 40] [--chat-template FILE --peer-chat-format NAME]
+
+A model whose GGUF carries no chat template (the Gemma 3 preset) runs with one given to both servers:
+`--chat-template bench/templates/gemma.jinja --peer-chat-format gemma` (Gemma's turns, as
+llama-cpp-python's "gemma" format writes them; the bench prints each server's token count of the first
+prompt, which should agree).
 
 On a CPU that other work keeps busy, torch's OpenMP threads spinning at every op's barrier make
 kvwire's server many times slower (measured: 0.7 vs 12.9 tokens/s at one client, 2 threads, load
@@ -103,12 +108,15 @@ def servers_to_start(args, gguf, vector):
               "--max-batch", str(batch), "--max-length", str(args.max_length), "--inline-slots", str(batch)]
     kvwire += ["--quantize", args.quantize] if args.quantize else []
     kvwire += ["--compile"] if args.compile else []
+    kvwire += ["--chat-template", args.chat_template] if args.chat_template else []
     out = {"kvwire": (kvwire, "/health", threads),
            "kvwire +happy": (kvwire + ["--control-vector", f"happy={vector}"], "/health", threads)}
     if not args.skip_peer:
         out["llama.cpp"] = (["-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(args.threads),
                              "--n_threads_batch", str(args.threads), "--host", "127.0.0.1", "--port", "{port}",
-                             "--n_ctx", str(args.max_length), "--interrupt_requests", "False"], "/v1/models", {})
+                             "--n_ctx", str(args.max_length), "--interrupt_requests", "False"]
+                            + (["--chat_format", args.peer_chat_format] if args.peer_chat_format else []),
+                            "/v1/models", {})
     return out
 
 
@@ -308,6 +316,10 @@ def parser():
                    "their compiled steps are built (their /metrics gauge), and again until a pass builds nothing")
     p.add_argument("--warm-minutes", type=float, default=40, help="--warm's budget (default %(default)s)")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
+    p.add_argument("--chat-template", default=None, metavar="FILE.jinja",
+                   help="kvwire serve --chat-template (for a model whose GGUF carries none)")
+    p.add_argument("--peer-chat-format", default=None, metavar="NAME",
+                   help="llama.cpp's server --chat_format (e.g. gemma, with --chat-template bench/templates/gemma.jinja)")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to become ready")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     return p
