@@ -169,3 +169,54 @@ def test_a_layer_making_two_attention_calls_keeps_a_cache_per_call():
     for r, row in enumerate(rows):
         want = rollout(lambda x: hf_logits(hf, x), torch.tensor([row]), 8)[0].tolist()
         assert got[r].tolist()[-8:] == want[-8:], r
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])  # MoE; + latent attention; + sinks
+def test_a_moe_model_exports_to_onnx_and_runs_transformers_tokens(model_type, tmp_path):
+    """transformers' experts index tokens by expert (data-dependent shapes); the export traces them in
+    kvwire's dense form (every expert on every token, weighted by the router) instead."""
+    pytest.importorskip("onnxruntime")
+    import copy
+
+    from kvwire.export import load_exported
+
+    from .generic_configs import hf_logits, prompt, rollout, tiny_model
+
+    original = tiny_model(model_type)
+    hf = copy.deepcopy(original)
+    lm = kw.from_hf(original, generic=True)
+    kw.export(lm, tmp_path / "m.onnx", max_length=48)
+    ids = prompt(1, 9, 6)
+    expected = rollout(lambda x: hf_logits(hf, x), ids, 12)[0, -12:].tolist()
+    got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist()[-12:]
+    assert got == expected
+    assert {m.config._experts_implementation for m in experts_modules(original)} != {"kvwire_dense"}  # restored
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "olmoe"])  # gpt-oss: biases, transposed, own gate
+def test_the_dense_experts_form_equals_transformers_own(model_type):
+    from kvwire.models.generic.experts import dense_experts
+
+    from .generic_configs import tiny_model
+
+    model = tiny_model(model_type)
+    experts = experts_modules(model)[0]
+    width = experts.down_proj.shape[1] if not experts.is_transposed else experts.down_proj.shape[2]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, width, generator=g)
+    k = min(2, experts.down_proj.shape[0])
+    index = torch.stack([torch.randperm(experts.down_proj.shape[0], generator=g)[:k] for _ in range(7)])
+    weights = torch.rand(7, k, generator=g)
+    with torch.no_grad():
+        want = experts(x, index, weights)
+        with dense_experts(model) as count:
+            got = experts(x, index, weights)
+    assert count == len(experts_modules(model)) > 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert float(want.abs().max()) > 1e-3
+
+
+def experts_modules(model):
+    from kvwire.models.generic.experts import experts_modules as found
+
+    return found(model)
