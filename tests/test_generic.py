@@ -220,3 +220,20 @@ def experts_modules(model):
     from kvwire.models.generic.experts import experts_modules as found
 
     return found(model)
+
+
+def test_a_moe_model_exports_to_executorch_and_runs_transformers_tokens(tmp_path):
+    pytest.importorskip("executorch")
+    import copy
+
+    from kvwire.export import load_exported
+
+    from .generic_configs import hf_logits, prompt, rollout, tiny_model
+
+    original = tiny_model("mixtral")
+    hf = copy.deepcopy(original)
+    lm = kw.from_hf(original, generic=True)
+    kw.export(lm, tmp_path / "m.pte", max_length=32, delegate="portable", prefill_length=8)
+    ids = prompt(1, 9, 6)
+    expected = rollout(lambda x: hf_logits(hf, x), ids, 8)[0, -8:].tolist()
+    assert load_exported(tmp_path / "m.pte").generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == expected
