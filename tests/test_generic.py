@@ -222,7 +222,10 @@ def experts_modules(model):
     return found(model)
 
 
-def test_a_moe_model_exports_to_executorch_and_runs_transformers_tokens(tmp_path):
+@pytest.mark.parametrize("model_type", ["mixtral", "mamba2"])  # MoE (dense form); Mamba-2 (static chunk scans)
+def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, tmp_path):
+    """ExecuTorch takes one static entry point per chunk length: transformers' chunked scans, whose
+    loop count follows the chunk's length, export there (not into ONNX's one dynamic graph)."""
     pytest.importorskip("executorch")
     import copy
 
@@ -230,7 +233,7 @@ def test_a_moe_model_exports_to_executorch_and_runs_transformers_tokens(tmp_path
 
     from .generic_configs import hf_logits, prompt, rollout, tiny_model
 
-    original = tiny_model("mixtral")
+    original = tiny_model(model_type)
     hf = copy.deepcopy(original)
     lm = kw.from_hf(original, generic=True)
     kw.export(lm, tmp_path / "m.pte", max_length=32, delegate="portable", prefill_length=8)
