@@ -306,6 +306,18 @@ def test_generic_speed_table(capsys):
         assert all(float(v) > 0 for v in values)
 
 
+def test_generic_mid_size_table(capsys):
+    """bench/generic_mid.py: kvwire's generic path and transformers agree on the tokens, and the
+    Mamba-2 hybrid's state slots do not grow with the timeline while its attention's keys/values do."""
+    import generic_mid
+
+    out = generic_mid.main(["--types", "bamba", "--rounds", "1", "--new", "4", "--threads", "1"])
+    rate_kw, rate_hf, same, (kv256, kv4k), (state256, state4k) = out["bamba"]
+    assert same and rate_kw > 0 and rate_hf > 0
+    assert kv4k == 16 * kv256 > 0 and state4k == state256 > 0
+    assert capsys.readouterr().out.startswith("CPU: ")
+
+
 def test_steer_ops_table(capsys):
     """bench/steer_ops.py on a tiny model: the CPU line and one row per variant, plain's ratio 1."""
     import steer_ops
