@@ -30,10 +30,10 @@ from ..graph import clone, insert_after
 from ..graph.sites import put_inside
 from ..layers.base import Layer
 from .capture import read_sites, site_reads, token_rows
+from .patch_checks import metric_of, position_map_of
 from .rows import block_starts, given, upper_from
 
 CUTS = 4  # the most blocks a Patcher cuts its graph at (the first patched one included, never cut)
-from .patch_checks import metric_of, position_map_of
 
 
 class Patch(Layer):
