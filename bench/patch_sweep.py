@@ -17,24 +17,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import header  # noqa: E402
+from steer_eval import model  # noqa: E402  (SmolLM2, or a random tiny llama with a character tokenizer)
 
-PRESET = "smollm2-135m-instruct"
 CLEAN, CORRUPTED = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
 ANSWERS = (" Paris", " Rome")
-
-
-def model(tiny):
-    import kvwire as kw
-
-    if not tiny:
-        return kw.load(PRESET, progress=False)
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from tests.conftest import FAMILIES
-    from tests.tokenizers_for_tests import char_level
-
-    lm = kw.from_hf(FAMILIES["llama"](vocab_size=100, max_position_embeddings=512))
-    lm.tokenizer = char_level()
-    return lm
 
 
 def main(argv=None):
