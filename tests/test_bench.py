@@ -318,6 +318,15 @@ def test_generic_mid_size_table(capsys):
     assert capsys.readouterr().out.startswith("CPU: ")
 
 
+def test_patch_sweep_bench_runs_both_ways_to_equal_scores(capsys):
+    """bench/patch_sweep.py on a tiny model: both paths timed (it checks their scores agree itself)."""
+    import patch_sweep
+
+    times = patch_sweep.main(["--tiny", "--threads", "1"])
+    assert sorted(times) == [False, True] and all(t > 0 for t in times.values())
+    assert "1 sites x 4 blocks" in capsys.readouterr().out
+
+
 def test_steer_ops_table(capsys):
     """bench/steer_ops.py on a tiny model: the CPU line and one row per variant, plain's ratio 1."""
     import steer_ops
