@@ -148,6 +148,11 @@ class DecoderLayer(InnerSites, Block):
         return self.block.get_submodule(self.calls[0].path) if self.calls else None
 
     @property
+    def window(self):
+        """The first attention call's sliding window (None: full attention, or no attention)."""
+        return self.calls[0].window if self.calls else None
+
+    @property
     def plain_math(self):
         """Whether cached calls use kvwire's attention math (the probe found it equal, every call)."""
         return bool(self.calls) and all(call.plain_math for call in self.calls)
