@@ -143,6 +143,13 @@ def test_the_tab_takes_examples_and_a_clamp(browser, server):
         answer = client.post("/kvwire/evaluate", json=body).json()
     assert answer["dataset"] == "examples" and answer["operation"].startswith("clamp (value)")
     check_page_against(browser, answer, [-1, 1])
+    by_id(browser, "eval-generated-only").click()  # the answers alone: the endpoint's generated_only
+    evaluate_on_page(browser, "-1, 1")
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        answer = client.post("/kvwire/evaluate", json={**body, "generated_only": True}).json()
+    assert answer["operation"].endswith("generated positions")
+    check_page_against(browser, answer, [-1, 1])
+    assert by_id(browser, "eval-summary").text.split(" on ")[0] == answer["operation"]
 
 
 def test_bad_input_reads_as_messages(browser, server):

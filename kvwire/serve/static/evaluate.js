@@ -63,6 +63,7 @@ function request() {
   else body.dataset = $("eval-dataset").value;
   const neutral = $("eval-neutral").value;
   if (neutral.trim()) body.neutral = neutral;
+  if ($("eval-generated-only").checked) body.generated_only = true;
   return body;
 }
 
