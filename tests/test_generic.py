@@ -1,5 +1,6 @@
 """The generic path: transformers' own modules as a kvwire layer graph, cached by the cache pass.
 The arbiter is transformers' uncached forward on the same weights."""
+import copy
 import re
 from pathlib import Path
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 import kvwire as kw
+from kvwire.models.generic.experts import dense_experts, experts_modules
 
 from .conftest import FAMILIES
+from .generic_configs import prompt, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -151,24 +154,18 @@ def test_a_generic_model_exports_to_onnx_and_runs_the_same_tokens(tmp_path):
     assert load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist() == expected
 
 
+
 def test_a_layer_making_two_attention_calls_keeps_a_cache_per_call():
     """Differential attention (DiffLlama) calls the attention function twice per layer, with the same
     keys and two halves of the values: each call gets its own cache, taken in call order."""
-    import copy
-
-    from .generic_configs import hf_logits, prompt, rollout, tiny_model
-
-    original = tiny_model("diffllama")
-    hf = copy.deepcopy(original)
-    lm = kw.from_hf(original, generic=True)
+    hf, lm = _generic("diffllama")
     layer = lm.backbone.layers[0]
     assert len(layer.calls) == 2 and list(layer.cache_parts) == ["attention", "attention2"]
     assert len(lm.cached.slots) == 2 * len(lm.backbone.layers)
-    rows = [prompt(1, 7, 1)[0].tolist(), prompt(1, 4, 2)[0].tolist()]  # left-padded together
-    got = lm.generate([torch.tensor(r) for r in rows], max_new_tokens=8, ignore_eos=True)
+    rows = [prompt(1, 7, 1)[0], prompt(1, 4, 2)[0]]  # left-padded together
+    got = lm.generate(rows, max_new_tokens=8, ignore_eos=True)
     for r, row in enumerate(rows):
-        want = rollout(lambda x: hf_logits(hf, x), torch.tensor([row]), 8)[0].tolist()
-        assert got[r].tolist()[-8:] == want[-8:], r
+        assert got[r].tolist()[-8:] == rollout(hf, row[None], 8)[0].tolist(), r
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])  # MoE; + latent attention; + sinks
@@ -176,50 +173,33 @@ def test_a_moe_model_exports_to_onnx_and_runs_transformers_tokens(model_type, tm
     """transformers' experts index tokens by expert (data-dependent shapes); the export traces them in
     kvwire's dense form (every expert on every token, weighted by the router) instead."""
     pytest.importorskip("onnxruntime")
-    import copy
-
     from kvwire.export import load_exported
 
-    from .generic_configs import hf_logits, prompt, rollout, tiny_model
-
-    original = tiny_model(model_type)
-    hf = copy.deepcopy(original)
-    lm = kw.from_hf(original, generic=True)
+    hf, lm = _generic(model_type)
     kw.export(lm, tmp_path / "m.onnx", max_length=48)
     ids = prompt(1, 9, 6)
-    expected = rollout(lambda x: hf_logits(hf, x), ids, 12)[0, -12:].tolist()
-    got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist()[-12:]
-    assert got == expected
-    assert {m.config._experts_implementation for m in experts_modules(original)} != {"kvwire_dense"}  # restored
+    got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist()
+    assert got[-12:] == rollout(hf, ids, 12)[0].tolist()
+    implementations = {m.config._experts_implementation for m in experts_modules(lm.backbone)}
+    assert implementations and "kvwire_dense" not in implementations  # put back after the export
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "olmoe"])  # gpt-oss: biases, transposed, own gate
 def test_the_dense_experts_form_equals_transformers_own(model_type):
-    from kvwire.models.generic.experts import dense_experts
-
-    from .generic_configs import tiny_model
-
     model = tiny_model(model_type)
     experts = experts_modules(model)[0]
-    width = experts.down_proj.shape[1] if not experts.is_transposed else experts.down_proj.shape[2]
+    count, width = experts.down_proj.shape[0], experts.down_proj.shape[2 if experts.is_transposed else 1]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, width, generator=g)
-    k = min(2, experts.down_proj.shape[0])
-    index = torch.stack([torch.randperm(experts.down_proj.shape[0], generator=g)[:k] for _ in range(7)])
-    weights = torch.rand(7, k, generator=g)
+    index = torch.stack([torch.randperm(count, generator=g)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=g)
     with torch.no_grad():
         want = experts(x, index, weights)
-        with dense_experts(model) as count:
+        with dense_experts(model) as found:
             got = experts(x, index, weights)
-    assert count == len(experts_modules(model)) > 0
+    assert found == len(experts_modules(model)) > 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert float(want.abs().max()) > 1e-3
-
-
-def experts_modules(model):
-    from kvwire.models.generic.experts import experts_modules as found
-
-    return found(model)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "mamba2"])  # MoE (dense form); Mamba-2 (static chunk scans)
@@ -227,16 +207,17 @@ def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, 
     """ExecuTorch takes one static entry point per chunk length: transformers' chunked scans, whose
     loop count follows the chunk's length, export there (not into ONNX's one dynamic graph)."""
     pytest.importorskip("executorch")
-    import copy
-
     from kvwire.export import load_exported
 
-    from .generic_configs import hf_logits, prompt, rollout, tiny_model
-
-    original = tiny_model(model_type)
-    hf = copy.deepcopy(original)
-    lm = kw.from_hf(original, generic=True)
+    hf, lm = _generic(model_type)
     kw.export(lm, tmp_path / "m.pte", max_length=32, delegate="portable", prefill_length=8)
     ids = prompt(1, 9, 6)
-    expected = rollout(lambda x: hf_logits(hf, x), ids, 8)[0, -8:].tolist()
-    assert load_exported(tmp_path / "m.pte").generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == expected
+    got = load_exported(tmp_path / "m.pte").generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()
+    assert got[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def _generic(model_type):
+    """(transformers' tiny model of `model_type`, kvwire's generic model over a copy of its weights)."""
+    original = tiny_model(model_type)
+    hf = copy.deepcopy(original)  # kw.from_hf sets the original's attention implementation to kvwire's
+    return hf, kw.from_hf(original, generic=True)
