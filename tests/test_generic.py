@@ -221,3 +221,16 @@ def _generic(model_type):
     original = tiny_model(model_type)
     hf = copy.deepcopy(original)  # kw.from_hf sets the original's attention implementation to kvwire's
     return hf, kw.from_hf(original, generic=True)
+
+
+def test_layers_that_pass_each_other_more_than_the_hidden_states_are_refused():
+    """HunYuan V4's shared sparse-attention layers read top-k indices an earlier layer computed in the
+    model's forward: run one after another on their recorded arguments they cannot, and the build
+    says so (rather than transformers' own error surfacing from inside kvwire)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "hy_v4" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no hy_v4")
+    with pytest.raises(ValueError, match=r"HYV4ForCausalLM: its decoder layers do not run one after another .*"
+                                         r"Shared DSA layers require top-k indices"):
+        kw.from_hf(tiny_model("hy_v4"), generic=True)

@@ -68,7 +68,12 @@ def from_transformers(model):
     _find_states(name, model, backbone, probe)
     head = Head(model, base_name, plain=True, output_class=seen["output_class"])
     with torch.no_grad():
-        hidden = backbone(probe)
+        try:
+            hidden = backbone(probe)
+        except Exception as e:  # noqa: BLE001 - a layer needing what another one computed in the model's forward
+            raise ValueError(f"{name}: its decoder layers do not run one after another on the arguments the model's "
+                             f"forward gives them ({type(e).__name__}: {e}); its layers pass each other more than the "
+                             f"hidden states, which the generic path does not carry") from e
         if not close(head(hidden), seen["logits"]):
             head = Head(model, base_name, plain=False, output_class=seen["output_class"])
         logits = head(hidden)
