@@ -78,16 +78,11 @@ def kw_decode(lm, ids, new):
 
 def cache_split(lm, length):
     """(attention bytes, state bytes) of one row's cache at `length` positions."""
-    from kvwire.graph.cache import CACHE_DTYPE
+    from kvwire.serve.memory import slot_bytes
 
     attention = state = 0
     for slot in lm.cached.slots:
-        n = 0
-        for shape in slot.module.cache_spec(1, length, CACHE_DTYPE) or ():
-            size = 1
-            for d in shape:
-                size *= d
-            n += size * CACHE_DTYPE.itemsize
+        n = slot_bytes(slot, 1, length)
         if slot.name.endswith(".state") or getattr(slot.module, "calls", None) == []:  # a state slot
             state += n
         else:

@@ -211,12 +211,12 @@ def _batch_size(value, what="batch_size"):
     """lm-eval's batch_size (an int, its text, None: 16, or "auto" / "auto:N": "auto")."""
     if value is None:
         return 16
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    elif what == "batch_size" and isinstance(value, str) and value.strip().split(":")[0] == "auto":
-        times = value.strip()[5:]
-        if value.strip() == "auto" or (value.strip()[4] == ":" and times.isdigit() and int(times) > 0):
-            return "auto"
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and text.isdigit():
+        value = int(text)
+    elif what == "batch_size" and text is not None and (text == "auto" or (
+            text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) > 0)):
+        return "auto"
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         also = ", 'auto' or 'auto:N'" if what == "batch_size" else ""
         raise ValueError(f"{what} must be a positive int{also} for the kvwire model, got {value!r}")

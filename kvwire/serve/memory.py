@@ -7,6 +7,7 @@ The engine still grows its rows' timeline with the sequences (`Engine(grow=True)
 worst case it may reach under full load, not what it takes at start.
 """
 import logging
+import math
 from pathlib import Path
 
 from ..graph.cache import CACHE_DTYPE
@@ -20,15 +21,13 @@ FLOOR = 256  # defaults are not lowered below this many positions a row
 def cache_bytes(graph, batch, length):
     """Bytes of `graph.init_cache(batch, length)` (keys and values of every cached layer), not
     allocated."""
-    size = CACHE_DTYPE.itemsize
-    total = 0
-    for slot in graph.slots:
-        for shape in slot.module.cache_spec(batch, length, CACHE_DTYPE) or ():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * size
-    return total
+    return sum(slot_bytes(slot, batch, length) for slot in graph.slots)
+
+
+def slot_bytes(slot, batch, length):
+    """Bytes of one cache slot (a `CacheSlot`) for `batch` rows of `length` positions."""
+    return sum(math.prod(shape) for shape in slot.module.cache_spec(batch, length, CACHE_DTYPE) or ()) \
+        * CACHE_DTYPE.itemsize
 
 
 def available_bytes(root=Path("/")):

@@ -38,16 +38,25 @@ class _Given(Layer):
         return states
 
 
-def block_starts(backbone):
-    """{block index: the layer-depth call whose input is the block's input (its `resid_pre` site,
-    or the block's own call where it is one call)} for the blocks that have one."""
+def _calls_by_block(backbone):
+    """(layer-depth graph of `backbone`, [(call node, block index or None, block name or None)] in
+    graph order): one trace for `block_starts` and `boundary`."""
     gm = trace(backbone, depth="layer")
     owner = {name: i for i, name in numbered_blocks(backbone).items()}
-    starts = {}
+    calls = []
     for node in layer_calls(gm):
         name = next((n for n in owner if node.target == n or node.target.startswith(n + ".")), None)
-        if name is not None and owner[name] not in starts:
-            starts[owner[name]] = node.target if node.target in (name, f"{name}.resid_pre") else None
+        calls.append((node, None if name is None else owner[name], name))
+    return gm, calls
+
+
+def block_starts(backbone, calls=None):
+    """{block index: the layer-depth call whose input is the block's input (its `resid_pre` site,
+    or the block's own call where it is one call)} for the blocks that have one."""
+    starts = {}
+    for node, block, name in calls or _calls_by_block(backbone)[1]:
+        if block is not None and block not in starts:
+            starts[block] = node.target if node.target in (name, f"{name}.resid_pre") else None
     return {block: call for block, call in starts.items() if call is not None}
 
 
@@ -55,20 +64,18 @@ def boundary(backbone):
     """The layer-depth call whose input is the first steered block's input (see `block_starts`), or
     None when nothing below it can be shared (the first block, no layer with runtime inputs, or a
     block with no such call)."""
-    gm = trace(backbone, depth="layer")
-    owner = {name: i for i, name in numbered_blocks(backbone).items()}
+    gm, calls = _calls_by_block(backbone)
     block = None
-    for node in layer_calls(gm):
-        name = next((n for n in owner if node.target == n or node.target.startswith(n + ".")), None)
-        if name is not None:
-            block = owner[name]
+    for node, owner, _ in calls:
+        block = block if owner is None else owner
         if getattr(gm.get_submodule(node.target), "runtime_inputs", None):
             break
     else:
         return None
-    if block is None or block == min(owner.values()):
+    first = min((owner for _, owner, _ in calls if owner is not None), default=None)
+    if block is None or block == first:
         return None
-    return block_starts(backbone).get(block)
+    return block_starts(backbone, calls).get(block)
 
 
 def split_at(backbone, call):

@@ -61,9 +61,9 @@ class _Step:
 
 @contextmanager
 def attending(states):
-    """Inside: the k-th attention call of `states[k].module` reads and writes `states[k].cache`
-    (states: an `Attending` or a list of them); yields the step, whose `calls` counts them."""
-    step = _Step(list(states) if isinstance(states, (list, tuple)) else [states])
+    """Inside: the k-th attention call, by `states[k].module` (a list of `Attending`), reads and
+    writes `states[k].cache`; yields the step, whose `calls` counts them."""
+    step = _Step(list(states))
     token = _active.set(step)
     try:
         yield step
