@@ -280,17 +280,18 @@ def test_threads_bench_summary_gives_the_goal_ratios():
 
 
 def test_generic_sweep_rows_and_page(tmp_path, capsys):
-    """bench/generic_sweep.py on two types: a row each (llama passes, bloom's ALiBi attention is
-    refused with kvwire's reason) and the docs page with the counts."""
+    """bench/generic_sweep.py on two types: a row each (llama passes, TrOCR's decoder, whose
+    positions come from its ids and the cache's length, is refused with kvwire's reason) and the
+    docs page with the counts."""
     import generic_sweep
 
     page = tmp_path / "generic-models.md"
-    rows = generic_sweep.main(["--types", "llama,bloom", "--write", str(page)])
-    assert [(t, result) for t, result, _ in rows] == [("llama", "pass"), ("bloom", "refused by kvwire")]
-    assert "has no attention that transformers' attention interface sees" in rows[1][2]
+    rows = generic_sweep.main(["--types", "llama,trocr", "--write", str(page)])
+    assert [(t, result) for t, result, _ in rows] == [("llama", "pass"), ("trocr", "refused by kvwire")]
+    assert "cached decoding does not reproduce the model's own logits" in rows[1][2]
     text = page.read_text()
-    assert "| tried | 2 |" in text and "| pass | 1 |" in text and "| `bloom` | refused by kvwire |" in text
-    assert "bloom" in capsys.readouterr().out
+    assert "| tried | 2 |" in text and "| pass | 1 |" in text and "| `trocr` | refused by kvwire |" in text
+    assert "trocr" in capsys.readouterr().out
 
 
 def test_generic_speed_table(capsys):

@@ -22,16 +22,10 @@ transformers = pytest.importorskip("transformers")
 NAMED = ["llama4_text", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v4", "smollm3",
          "gemma4_text", "cohere2", "falcon", "gpt_neox", "phi", "stablelm", "starcoder2", "bloom", "mpt", "opt",
          "qwen3_next", "qwen3_5_text", "lfm2", "olmo_hybrid", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2",
-         "jamba", "glm4_moe", "ernie4_5", "exaone4", "seed_oss", "diffllama"]
+         "jamba", "glm4_moe", "ernie4_5", "exaone4", "seed_oss", "diffllama", "gpt_neo"]
 STEPS = 12
 SCALE = 1.5  # the edit: the middle block's output scaled
 STRENGTH = 0.5  # the control vector's strength; its direction has the block output's RMS
-
-
-def _no_cache(cls, layer):
-    return (f"{cls}: decoder layer 0 ({layer}) has no attention that transformers' attention interface sees and "
-            f"takes no `cache` argument; the generic path caches attention and the state of layers that keep it in "
-            f"transformers' Cache API")
 
 
 def _not_cached(cls, position):
@@ -42,9 +36,6 @@ def _not_cached(cls, position):
 
 # type -> (exception, message) of kw.from_hf, as the run gives them
 AT_BUILD = {
-    # attention computed inside the module (ALiBi added to the scores), not through the interface
-    "bloom": (ValueError, _no_cache("BloomForCausalLM", "BloomBlock")),
-    "mpt": (ValueError, _no_cache("MptForCausalLM", "MptBlock")),
     # refused by the build's cached-decoding check: Llama 4's chunked attention (each token sees its
     # own chunk of attention_chunk_size only, neither a full nor a sliding mask)
     "llama4_text": (ValueError, _not_cached("Llama4ForCausalLM", 6)),

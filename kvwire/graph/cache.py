@@ -3,7 +3,8 @@
 The pass traces the module at "layer" depth and rewrites it:
 - new inputs `positions` (B, T), `cache_index` (), `attention_mask` (B, max_length), `cache`
   (one (key, value) pair per cached layer call);
-- every layer that needs positions is called through `forward_cached(x, positions=...)`;
+- every layer that needs positions is called through `forward_cached(x, positions=...)`, with
+  `cache_index` and `attention_mask` too where it sets `uses_timeline`;
 - every layer with a `cache_spec` is called through `forward_cached(...)` with its own cache pair,
   and its next cache is collected; a layer with `cache_parts` (several caches, a hybrid decoder
   layer's keys/values and recurrent state) gets a tuple of pairs, one slot each;
@@ -86,6 +87,8 @@ def _rewire(gm):
         with graph.inserting_before(node):
             owner = graph.get_attr(node.target)
             kwargs = {"positions": inputs["positions"]}
+            if getattr(module, "uses_timeline", False):  # reads where each row is in the cache, keeps none
+                kwargs.update(cache_index=inputs["cache_index"], attention_mask=inputs["attention_mask"])
             for name, dtype in wanted.items():
                 if name not in runtime:
                     runtime[name] = _RuntimeInput(dtype, node.target, _add_input(graph, name))

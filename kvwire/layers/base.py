@@ -8,6 +8,9 @@ Protocol, used by `kw.with_cache`:
 
 - A layer that needs positions defines `uses_positions = True` and
   `forward_cached(x, *, positions)`; plainly called it uses `arange(T)`.
+- A layer that needs to know where each row stands in the cache without keeping one (the generic
+  path's prelude, building masks over the cache's columns) also sets `uses_timeline = True`: its
+  `forward_cached` then gets `cache_index` and `attention_mask` as keywords too.
 - A layer that needs past keys/values defines `cache_spec(batch_size, max_length, dtype)` returning
   the `(key_shape, value_shape)` it needs, and
   `forward_cached(x, *, positions, cache_index, attention_mask, cache) -> (out, next_cache)`.

@@ -25,7 +25,9 @@ def from_transformers(model):
     (`kvwire.models.generic.state`), beside their keys and values where they also attend. Where
     their mixer's call of several tokens ignores the state it is handed (transformers' Mamba-1
     scan), chunks that continue a state go through it one token at a time
-    (`kvwire.models.generic.stepping`).
+    (`kvwire.models.generic.stepping`). Layers computing attention themselves over what
+    transformers' Cache API returns them (ALiBi, position biases by key column) keep their keys and
+    values in a slot the cache's `update` fills (`kvwire.models.generic.timeline`).
 
     Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention, a
     decoder layer whose attention transformers' interface never sees and that keeps no state in
@@ -97,7 +99,8 @@ def _find_states(name, model, backbone, probe):
     """Give each decoder layer without an attention call the states its mixer keeps in transformers'
     Cache API (`kvwire.models.generic.state`), found by running every layer once on its recorded
     probe call with transformers' own lazily initialised cache layers. Refused: a layer without
-    attention that takes no cache or writes keys/values to it itself, and a layer keeping both
+    attention that takes no cache or writes keys/values to it itself, unless it attends over what
+    the Cache API returns it (`_find_hand`), and a layer keeping both
     keys/values and state whose mixer is not one of its modules taking an `attention_mask` (the
     padding mask that keeps left pads out of the state). A layer that keeps nothing stays uncached."""
     # cache layers are indexed by the mixers' own layer_idx, which need not be the decoder layer's
@@ -115,6 +118,7 @@ def _find_states(name, model, backbone, probe):
                              f"decoder layers recorded ({type(e).__name__}: {e}); the generic path caches attention "
                              f"and the state of layers that keep it in transformers' Cache API") from e
         calls = recorded_calls()
+        refused = {}  # index -> why, for layers that may still attend through the Cache API (`_find_hand`)
         for part in backbone.layers:
             hidden, args, kwargs = calls[part.index]
             layer = type(part.block).__name__
@@ -122,8 +126,8 @@ def _find_states(name, model, backbone, probe):
                     f"interface sees"
             if not takes(part.block, "cache", kwargs):
                 if part.attention is None:
-                    raise ValueError(f"{plain} and takes no `cache` argument; the generic path caches attention and "
-                                     f"the state of layers that keep it in transformers' Cache API")
+                    refused[part.index] = f"{plain} and takes no `cache` argument; the generic path caches " \
+                                          f"attention and the state of layers that keep it in transformers' Cache API"
                 continue
             cache = state_slots.probe_cache(count)
             args_, kwargs_ = with_arguments(part.block, args, kwargs, {"cache": cache})
@@ -148,13 +152,67 @@ def _find_states(name, model, backbone, probe):
                     _both(name, part, layer, states, mixer[0] if mixer else None, count)
                 continue
             if state_slots.wrote_keys(cache):
-                raise ValueError(f"{plain} and computes attention itself (its keys and values go to the cache "
-                                 f"directly); the generic path caches attention that the interface sees and "
-                                 f"recurrent, convolution and linear-attention state")
+                refused[part.index] = f"{plain} and computes attention itself (its keys and values go to the " \
+                                      f"cache directly), but not over what the cache returns it; the generic " \
+                                      f"path caches attention that the interface sees, attention over transformers' " \
+                                      f"Cache API and recurrent, convolution and linear-attention state"
+                if states:  # keys and state both, the keys written by the layer itself
+                    raise ValueError(refused[part.index])
+                continue
             if states:
                 part.states = state_slots.StateCache(states, count)
                 part.__dict__["mixer"] = mixer[0] if mixer else None  # not a submodule: block holds it
             # else a layer with nothing to cache (a feed-forward block): the cached check below has the last word
+    if refused:
+        _find_hand(name, model, backbone, probe, refused, count)
+
+
+def _find_hand(name, model, backbone, probe, refused, count):
+    """Find, among the decoder layers `refused` ({index: why}), those whose attention is computed
+    by one of their modules over what transformers' Cache API returns it (Bloom, MPT, GPT-Neo):
+    the model's forward runs once with a cache, and a layer that hands exactly one key/value pair
+    to `update`, nothing else, gets an attention call `through_cache` (its keys and values in a
+    cache slot, `kvwire.models.generic.timeline`). Any other refused layer raises its reason."""
+    from .parts import cache_argument
+
+    prelude = backbone.prelude
+    base = prelude.base
+    owner, stack, seen = {}, [], {i: [] for i in refused}
+    hooks = []
+    for part in backbone.layers:
+        if part.index in refused:
+            for path, module in part.block.named_modules():
+                owner[id(module)] = (part.index, path)
+                hooks.append(module.register_forward_pre_hook(lambda m, a: stack.append(m)))
+                hooks.append(module.register_forward_hook(lambda m, a, o: None if stack.pop() else None))
+    cache = state_slots.probe_cache(count)
+    update = cache.update
+
+    def watched(key, value, layer_idx, *args, **kwargs):
+        where = owner.get(id(stack[-1])) if stack else None
+        if where is not None:
+            seen[where[0]].append((where[1], key.shape, value.shape))
+        return update(key, value, layer_idx, *args, **kwargs)
+
+    cache.update = watched
+    positions = torch.arange(probe.shape[1], device=probe.device)[None].expand(probe.shape[0], -1)
+    try:
+        with torch.no_grad():
+            base(input_ids=probe, position_ids=positions, use_cache=True, **{cache_argument(base): cache})
+    except Exception:  # noqa: BLE001 - a forward that does not run with a cache: the reasons stand
+        seen = {i: [] for i in refused}
+    finally:
+        for h in hooks:
+            h.remove()
+    for part in backbone.layers:
+        if part.index not in refused:
+            continue
+        updates = seen[part.index]
+        if len(updates) != 1:
+            raise ValueError(refused[part.index])
+        path, key, value = updates[0]
+        part.calls = [AttentionCall(path, key[1], key[-1], value[-1], through_cache=True)]
+    prelude.uses_timeline, prelude.cache_layers = True, count
 
 
 def _both(name, part, layer, states, mixer, count):

@@ -19,7 +19,7 @@ from torch import nn
 
 from ...layers.base import Block, Layer
 from ...layers.inner import InnerSites
-from . import seam, sites, state as state_slots, stepping
+from . import seam, sites, state as state_slots, stepping, timeline
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 
@@ -52,6 +52,12 @@ class _Recorder(nn.Module):
         return (hidden,) + (None,) * (self.returns_tuple - 1) if self.returns_tuple else hidden
 
 
+def cache_argument(base):
+    """The name under which the base model's forward takes a transformers cache."""
+    names = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
 def recorded_calls():
     """[(hidden, args, kwargs)] per decoder layer, as the last prelude call in this context recorded them."""
     return _calls.get()
@@ -68,11 +74,15 @@ class Prelude(Layer):
     """
 
     uses_positions = True
+    # set by the build where a decoder layer attends through transformers' Cache API: cached calls
+    # then take cache_index and attention_mask too, and run the forward with a timeline cache
+    uses_timeline = False
 
     def __init__(self, base, layers_name, returns_tuple):
         super().__init__()
         self.__dict__["base"] = base  # not a submodule: its weights belong to the backbone's parts
         self.layers_name, self.returns_tuple = layers_name, returns_tuple
+        self.cache_layers = 0  # the transformers cache layers a timeline cache holds
         # made once: a call only swaps them in (not a submodule: they hold no weights)
         self.__dict__["recorders"] = nn.ModuleList(_Recorder(i, returns_tuple, layer)
                                                    for i, layer in enumerate(getattr(base, layers_name)))
@@ -82,13 +92,20 @@ class Prelude(Layer):
         positions = torch.arange(T, device=token_ids.device)[None].expand(B, T)
         return self.forward_cached(token_ids, positions=positions)
 
-    def forward_cached(self, token_ids, *, positions):
+    def forward_cached(self, token_ids, *, positions, cache_index=None, attention_mask=None):
         layers = getattr(self.base, self.layers_name)
         store = [None] * len(layers)
         _calls.set(store)  # the recorders fill it; the decoder layers read it
+        kwargs = {"use_cache": False}
+        if self.uses_timeline and cache_index is not None:
+            # the forward as transformers runs it with a cache: masks and biases over the timeline's
+            # columns (`kvwire.models.generic.timeline`), the cache handed to the layers that update it
+            kwargs = {"use_cache": True, "attention_mask": timeline.padding_mask(cache_index, token_ids.shape[1],
+                                                                                 attention_mask),
+                      cache_argument(self.base): timeline.timeline_cache(self.cache_layers, attention_mask.shape[1])}
         setattr(self.base, self.layers_name, self.recorders)
         try:
-            self.base(input_ids=token_ids, position_ids=positions, use_cache=False)
+            self.base(input_ids=token_ids, position_ids=positions, **kwargs)
         finally:
             setattr(self.base, self.layers_name, layers)
         missing = [i for i, call in enumerate(store) if call is None]
@@ -102,7 +119,9 @@ class AttentionCall:
     """One attention call of a decoder layer as the build's probe saw it: the path of the
     transformers module making it inside the layer ("" the layer itself; a path, not the module, so
     copies and shells of the layer resolve their own), its key heads, key and value sizes, sliding
-    window (None: full) and whether kvwire's attention math gave the module's own output (`seam`)."""
+    window (None: full) and whether kvwire's attention math gave the module's own output (`seam`).
+    A call `through_cache` is a module that computes attention itself over what transformers'
+    Cache API returns it (`kvwire.models.generic.timeline`), not through the attention interface."""
 
     path: str
     kv_heads: int
@@ -110,6 +129,7 @@ class AttentionCall:
     value_size: int
     window: int = None
     plain_math: bool = False
+    through_cache: bool = False
 
     def cache_spec(self, batch_size, max_length):
         """(key shape, value shape): (B, key heads, slots, size), slots the window - 1 of a sliding
@@ -221,6 +241,13 @@ class DecoderLayer(InnerSites, Block):
             return self._run(x, positions, inputs, gate)
         if self.attention is None:
             return self._with_state(x, gate, positions, inputs, cache, cache_index, attention_mask)
+        if self.calls[0].through_cache:
+            with timeline.handing(timeline.Handing(cache, cache_index)) as state:
+                out = self._run(x, positions, inputs, gate)
+            if state.calls != 1:
+                raise RuntimeError(f"decoder layer {self.index} wrote {state.calls} key/value pairs to its cache in one "
+                                   f"step; the build's probe saw one")
+            return out, state.cache
         parts = [cache] if self.cache_parts is None else list(cache)  # the caches in `cache_parts` order
         slot = parts.pop() if self.states is not None else None
         states = [seam.Attending(self.block.get_submodule(call.path), call.window, pair, cache_index, attention_mask,

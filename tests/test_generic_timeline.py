@@ -1,0 +1,77 @@
+"""Decoder layers that compute attention themselves over what transformers' Cache API returns
+them (`kvwire.models.generic.timeline`): Bloom (ALiBi from the padding mask's running count), MPT
+(ALiBi by key column) and GPT-Neo (learned positions, a local band by key column). The columns
+they see put the cache right-aligned before the chunk, so biases by column and by count hold for
+every row wherever it stands in its cache. Their logits, cached greedy tokens, padded rows, edits
+and control vectors against transformers are in tests/test_generic_families.py."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvwire as kw
+from kvwire.generate import Engine
+from kvwire.models.generic import timeline
+
+from .generic_configs import PROMPT_IDS, tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+TYPES = ["bloom", "mpt", "gpt_neo"]
+L = 40
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def model(request):
+    original = tiny_model(request.param)
+    hf = copy.deepcopy(original)  # kw.from_hf sets the original's attention implementation to kvwire's
+    return SimpleNamespace(hf=hf, lm=kw.from_hf(original, generic=True))
+
+
+def test_layers_attend_through_the_cache_api(model):
+    parts = model.lm.backbone.layers
+    assert all(part.calls and part.calls[0].through_cache for part in parts)
+    assert model.lm.backbone.prelude.uses_timeline
+    assert all(part.cache_spec(2, L, torch.float32)[0][2] == L for part in parts)  # full length, no ring
+
+
+def test_rows_joining_a_batch_at_other_cache_indices_equal_each_alone(model):
+    """The engine's rows stand at different cache indices (per-row cache_index) and are prefilled
+    2 tokens a step: each row's tokens and log-probabilities equal its own run."""
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g).tolist() for n in (6, 9, 4)]
+    budgets = [8, 5, 7]
+    engine = Engine(model.lm, max_batch=2, max_length=L, prefill_chunk=2)
+    first = engine.submit(rows[0], budgets[0])
+    for i, _ in enumerate(engine.run([first])):
+        if i >= 3:
+            break
+    later = [engine.submit(r, n) for r, n in zip(rows[1:], budgets[1:])]
+    for _ in engine.run([first, *later]):
+        pass
+    for seq, row, n in zip([first, *later], rows, budgets):
+        alone = model.lm.generate(torch.tensor(row), max_new_tokens=n, ignore_eos=True, return_logprobs=True)
+        assert seq.tokens == alone.tokens[0]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(alone.logprobs[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_columns_put_each_rows_cache_right_aligned_before_the_chunk():
+    """Row 0 has written 3 indices (index 0 a pad), row 1 five, of 8; a 2-token chunk follows."""
+    cache_index = torch.tensor([3, 5])
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 0] = 0
+    index, held = timeline.aligned(cache_index, 8)
+    assert held.tolist() == [[-5, -4, -3, -2, -1, 0, 1, 2], [-3, -2, -1, 0, 1, 2, 3, 4]]
+    assert index.tolist() == [[3, 4, 5, 6, 7, 0, 1, 2], [5, 6, 7, 0, 1, 2, 3, 4]]
+    columns = timeline.padding_mask(cache_index, 2, mask)
+    assert columns.tolist() == [[0, 0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]]
+    # one index for the batch (exported graphs): the same columns for every row
+    assert timeline.padding_mask(torch.tensor(3), 2, mask).tolist()[0] == columns.tolist()[0]
+
+
+def test_the_cache_outside_a_cached_call_is_refused():
+    cache = timeline.timeline_cache(2, 4)
+    k = torch.zeros(1, 1, 1, 2)
+    with pytest.raises(RuntimeError, match="outside its cached call"):
+        cache.update(k, k, 0)
