@@ -14,7 +14,7 @@ import kvwire as kw
 from kvwire.generate import Engine
 from kvwire.models.generic import timeline
 
-from .generic_configs import PROMPT_IDS, tiny_model
+from .generic_configs import PROMPT_IDS, hf_logits, prompt, rollout, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,3 +75,17 @@ def test_the_cache_outside_a_cached_call_is_refused():
     k = torch.zeros(1, 1, 1, 2)
     with pytest.raises(RuntimeError, match="outside its cached call"):
         cache.update(k, k, 0)
+
+
+def test_an_alibi_model_exports_to_onnx_and_runs_transformers_tokens(tmp_path):
+    """The timeline's columns, cache and masks trace into the exported step (one cache index for
+    the batch) like the rest of the graph."""
+    pytest.importorskip("onnxruntime")
+    from kvwire.export import load_exported
+
+    original = tiny_model("bloom")
+    hf = copy.deepcopy(original)
+    kw.export(kw.from_hf(original, generic=True), tmp_path / "m.onnx", max_length=48)
+    ids = prompt(1, 9, 6)
+    got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist()
+    assert got[-12:] == rollout(lambda x: hf_logits(hf, x), ids, 12)[0].tolist()
