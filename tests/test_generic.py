@@ -216,6 +216,25 @@ def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, 
     assert got[-8:] == rollout(hf, ids, 8)[0].tolist()
 
 
+def test_a_window_only_the_mask_keeps_is_read_from_the_mask():
+    """PhiMoE passes no window to the attention function and keeps none on its modules: its sliding
+    window is in transformers' mask alone. The probe reads it there, and a ring cache of that window
+    gives transformers' tokens past it (prompt and generation longer than the window of 6)."""
+    from kvwire.models.generic.seam import mask_window
+
+    hf, lm = _generic("phimoe")
+    assert {part.window for part in lm.backbone.layers} == {6}
+    ids = prompt(1, 9, 3)
+    assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+    i = torch.arange(8)
+    behind = i[:, None] - i[None, :]
+    additive = torch.zeros(8, 8).masked_fill(~((behind >= 0) & (behind < 3)), torch.finfo(torch.float32).min)
+    assert mask_window(additive[None, None], 8) == 3
+    assert mask_window((behind >= 0)[None, None], 8) is None  # full causal
+    assert mask_window(((behind >= 0) & (i[:, None] // 4 == i[None, :] // 4))[None, None], 8) is None  # chunked
+    assert mask_window(None, 8) is None
+
+
 def _generic(model_type):
     """(transformers' tiny model of `model_type`, kvwire's generic model over a copy of its weights)."""
     original = tiny_model(model_type)

@@ -28,17 +28,13 @@ SCALE = 1.5  # the edit: the middle block's output scaled
 STRENGTH = 0.5  # the control vector's strength; its direction has the block output's RMS
 
 
-def _not_cached(cls, position):
-    return (f"{cls}: cached decoding does not reproduce the model's own logits (first at position {position} of a "
-            f"12-token probe, prefilled to 8); its layers depend on more than their keys and values (positions read "
-            f"from transformers' cache object, chunked attention), which the generic path does not carry yet")
-
-
 # type -> (exception, message) of kw.from_hf, as the run gives them
 AT_BUILD = {
-    # refused by the build's cached-decoding check: Llama 4's chunked attention (each token sees its
-    # own chunk of attention_chunk_size only, neither a full nor a sliding mask)
-    "llama4_text": (ValueError, _not_cached("Llama4ForCausalLM", 6)),
+    # refused by the build's cached checks: Llama 4's attention temperature (its NoPE layers) counts
+    # positions from the past length transformers' cache reports, one number for the batch
+    "llama4_text": (ValueError, "Llama4ForCausalLM: its layers compute with the number of past tokens "
+                                "transformers' cache reports (one number for the batch), which cannot say where "
+                                "each of kvwire's rows stands"),
     # keys longer than the chunk (compressed keys appended to the window's: per-layer state)
     "deepseek_v4": (ValueError, "DeepseekV4ForCausalLM: cached decoding fails (RuntimeError: The size of tensor a "
                                 "(15) must match the size of tensor b (13) at non-singleton dimension 3); its layers "

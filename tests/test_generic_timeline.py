@@ -1,6 +1,7 @@
 """Decoder layers that compute attention themselves over what transformers' Cache API returns
 them (`kvwire.models.generic.timeline`): Bloom (ALiBi from the padding mask's running count), MPT
-(ALiBi by key column) and GPT-Neo (learned positions, a local band by key column). The columns
+(ALiBi by key column), GPT-Neo (learned positions, a local band by key column) and Doge (whose
+mask is computed from the values the cache returns). The columns
 they see put the cache right-aligned before the chunk, so biases by column and by count hold for
 every row wherever it stands in its cache. Their logits, cached greedy tokens, padded rows, edits
 and control vectors against transformers are in tests/test_generic_families.py."""
@@ -18,7 +19,9 @@ from .generic_configs import PROMPT_IDS, hf_logits, prompt, rollout, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-TYPES = ["bloom", "mpt", "gpt_neo"]
+# ALiBi by count; ALiBi by column; a local band by column; attention through the interface whose
+# mask is computed from the cache's values (Doge's dynamic mask: tried through the interface first)
+TYPES = ["bloom", "mpt", "gpt_neo", "doge"]
 L = 40
 
 

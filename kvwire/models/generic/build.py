@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ...layers.linear import Linear, WeightPack
-from . import seam, state as state_slots
+from . import seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .parts import AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls, takes, with_arguments
 from .sites import find_sites, install
@@ -85,14 +85,55 @@ def from_transformers(model):
                          f"(max difference {diff:.3g}); its forward does more than prelude, decoder layers and "
                          f"final modules")
     try:
-        check_decoding(name, backbone, head, probe, seen["logits"])
-        check_chunks(name, backbone, head, probe, seen["logits"])
-    except (RuntimeError, IndexError, TypeError) as e:  # a layer that cannot run on a cache slot at all
-        raise ValueError(f"{name}: cached decoding fails ({type(e).__name__}: {e}); its layers depend on more than "
-                         f"their keys and values, which the generic path does not carry yet") from e
+        _check_cached(name, backbone, head, probe, seen["logits"])
+    except ValueError as e:
+        # attention whose module does more with its keys than hand them to the interface (a mask or
+        # scale computed from the cache's length or contents): tried again through the Cache API
+        if backbone.prelude.uses_timeline or any(part.states is not None for part in backbone.layers):
+            raise
+        calls = [part.calls for part in backbone.layers]
+        try:
+            _find_hand(name, model, backbone, probe, {p.index: str(e) for p in backbone.layers if p.calls},
+                       _cache_layer_count(model, backbone))
+            _check_cached(name, backbone, head, probe, seen["logits"])
+        except ValueError as again:
+            for part, kept in zip(backbone.layers, calls):
+                part.calls = kept
+            backbone.prelude.uses_timeline = False
+            raise (ValueError(str(again)) if isinstance(again, _PastLength) else e) from None
     _find_sites(backbone, probe)
     _kvwire_linears(model)
     return backbone, head, config
+
+
+class _PastLength(ValueError):
+    """A model right through the Cache API but for the past length it reads there (`_check_cached`)."""
+
+
+def _check_cached(name, backbone, head, probe, expected):
+    """The build's cached checks (`kvwire.models.generic.checks`), a layer that cannot run on a cache
+    slot at all refused as they refuse one that runs wrong (ValueError)."""
+    try:
+        check_decoding(name, backbone, head, probe, expected)
+        check_chunks(name, backbone, head, probe, expected)
+        if backbone.prelude.uses_timeline:
+            try:
+                with timeline.shifted(1 << 20):
+                    check_decoding(name, backbone, head, probe, expected)
+            except ValueError:
+                raise _PastLength(f"{name}: its layers compute with the number of past tokens transformers' cache "
+                                 f"reports (one number for the batch), which cannot say where each of kvwire's "
+                                 f"rows stands") from None
+    except (RuntimeError, IndexError, TypeError) as e:
+        raise ValueError(f"{name}: cached decoding fails ({type(e).__name__}: {e}); its layers depend on more than "
+                         f"their keys and values, which the generic path does not carry yet") from e
+
+
+def _cache_layer_count(model, backbone):
+    """How many layers a transformers cache of the model holds: indexed by the mixers' own
+    layer_idx, which need not be the decoder layer's."""
+    return max([len(backbone.layers)] + [m.layer_idx + 1 for m in model.modules()
+                                         if isinstance(getattr(m, "layer_idx", None), int)])
 
 
 def _find_states(name, model, backbone, probe):
@@ -103,9 +144,7 @@ def _find_states(name, model, backbone, probe):
     the Cache API returns it (`_find_hand`), and a layer keeping both
     keys/values and state whose mixer is not one of its modules taking an `attention_mask` (the
     padding mask that keeps left pads out of the state). A layer that keeps nothing stays uncached."""
-    # cache layers are indexed by the mixers' own layer_idx, which need not be the decoder layer's
-    count = max([len(backbone.layers)] + [m.layer_idx + 1 for m in model.modules()
-                                           if isinstance(getattr(m, "layer_idx", None), int)])
+    count = _cache_layer_count(model, backbone)
     with torch.no_grad():
         try:
             backbone.prelude(probe)

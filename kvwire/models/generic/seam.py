@@ -111,8 +111,10 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         watcher = _watcher.get()
         if watcher is not None:
             # the window the module passes for this call (None on full layers whose module still
-            # keeps the config's window), else the module's own
+            # keeps the config's window), else the module's own, else one only its mask shows
             window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+            if window is None:
+                window = mask_window(attention_mask, query.shape[2])
             watcher(module, key, value, window, _plain_math_fits(module, query, key, value, window, kwargs, out[0]))
         return out
     window = state.window
@@ -132,6 +134,27 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     out = eager(module, query, keys, values, bias, **kwargs)
     state.cache = write_chunk(state.cache, key.float(), value.float(), state.cache_index)
     return out
+
+
+def mask_window(mask, T):
+    """The sliding window w < T a probe's mask keeps (query q sees keys q - w < k <= q), else None.
+
+    For attention modules that leave the window to the mask alone (they pass none to the attention
+    function and keep none themselves): mask is transformers' mask of a T-token call without
+    padding or cache, (B, 1, T, T), bool (True: seen) or additive float (0: seen). A window of T or
+    more looks like full causal attention to a T-token probe, and any other pattern is not a
+    window: both give None.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (T, T):
+        return None
+    seen = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+    i = torch.arange(T, device=mask.device)
+    behind = i[:, None] - i[None, :]  # how far key k is behind query q
+    if not torch.equal(seen, behind >= 0):  # not plain causal
+        for w in range(1, T):
+            if torch.equal(seen, (behind >= 0) & (behind < w)):
+                return w
+    return None
 
 
 def _unproxied(module):

@@ -14,7 +14,10 @@ cache_index - S + c (`aligned`), so a column's distance from a query is its dist
 sequence and every mask and bias the forward builds by column or by count is right for each row,
 whatever its own cache_index. The layer's `update(key, value)` returns the cache's keys/values in
 that order followed by the chunk's, and the chunk is written into kvwire's cache (`handing`).
-Absolute indices before a row's start are invalid columns of the padding mask.
+Absolute indices before a row's start are invalid columns of the padding mask. The cache reports
+S past tokens (the columns before the chunk): right for the masks' sizes, but not a row's position,
+so a model whose layers compute with that number (Llama 4's attention temperature) is refused by
+the build (`shifted`).
 
 The cache holds max_length slots (no ring): the columns are re-ordered per step (a gather), which
 costs a copy of the layer's keys and values each step.
@@ -29,6 +32,7 @@ from ...layers.attention import write_chunk
 from ...layers.masks import per_row
 
 _active = contextvars.ContextVar("kvwire_generic_timeline_layer", default=None)
+_shift = contextvars.ContextVar("kvwire_generic_timeline_shift", default=0)
 
 
 @dataclass
@@ -49,6 +53,18 @@ def handing(state):
         yield state
     finally:
         _active.reset(token)
+
+
+@contextmanager
+def shifted(by):
+    """Inside: the past length a timeline cache reports to a decoder layer's own call is `by`
+    larger (the build's check that no layer computes with it: kvwire's rows each stand at their
+    own position, which one number for the batch cannot say)."""
+    token = _shift.set(by)
+    try:
+        yield
+    finally:
+        _shift.reset(token)
 
 
 def aligned(cache_index, slots):
@@ -107,7 +123,8 @@ def _layer_class():
             return self.slots + query_length, 0
 
         def get_seq_length(self):
-            return self.slots
+            # the columns before the chunk; a layer's own call may see it shifted (`shifted`)
+            return self.slots + (_shift.get() if _active.get() is not None else 0)
 
         def get_max_length(self):
             return self.slots
