@@ -253,3 +253,29 @@ def test_layers_that_pass_each_other_more_than_the_hidden_states_are_refused():
     with pytest.raises(ValueError, match=r"HYV4ForCausalLM: its decoder layers do not run one after another .*"
                                          r"Shared DSA layers require top-k indices"):
         kw.from_hf(tiny_model("hy_v4"), generic=True)
+
+
+def test_what_the_forward_does_after_its_layers_runs_as_transformers_writes_it():
+    """Gemma 3n's layers carry a stack of AltUp streams; after the last layer its forward unembeds
+    and averages them (not modules one after another): the tail replays the forward with stand-ins
+    for the layers, and cached greedy tokens equal transformers' rollout."""
+    from kvwire.models.generic.parts import ReplayTail
+
+    hf, lm = _generic("gemma3n_text")
+    assert isinstance(lm.backbone.tail, ReplayTail)
+    ids = prompt(1, 7, 4)
+    assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def test_the_probe_avoids_the_ids_a_multimodal_config_names_special():
+    """Gemma 4's multimodal wrapper swaps the embeddings of its image/audio/video placeholder ids
+    for encoder outputs; the build's probe draws none of them, and text generation equals
+    transformers'."""
+    from kvwire.models.generic.build import _probe_ids, _special_ids
+
+    hf, lm = _generic("gemma4")
+    special = _special_ids(hf.config)
+    assert {hf.config.image_token_id, hf.config.audio_token_id} <= special
+    assert not set(_probe_ids(hf.config.get_text_config(), hf).flatten().tolist()) & special
+    ids = prompt(1, 7, 5)
+    assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()

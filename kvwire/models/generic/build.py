@@ -11,7 +11,8 @@ from torch import nn
 from ...layers.linear import Linear, WeightPack
 from . import seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
-from .parts import AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, Tail, recorded_calls, takes, with_arguments
+from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, recorded_calls, takes,
+                    with_arguments)
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
@@ -76,9 +77,13 @@ def from_transformers(model):
             raise ValueError(f"{name}: its decoder layers do not run one after another on the arguments the model's "
                              f"forward gives them ({type(e).__name__}: {e}); its layers pass each other more than the "
                              f"hidden states, which the generic path does not carry") from e
-        if not close(head(hidden), seen["logits"]):
-            head = Head(model, base_name, plain=False, output_class=seen["output_class"])
-        logits = head(hidden)
+        head, logits = _fit_head(model, base_name, seen, hidden)
+        if not close(logits, seen["logits"]):  # more after the layers than modules one after another
+            tail = backbone.tail
+            backbone.tail = ReplayTail(base, layers_name, seen["returns_tuple"])
+            head, logits = _fit_head(model, base_name, seen, backbone(probe))
+            if not close(logits, seen["logits"]):
+                backbone.tail = tail
     if not close(logits, seen["logits"]):
         diff = (logits - seen["logits"]).abs().max().item()
         raise ValueError(f"{name}: the generic path does not reproduce the model's own logits on a probe "
@@ -104,6 +109,15 @@ def from_transformers(model):
     _find_sites(backbone, probe)
     _kvwire_linears(model)
     return backbone, head, config
+
+
+def _fit_head(model, base_name, seen, hidden):
+    """(head, its logits of `hidden`): the output embedding alone where that gives the model's own
+    logits on the probe, else the model's forward after its base model (soft-caps, scales)."""
+    head = Head(model, base_name, plain=True, output_class=seen["output_class"])
+    if not close(head(hidden), seen["logits"]):
+        head = Head(model, base_name, plain=False, output_class=seen["output_class"])
+    return head, head(hidden)
 
 
 class _PastLength(ValueError):
@@ -332,10 +346,30 @@ def _decoder_layers(base, config, name):
 
 
 def _probe_ids(config, model):
+    """(2, PROBE_TOKENS) random token ids, none of the ids the model's configs name as special
+    (image, audio, video placeholders: a multimodal forward swaps their embeddings for what it
+    encodes, which a text prompt does not carry)."""
     vocab = model.get_output_embeddings().weight.shape[0]
+    special = _special_ids(model.config) | _special_ids(config)
+    allowed = torch.tensor([i for i in range(min(3, vocab - 1), vocab) if i not in special] or [vocab - 1])
     g = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
-    return torch.randint(min(3, vocab - 1), vocab, (2, PROBE_TOKENS), generator=g).to(device)
+    return allowed[torch.randint(len(allowed), (2, PROBE_TOKENS), generator=g)].to(device)
+
+
+def _special_ids(config, depth=0):
+    """The ids a config (and its sub-configs) names in its *_token_id / *_token_index fields, but
+    for padding, beginning and end of text."""
+    from transformers import PretrainedConfig
+
+    found = set()
+    for name, value in vars(config).items():
+        if name.endswith(("_token_id", "_token_index")) and name not in ("pad_token_id", "bos_token_id",
+                                                                            "eos_token_id"):
+            found.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+        elif depth < 2 and isinstance(value, PretrainedConfig):  # a sub-config (text, vision, audio)
+            found |= _special_ids(value, depth + 1)
+    return found
 
 
 def _watch(model, base, layers, probe):

@@ -338,6 +338,65 @@ class Tail(Layer):
         return x
 
 
+class _Replayer(_Recorder):
+    """Stands in for decoder layer `index` during a `ReplayTail`'s run: the last layer returns the
+    tail's input (`value`, set for the run), the others what they were given."""
+
+    def __init__(self, index, returns_tuple, layer, last):
+        super().__init__(index, returns_tuple, layer)
+        self.last, self.value = last, None
+
+    def forward(self, *args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.last:
+            hidden = self.value
+        return (hidden,) + (None,) * (self.returns_tuple - 1) if self.returns_tuple else hidden
+
+
+class ReplayTail(Layer):
+    """hidden after the last decoder layer -> the base model's output, by running the model's
+    forward again with stand-ins for its layers, the last returning `hidden`: what the forward does
+    after its layers (Gemma 3n's AltUp unembedding and averaging, not just modules one after
+    another) runs as transformers writes it. The forward's input ids are zeros and its positions the
+    step's; code after the layers that reads what came before them is not reproduced, which the
+    build's logits check catches. Costs a second run of the forward's code outside the layers.
+
+    Args:
+        base, layers_name, returns_tuple: as `Prelude`'s.
+    """
+
+    uses_positions = True
+
+    def __init__(self, base, layers_name, returns_tuple):
+        super().__init__()
+        self.__dict__["base"] = base  # not a submodule: its weights belong to the backbone's parts
+        self.layers_name = layers_name
+        layers = getattr(base, layers_name)
+        self.__dict__["replayers"] = nn.ModuleList(_Replayer(i, returns_tuple, layer, i == len(layers) - 1)
+                                                   for i, layer in enumerate(layers))
+
+    def forward(self, x):
+        B, T = _batch_and_length(x)
+        return self.forward_cached(x, positions=torch.arange(T, device=x.device)[None].expand(B, T))
+
+    def forward_cached(self, x, *, positions):
+        layers = getattr(self.base, self.layers_name)
+        self.replayers[-1].value = x
+        setattr(self.base, self.layers_name, self.replayers)
+        try:
+            out = self.base(input_ids=torch.zeros_like(positions), position_ids=positions, use_cache=False)
+        finally:
+            setattr(self.base, self.layers_name, layers)
+            self.replayers[-1].value = None
+        return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+def _batch_and_length(x):
+    """(B, T) of hidden states between decoder layers: (B, T, D), or (S, B, T, D) where a family
+    carries several streams (Gemma 3n's AltUp)."""
+    return tuple(x.shape[-3:-1])
+
+
 class Head(Layer):
     """hidden (B, T, D) -> logits (B, T, V) as the transformers model computes them: its output
     embedding, then whatever its forward does after it (soft-caps, scales), found by running its
