@@ -279,3 +279,27 @@ def test_the_probe_avoids_the_ids_a_multimodal_config_names_special():
     assert not set(_probe_ids(hf.config.get_text_config(), hf).flatten().tolist()) & special
     ids = prompt(1, 7, 5)
     assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def test_a_layer_the_forward_skips_on_text_is_the_identity():
+    """Mllama's forward skips its cross-attention layers when there are no image states: on text
+    they are identities in kvwire too, still counted by `layers.N`."""
+    from kvwire.models.generic.parts import UncalledLayer
+
+    hf, lm = _generic("mllama")
+    skipped = [i for i, part in enumerate(lm.backbone.layers) if isinstance(part, UncalledLayer)]
+    config = hf.config.get_text_config()
+    assert len(lm.backbone.layers) == config.num_hidden_layers
+    assert skipped and skipped == [i for i in config.cross_attention_layers if i < config.num_hidden_layers]
+    ids = prompt(1, 7, 6)
+    assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def test_decoder_layers_whose_count_is_of_sublayers_are_found():
+    """LongCat-Flash's num_hidden_layers counts sublayers (two attention calls and two MLPs per
+    decoder layer): the base model's one list of layers is taken, each layer caching two calls."""
+    hf, lm = _generic("longcat_flash")
+    assert len(lm.backbone.layers) * 2 == hf.config.num_hidden_layers
+    assert all(len(part.calls) == 2 for part in lm.backbone.layers)
+    ids = prompt(1, 7, 7)
+    assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()

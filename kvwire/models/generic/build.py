@@ -11,8 +11,8 @@ from torch import nn
 from ...layers.linear import Linear, WeightPack
 from . import seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
-from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, recorded_calls, takes,
-                    with_arguments)
+from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
+                    recorded_calls, takes, with_arguments)
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
@@ -43,7 +43,8 @@ def from_transformers(model):
     seam.register()
     _use_kvwire_attention(model)
     base_name, base = _base(model, config)
-    layers_name, layers = _decoder_layers(base, config, name)
+    getter = getattr(model, "get_decoder", None)
+    layers_name, layers = _decoder_layers(base, config, name, callable(getter) and getter() is base)
     probe = _probe_ids(config, model)
     was_training = model.training
     model.eval()
@@ -54,6 +55,9 @@ def from_transformers(model):
         model.train(was_training)
     parts = []
     for i, layer in enumerate(layers):
+        if i in seen["uncalled"]:  # the forward skips it on text (Mllama's cross-attention layers)
+            parts.append(UncalledLayer(layer, i))
+            continue
         calls = seen["attention"][i]
         if not calls:  # a recurrent or state-space mixer, or nothing cached: the probe below decides
             parts.append(DecoderLayer(layer, i))
@@ -66,7 +70,7 @@ def from_transformers(model):
         parts.append(DecoderLayer(layer, i, [AttentionCall(paths[id(module)], *shape) for module, *shape in calls]))
     tail_names = seen["tail"]
     stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
-    backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"]), parts,
+    backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"], seen["uncalled"]), parts,
                                Tail([getattr(base, n) for n in tail_names]), stem)
     _find_states(name, model, backbone, probe)
     head = Head(model, base_name, plain=True, output_class=seen["output_class"])
@@ -173,6 +177,8 @@ def _find_states(name, model, backbone, probe):
         calls = recorded_calls()
         refused = {}  # index -> why, for layers that may still attend through the Cache API (`_find_hand`)
         for part in backbone.layers:
+            if isinstance(part, UncalledLayer):
+                continue
             hidden, args, kwargs = calls[part.index]
             layer = type(part.block).__name__
             plain = f"{name}: decoder layer {part.index} ({layer}) has no attention that transformers' attention " \
@@ -290,6 +296,8 @@ def _find_sites(backbone, probe):
         x = backbone.prelude(probe)
         calls = recorded_calls()
         for part in backbone.layers:
+            if isinstance(part, UncalledLayer):
+                continue
             _, args, kwargs = calls[part.index]
             mixer = part.attention if part.attention is not None else part.mixer
             points, heads_width = find_sites(part.block, mixer, x, args, kwargs,
@@ -322,23 +330,33 @@ def _use_kvwire_attention(model):
 
 def _base(model, config):
     """(dotted path, module) of the base model inside a causal LM: the module holding its list of
-    num_hidden_layers decoder layers (`get_decoder()` where that is it)."""
+    num_hidden_layers decoder layers (`get_decoder()` where that is it, and there also the one
+    list of layers it holds where num_hidden_layers counts sublayers: LongCat-Flash's two per layer)."""
     n = getattr(config, "num_hidden_layers", None)
     getter = getattr(model, "get_decoder", None)
-    candidates = [getter()] if callable(getter) else []
+    decoder = getter() if callable(getter) else None
+    candidates = [decoder] if decoder is not None else []
     candidates += [m for _, m in model.named_modules()
                    if any(isinstance(c, nn.ModuleList) and len(c) == n for c in m.children())]
     for base in candidates:
         path = next((p for p, m in model.named_modules() if m is base and p), None)
-        if path is not None and any(isinstance(c, nn.ModuleList) and len(c) == n for c in base.children()):
+        if path is not None and _layer_lists(base, n, base is decoder):
             return path, base
     raise ValueError(f"{type(model).__name__}: cannot find its base model (the module holding its {n} decoder "
                      f"layers, num_hidden_layers); expected a transformers ...ForCausalLM")
 
 
-def _decoder_layers(base, config, name):
+def _layer_lists(base, n, decoder):
+    """[(name, ModuleList)] of `base`'s children that may be its decoder layers: those of n
+    layers, else (for the model's own `get_decoder()`) its only list."""
+    lists = [(k, v) for k, v in base.named_children() if isinstance(v, nn.ModuleList)]
+    sized = [(k, v) for k, v in lists if len(v) == n]
+    return sized or (lists if decoder and len(lists) == 1 else [])
+
+
+def _decoder_layers(base, config, name, decoder):
     n = getattr(config, "num_hidden_layers", None)
-    lists = [(k, v) for k, v in base.named_children() if isinstance(v, nn.ModuleList) and len(v) == n]
+    lists = _layer_lists(base, n, decoder)
     if len(lists) != 1:
         raise ValueError(f"{name}: expected one list of {n} decoder layers (num_hidden_layers) in "
                          f"{type(base).__name__}; found {[k for k, _ in lists] or 'none'}")
@@ -382,9 +400,11 @@ def _watch(model, base, layers, probe):
     returns_tuple, marker = [], _name_of(base, layers)
     hooks = [child.register_forward_hook(lambda m, a, o, n=n: order.append(n)) for n, child in base.named_children()
              if child is not layers]
-    hooks += [layer.register_forward_hook(lambda m, a, o: order.append(marker)) for layer in layers]
-    hooks.append(layers[0].register_forward_hook(lambda m, a, o: returns_tuple.append(
-        len(o) if isinstance(o, tuple) else 0)))
+    called = set()
+    hooks += [layer.register_forward_hook(lambda m, a, o, i=i: (order.append(marker), called.add(i)) and None)
+              for i, layer in enumerate(layers)]
+    hooks += [layer.register_forward_hook(lambda m, a, o: returns_tuple.append(
+        len(o) if isinstance(o, (tuple, list)) else 0)) for layer in layers]
     outputs = []
     hooks.append(base.register_forward_hook(lambda m, a, o: outputs.append(type(o))))
 
@@ -402,7 +422,8 @@ def _watch(model, base, layers, probe):
     layers_at = [k for k, n in enumerate(order) if n == marker]
     tail = [n for n in order[layers_at[-1] + 1:]] if layers_at else []
     return {"logits": logits.float(), "attention": attention, "tail": list(dict.fromkeys(tail)),
-            "returns_tuple": returns_tuple[0] if returns_tuple else 0, "output_class": outputs[0] if outputs else None}
+            "returns_tuple": returns_tuple[0] if returns_tuple else 0, "output_class": outputs[0] if outputs else None,
+            "uncalled": [i for i in range(len(layers)) if i not in called]}
 
 
 def _name_of(base, layers):

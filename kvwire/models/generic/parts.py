@@ -78,10 +78,11 @@ class Prelude(Layer):
     # then take cache_index and attention_mask too, and run the forward with a timeline cache
     uses_timeline = False
 
-    def __init__(self, base, layers_name, returns_tuple):
+    def __init__(self, base, layers_name, returns_tuple, uncalled=()):
         super().__init__()
         self.__dict__["base"] = base  # not a submodule: its weights belong to the backbone's parts
         self.layers_name, self.returns_tuple = layers_name, returns_tuple
+        self.uncalled = set(uncalled)  # layers the forward skips on text (`UncalledLayer`)
         self.cache_layers = 0  # the transformers cache layers a timeline cache holds
         # made once: a call only swaps them in (not a submodule: they hold no weights)
         self.__dict__["recorders"] = nn.ModuleList(_Recorder(i, returns_tuple, layer)
@@ -108,7 +109,7 @@ class Prelude(Layer):
             self.base(input_ids=token_ids, position_ids=positions, **kwargs)
         finally:
             setattr(self.base, self.layers_name, layers)
-        missing = [i for i, call in enumerate(store) if call is None]
+        missing = [i for i, call in enumerate(store) if call is None and i not in self.uncalled]
         if missing:
             raise RuntimeError(f"{type(self.base).__name__}'s forward did not call decoder layers {missing[:8]}")
         return store[0][0]
@@ -215,7 +216,7 @@ class DecoderLayer(InnerSites, Block):
                 out = self.block(x, *args, **kwargs)
         else:
             out = self.block(x, *args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return out[0] if isinstance(out, (tuple, list)) else out
 
     def cache_spec(self, batch_size, max_length, dtype):
         """The first attention call's (key, value) shapes, else the state slot's, else None."""
@@ -276,6 +277,18 @@ class DecoderLayer(InnerSites, Block):
             with state_slots.padding(self.mixer, real.to(torch.long)):
                 out = self._run(x, positions, inputs, gate, {"cache": opened})
         return out, self.states.close(opened, slot)
+
+
+class UncalledLayer(DecoderLayer):
+    """A decoder layer the model's forward does not call on a text prompt (Mllama's cross-attention
+    layers, skipped without image states): the identity, as in transformers, with its
+    "resid_pre" site, so `layers.N` selectors keep counting it."""
+
+    def _run(self, x, positions, inputs, gate=None, given=None):
+        return self.edit_at("resid_pre", x, positions, inputs, gate)
+
+    def forward_cached(self, x, gate=None, *, positions, **inputs):
+        return self._run(x, positions, inputs, gate)
 
 
 class _AttentionPart(nn.Module):
