@@ -100,6 +100,10 @@ OVERRIDES = {
     "cohere_compass_text": dict(rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
                                                  for kind in ("full_attention", "sliding_attention")}),
     "dots3_note_text": _DOTS3,  # Dots3's sliding layers take their own latent-attention sizes
+    # its vision tower's default per-layer settings name layers 25-41
+    "dots3_note": dict(text_config=_DOTS3, vision_config=dict(per_layer_config={}, adapter_in_dim=WIDTH, adapter_out_dim=WIDTH),
+                       audio_config=dict(adapter_out_dim=WIDTH, adapter_input_size=WIDTH, downsample_hidden_size=WIDTH,
+                                         head_dim=16)),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16),
     # per-layer embeddings: a (vocabulary, layers * width) table
     "gemma3n_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
