@@ -101,7 +101,8 @@ OVERRIDES = {
                                                  for kind in ("full_attention", "sliding_attention")}),
     "dots3_note_text": _DOTS3,  # Dots3's sliding layers take their own latent-attention sizes
     # its vision tower's default per-layer settings name layers 25-41
-    "dots3_note": dict(text_config=_DOTS3, vision_config=dict(per_layer_config={}, adapter_in_dim=WIDTH, adapter_out_dim=WIDTH),
+    "dots3_note": dict(text_config=_DOTS3,
+                       vision_config=dict(per_layer_config={}, adapter_in_dim=WIDTH, adapter_out_dim=WIDTH),
                        audio_config=dict(adapter_out_dim=WIDTH, adapter_input_size=WIDTH, downsample_hidden_size=WIDTH,
                                          head_dim=16)),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16),
