@@ -87,13 +87,49 @@ def test_rows_with_different_inline_vectors_batch_as_each_alone(lm, api, server)
     assert bank.digests == [None] * 4  # every slot given back
 
 
-def test_the_prefix_store_keys_on_the_vector(lm, api):
-    vectors = control_vectors(lm)
+def test_the_prefix_store_keys_on_the_vector(lm, api, server):
+    """Another vector in the same slot (every other slot lent) does not reuse the first's keys and
+    values. (Replies are compared within float rounding: a row restored from the prefix store sums
+    in another order than a fresh prefill.)"""
+    vectors, bank = control_vectors(lm), server.app.state.served.inline
     first = ask(api, steer_vectors=[inline(vectors["happy"], 1.0)])
-    # the same prompt with another vector in (probably) the same slot must not reuse the first's keys/values
-    other = ask(api, steer_vectors=[inline(vectors["formal"], 1.0)])
-    assert other == ask(api, steer={"formal": 1.0})
-    assert first == ask(api, steer={"happy": 1.0})
+    slot = bank.held.index(_digest_of(vectors["happy"]))
+    others = [bank.acquire(Inline({1: torch.full((32,), k + 2.0)})) for k in range(bank.slots - 1)]
+    try:
+        assert slot not in others
+        other = ask(api, steer_vectors=[inline(vectors["formal"], 1.0)])
+        assert bank.held[slot] == _digest_of(vectors["formal"])
+    finally:
+        bank.release(others)
+    for got, want in ((other, ask(api, steer={"formal": 1.0})), (first, ask(api, steer={"happy": 1.0}))):
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-4)
+
+
+def test_a_vector_sent_again_takes_its_slot_and_reuses_its_prefix(lm, api, server):
+    """A slot's index is part of its rows' runtime inputs, so of their prefix-store keys: a vector
+    sent again takes the slot it had (others take the slot given back longest ago) and its prompt's
+    keys/values are restored, even when another vector was lent in between."""
+    bank, formal = server.app.state.served.inline, control_vectors(lm)["formal"]
+    body = {"messages": HELLO, "max_tokens": 4, "temperature": 0, "steer_vectors": [inline(formal, 0.7)]}
+    first = api.post("/v1/chat/completions", json=body).json()
+    slot = bank.held.index(_digest_of(formal))
+    other = bank.acquire(Inline({1: torch.ones(32)}))  # another vector, held while the first is sent again
+    try:
+        assert other != slot
+        again = api.post("/v1/chat/completions", json=body).json()
+    finally:
+        bank.release([other])
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert bank.held[slot] == _digest_of(formal)
+
+
+def _digest_of(vector, operation="add"):
+    """The bank's digest of a vector sent inline (`inline`) with `operation`, no bounds."""
+    from kvwire.serve.inline import _digest
+
+    directions = {i: torch.from_numpy(np.asarray(v, dtype="<f4")) for i, v in vector.directions.items()}
+    return f"{operation}:None:None:{_digest(directions)}"
 
 
 def test_busy_slots_answer_429_and_are_given_back(lm, server, api):

@@ -111,6 +111,10 @@ class InlineBank:
         self.max_per_request = min(int(max_per_request), slots)
         self.layers = {i: SlotSteer(slots, self.width, device=lm.device) for i in self.blocks}
         self.digests = [None] * slots  # what a lent slot holds; None: free
+        # what each slot held when last lent and when it was given back: a vector sent again takes
+        # the slot it had, so its rows' runtime inputs (and prefix-store keys) are the same again
+        self.held, self.freed = [None] * slots, [0] * slots
+        self._released = 0
         self._lock = threading.Lock()
 
     @property
@@ -136,12 +140,17 @@ class InlineBank:
         operation); returns its index. Raises APIError 429 when every slot is lent."""
         digest = f"{item.operation}:{item.lo}:{item.hi}:{_digest(item.directions)}"
         with self._lock:
-            free = next((k for k, d in enumerate(self.digests) if d is None), None)
-            if free is None:
+            free = [k for k, d in enumerate(self.digests) if d is None]
+            if not free:
                 raise APIError(f"all {self.slots} inline steering slots are in use; retry shortly",
                                param="steer_vectors", code="inline_slots_busy", status=429,
                                headers={"Retry-After": "1"})
+            # the slot this vector had, else the one given back longest ago (others keep theirs)
+            free = min(free, key=lambda k: (self.held[k] != digest, self.freed[k]))
             self.digests[free] = digest
+            if self.held[free] == digest:
+                return free  # its directions are still there
+            self.held[free] = digest
         for i, layer in self.layers.items():  # no row reads this slot until its rows are placed
             d = item.directions.get(i, torch.zeros(self.width)).to(layer.directions)
             added = item.operation == "add"
@@ -157,6 +166,8 @@ class InlineBank:
         with self._lock:
             for k in slots:
                 self.digests[k] = None
+                self._released += 1
+                self.freed[k] = self._released
 
     def parse(self, vectors):
         """A request's `steer_vectors` -> [Inline], checked (`kvwire.serve.inline_wire`); APIError
