@@ -364,13 +364,15 @@ def test_compiled_decode_reads_the_packed_copies(monkeypatch):
 
 
 def flash_dtypes(monkeypatch, lm, prompt):
-    """The dtypes the flash kernel received over a generation of `prompt`, and its log-probs."""
+    """The dtypes the flash kernel received over a generation of `prompt` (queries, keys, and the
+    mask, or the values where it runs its own causal mask), and its log-probs."""
     from kvwire.layers import attention
 
     seen, real = [], attention._flash
     with monkeypatch.context() as m:
-        m.setattr(attention, "_flash", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, kw["attn_mask"].dtype))
-                  or real(q, k, v, **kw))
+        m.setattr(attention, "_flash", lambda q, k, v, **kw: seen.append(
+            (q.dtype, k.dtype, kw["attn_mask"].dtype if kw.get("attn_mask") is not None else v.dtype))
+            or real(q, k, v, **kw))
         out = lm.generate(prompt, max_new_tokens=3, ignore_eos=True, return_logprobs=True)
     return set(seen), out
 

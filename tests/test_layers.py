@@ -127,13 +127,14 @@ def test_few_row_float32_projection_pack_adds_the_bias_and_follows_the_row_count
         assert pack(x3, w.requires_grad_(), b) is None
 
 
-@pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row"])
+@pytest.mark.parametrize("cache_seen", ["none", "some rows", "every row", "a written prefix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, cache_seen, dtype):
     """The fused kernel runs per block and skips a block no row sees, or the masking after it when
     every row sees a key; merged, it equals dense attention over both blocks at once (GQA 4/1). For
     a bf16 layer on a CPU with bf16 units the kernel runs in bf16 (the merge float32; a single
-    block's output stays bf16 for the output projection): within bf16 rounding of the dense float32 path."""
+    block's output stays bf16 for the output projection): within bf16 rounding of the dense float32 path.
+    Cache slots past the last one any row sees (a cache longer than what is written) are not read."""
     from kvwire.layers import attention
     from kvwire.layers.shared import per_call
 
@@ -148,24 +149,30 @@ def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, ca
         old[:] = False
     elif cache_seen == "some rows":
         old[:, ::3] = False
+    elif cache_seen == "a written prefix":
+        old[:, :, 10:] = False
+        old[:, :, 9] = True
     else:
         old[:, :, 0] = True
     blocks = [(cache_k, cache_v, old), (chunk_k, chunk_v, causal)]
-    calls = []
+    calls, keys = [], []
     flash = attention._flash
-    monkeypatch.setattr(attention, "_flash", lambda *a, **k: calls.append(a[0].dtype) or flash(*a, **k))
+    monkeypatch.setattr(attention, "_flash", lambda *a, **k: calls.append(a[0].dtype) or keys.append(a[1].shape[2])
+                        or flash(*a, **k))
     with per_call():
         fused = attn._attend(q, blocks, dtype)
     kernel = torch.bfloat16 if dtype == torch.bfloat16 and cpu.bf16_gemm() != "upcast" else torch.float32
     assert calls == [kernel] * (1 if cache_seen == "none" else 2)  # the fused kernel ran, once a block seen
+    assert keys[0] == {"none": T, "a written prefix": 10}.get(cache_seen, S)
     assert fused.dtype == (kernel if cache_seen == "none" else torch.float32)
     monkeypatch.setattr(attention, "FLASH_ROWS", 10 ** 9)
     dense = attn._attend(q, blocks)
     fused = fused.float()
     tol = 1e-5 if kernel == torch.float32 else 2e-2  # bf16 rounding of q, k, v and the probabilities
     torch.testing.assert_close(fused, dense, atol=tol, rtol=tol)
-    bias, seen = attention._flash_bias(old, 4)
+    bias, seen, used = attention._flash_bias(old, 4)
     assert (bias is None) == (cache_seen == "none") and (seen is None) == (cache_seen != "some rows")
+    assert used == {"none": 0, "a written prefix": 10}.get(cache_seen, S)
 
 
 def test_layers_run_on_a_torch_without_is_exporting(monkeypatch):

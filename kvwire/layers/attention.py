@@ -85,18 +85,30 @@ class AttentionMath:
         B, H, T, hd = q.shape
         # A bfloat16 model on a CPU with bf16 units (`cpu.bf16_gemm()`) runs the kernel in bf16, as
         # transformers does: the default model's 512-token prefill 0.36 -> 0.30 s on an AMX Xeon.
-        # Queries, keys and values are rounded to bf16 for it (a cache block is copied to bf16 whole,
-        # every slot, as the kernel reads every slot anyway); the log-sum-exp merge and the caches
-        # stay float32, and a single block's bf16 output goes to `_output` as it is.
+        # Queries, keys and values are rounded to bf16 for it (a cache block is copied to bf16 up to
+        # the last slot any row sees); the log-sum-exp merge and the caches stay float32, and a
+        # single block's bf16 output goes to `_output` as it is.
         kernel = torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm() != "upcast" else torch.float32
+        groups = H // self.num_kv_heads
         qg = _dense(q, kernel).view(B, self.num_kv_heads, -1, hd)
         outs, lses = [], []
         for k, v, mask in blocks:
-            bias, seen = shared(_flash_bias, mask, H // self.num_kv_heads, kernel)
+            if k.shape[2] == T and shared(_plain_causal, mask):
+                # a chunk attending to itself with no padding: the kernel's own causal mode skips
+                # the blocks above the diagonal (an explicit mask has it compute them); it takes a
+                # head per query head, so the keys are repeated per group
+                out, lse = _flash(qg.view(B, H, T, hd), _dense(k, kernel).repeat_interleave(groups, dim=1),
+                                  _dense(v, kernel).repeat_interleave(groups, dim=1), is_causal=True,
+                                  scale=self.scale)
+                outs.append(out.reshape(B, self.num_kv_heads, groups * T, -1))
+                lses.append(lse.reshape(B, self.num_kv_heads, groups * T))
+                continue
+            bias, seen, used = shared(_flash_bias, mask, groups, kernel)
             if bias is None:  # e.g. the empty cache of a prompt's first chunk: nothing to attend
                 continue
-            # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous)
-            k, v = _dense(k, kernel), _dense(v, kernel)
+            # the kernel misreads strided views: chunk k/v come transposed (caches are contiguous);
+            # slots past the last one any row sees (a cache longer than what is written) are left out
+            k, v = _dense(k[:, :, :used], kernel), _dense(v[:, :, :used], kernel)
             out, lse = _flash(qg, k, v, attn_mask=bias, scale=self.scale)
             if seen is not None:  # rows that see no key of this block take no part in the merge
                 out, lse = out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
@@ -314,17 +326,28 @@ def _broadcast_matmul(a, b):
     return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
 
 
+def _plain_causal(mask):
+    """Whether a chunk's mask (B|1, T, T) is exactly causal in every row (no padding, no window)."""
+    T = mask.shape[-1]
+    return bool(torch.equal(mask, torch.ones(T, T, dtype=torch.bool, device=mask.device).tril().expand_as(mask)))
+
+
 def _flash_bias(mask, groups, dtype=torch.float32):
-    """A block's mask (B|1, T, S) as the flash kernel's additive bias (B|1, 1, groups*T, S) of `dtype` and
-    which query rows see any key (B|1, 1, groups*T), or None where every row does: (None, None) when
-    no row sees a key (the kernel is skipped, so the bias is never built: 4 MB a block at 512 rows
-    of 4 query heads x 512 keys), (bias, None) when every row sees one (nothing to mask after the
-    kernel). Eager only: it reads the mask on the host to decide."""
+    """(bias, seen, used) of a block's mask (B|1, T, S) for the flash kernel: its first `used` key
+    columns (through the last one any row sees: a prompt's second chunk reads the written slots of a
+    max_length cache, not all of them) as an additive bias (B|1, 1, groups*T, used) of `dtype`, and
+    which query rows see any key (B|1, 1, groups*T), or None where every row does. (None, None, 0)
+    when no row sees a key (the kernel is skipped, so the bias is never built: 4 MB a block at 512
+    rows of 4 query heads x 512 keys), (bias, None, used) when every row sees one (nothing to mask
+    after the kernel). Eager only: it reads the mask on the host to decide."""
     seen = mask.any(-1)  # (B|1, T): rows with no visible key, where the kernel may give 0 or NaN
     if not bool(seen.any()):
-        return None, None
-    rows = mask[:, None, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, -1, mask.shape[-1])
+        return None, None, 0
+    columns = mask.flatten(0, 1).any(0)  # (S,)
+    used = int(columns.nonzero()[-1]) + 1
+    mask = mask[..., :used]
+    rows = mask[:, None, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, -1, used)
     bias = torch.zeros(rows.shape, dtype=dtype, device=rows.device).masked_fill(torch.logical_not(rows), float("-inf"))
     if bool(seen.all()):
-        return bias, None
-    return bias, seen[:, None, None].expand(-1, -1, groups, -1).reshape(mask.shape[0], 1, -1)
+        return bias, None, used
+    return bias, seen[:, None, None].expand(-1, -1, groups, -1).reshape(mask.shape[0], 1, -1), used
