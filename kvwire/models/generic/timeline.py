@@ -19,6 +19,10 @@ S past tokens (the columns before the chunk): right for the masks' sizes, but no
 so a model whose layers compute with that number (Llama 4's attention temperature) is refused by
 the build (`shifted`).
 
+Attention modules that do call the interface but compute with what the cache returns first (Doge's
+mask from the cached values) take the same route: the build tries it where the interface route
+fails its checks, and the interface then runs the module's eager attention as it is called.
+
 The cache holds max_length slots (no ring): the columns are re-ordered per step (a gather), which
 costs a copy of the layer's keys and values each step.
 """
