@@ -16,7 +16,9 @@ strengths, examples and neutral tokens); past a bound, a 400 names it. With `ena
 (`kvwire serve --no-analysis`) all three answer 403.
 
 They run off the event loop with the engine paused (`ServedVectors.exclusive`: they trace the
-graph, which must not overlap a forward on the engine's thread).
+graph, which must not overlap a forward on the engine's thread), and give the engine turns between
+their batches (`kvwire.steer.turns`, `kvwire.serve.bridge.Gate.turn`): running requests keep
+decoding while a large evaluation runs.
 """
 import asyncio
 import base64

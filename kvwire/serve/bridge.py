@@ -17,6 +17,7 @@ request that finds the queue full gets 429) and `request_seconds` (a request pas
 import asyncio
 import logging
 import threading
+import time
 from contextlib import contextmanager
 
 from ..generate.request import RequestError
@@ -54,7 +55,7 @@ class EngineThread:
         self.failure = None  # the exception that stopped the engine thread, if any
         self._stop, self._thread, self._runs = threading.Event(), None, set()
         self.swaps = 0  # engines the thread has moved on to
-        self.gate = Gate()
+        self.gate = Gate(busy=lambda: not self.engine.idle)  # read while the engine is parked
 
     @property
     def waiting(self):
@@ -92,7 +93,8 @@ class EngineThread:
         try:
             engine = self.engine
             while True:
-                engine.serve_forever(_Until(self._stop, lambda: self.engine is not engine and engine.idle, self.gate))
+                engine.serve_forever(_Until(self._stop, lambda: self.engine is not engine and engine.idle, self.gate,
+                                            engine))
                 if self._stop.is_set():
                     return
                 engine = self.engine
@@ -136,41 +138,49 @@ class Gate:
     """Engine steps on one side, `exclusive()` blocks of other threads on the other: never both.
 
     The engine thread calls `checkpoint()` between steps (serve_forever's stop check, so also every
-    poll while idle); `exclusive()` waits for the next checkpoint and holds the engine there.
+    poll while idle); `exclusive()` waits for the next checkpoint and holds the engine there. A long
+    holder (an analysis endpoint) calls `turn()` between its batches: where the engine has work
+    (`busy()`), it then takes at least one step, and goes on stepping for as long as the holder
+    held it since its last turn (at most `MAX_TURN` seconds) or until it runs out of work; then the
+    holder takes it back. Both make progress: chat requests keep decoding while an evaluation runs.
 
     Example:
         >>> with bridge.gate.exclusive():
         ...     vector = kw.ControlVector.train(lm, positive, negative)   # traces: no step meanwhile
     """
 
-    def __init__(self):
+    MAX_TURN = 1.0  # seconds the engine may step in one turn
+
+    def __init__(self, busy=lambda: False):
+        self.busy = busy
         self._cond = threading.Condition()
-        self._stepping, self._waiting = False, 0
+        self._stepping, self._waiting, self._stopped = False, 0, False
+        self._owed = False  # a turn given to the engine that it has not taken yet
+        self._share_until = 0.0  # monotonic time until which the engine steps though others wait
+        self._held_since = 0.0
         self.holder = None  # the id of the thread inside `exclusive()`, if any
 
-    def checkpoint(self):
+    def checkpoint(self, idle=False):
+        """Between engine steps; `idle`: the engine has nothing to do (a turn given to it ends)."""
         with self._cond:
             self._stepping = False
+            if idle:
+                self._owed, self._share_until = False, 0.0
             self._cond.notify_all()
-            while self.holder is not None or self._waiting:
+            while (self.holder is not None or self._waiting) and not self._owed \
+                    and time.monotonic() >= self._share_until:
                 self._cond.wait()
-            self._stepping = True
+            self._owed, self._stepping = False, True
 
     def engine_stopped(self):
         with self._cond:
-            self._stepping = False
+            self._stepping, self._stopped, self._owed, self._share_until = False, True, False, 0.0
             self._cond.notify_all()
 
     @contextmanager
     def exclusive(self):
         with self._cond:
-            self._waiting += 1
-            try:
-                while self._stepping or self.holder is not None:
-                    self._cond.wait()
-            finally:
-                self._waiting -= 1
-            self.holder = threading.get_ident()
+            self._take()
         try:
             yield
         finally:
@@ -178,16 +188,44 @@ class Gate:
                 self.holder = None
                 self._cond.notify_all()
 
+    def turn(self):
+        """Inside `exclusive()`, between batches: let a busy engine step (see the class docstring),
+        then hold it again. Returns at once when the engine has nothing to do."""
+        with self._cond:
+            if self.holder != threading.get_ident():
+                raise RuntimeError("Gate.turn() is for the thread inside exclusive()")
+            if self._stopped or not self.busy():
+                return
+            now = time.monotonic()
+            self.holder, self._owed = None, True
+            self._share_until = now + min(now - self._held_since, self.MAX_TURN)
+            self._cond.notify_all()
+            self._take()
+
+    def _take(self):
+        """Wait (the lock held) until no step runs, nobody holds the engine and any turn given to
+        it is taken and over; then hold it."""
+        self._waiting += 1
+        try:
+            while True:
+                left = self._share_until - time.monotonic()
+                if left <= 0 and not self._owed and not self._stepping and self.holder is None:
+                    break
+                self._cond.wait(timeout=left if left > 0 else None)
+        finally:
+            self._waiting -= 1
+        self.holder, self._held_since = threading.get_ident(), time.monotonic()
+
 
 class _Until:
     """A stop flag for `serve_forever` (it only calls `is_set`, between steps): the server stops, or
     `drained()`; each call is also the gate's checkpoint."""
 
-    def __init__(self, stop, drained, gate):
-        self.stop, self.drained, self.gate = stop, drained, gate
+    def __init__(self, stop, drained, gate, engine):
+        self.stop, self.drained, self.gate, self.engine = stop, drained, gate, engine
 
     def is_set(self):
-        self.gate.checkpoint()
+        self.gate.checkpoint(idle=self.engine.idle)
         return self.stop.is_set() or self.drained()
 
 

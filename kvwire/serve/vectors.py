@@ -8,6 +8,7 @@ from ..generate.engine import Engine
 from ..generate.prefix import PrefixStore
 from ..graph import numbered_blocks
 from ..steer.schedule import Scheduled
+from ..steer.turns import taking_turns
 from .errors import APIError
 from .options import check_names, steered_model
 
@@ -70,8 +71,10 @@ class ServedVectors:
         return self.bridge.engine.max_length
 
     def exclusive(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) with no engine step running meanwhile (it may trace; see `Gate`)."""
-        with self.bridge.gate.exclusive():
+        """fn(*args, **kwargs) with no engine step running meanwhile (it may trace; see `Gate`), but
+        where its loops give the engine a turn between batches (`kvwire.steer.turns`)."""
+        gate = self.bridge.gate
+        with gate.exclusive(), taking_turns(gate.turn):
             return fn(*args, **kwargs)
 
     def _steered(self, vectors):

@@ -16,6 +16,7 @@ from ..graph import clone, numbered_blocks, tap, with_cache
 from ..graph.sites import put_inside, site_targets
 from ..layers.inner import Record
 from ..layers.site import ALL_SITES
+from .turns import turn
 from .vector import parse_layers
 
 
@@ -140,6 +141,8 @@ def read_sites(lm, rows, reads, batch_size=8):
     parts = {key: [] for key in reads}
     with torch.inference_mode():
         for start in range(0, len(rows), batch_size):
+            if start:
+                turn()  # others may run between calls (`kvwire.steer.turns`)
             part = slice(start, start + batch_size)
             cache = cached.init_cache(ids[part].shape[0], ids.shape[1])
             result, _ = cached(ids[part], positions[part], 0, mask[part], cache)

@@ -11,6 +11,7 @@ from .dataset import ABDataset, dataset as load_dataset, neutral_text
 from .operation import Operation
 from .rows import RowRunner
 from .scoring import answer_logprobs, answers, next_logprobs, side_effects, windows
+from .turns import turn
 
 
 def json_text(data, path=None):
@@ -176,6 +177,8 @@ class Reference:
             texts = order[g:g + per]
             which, s_index = texts.repeat_interleave(S), torch.arange(S, device=device).repeat(len(texts))
             for start in range(0, len(which), self.batch_size):  # more strengths than batch_size: split
+                if g or start:
+                    turn()  # others may run between calls (`kvwire.steer.turns`)
                 rows = slice(start, start + self.batch_size)
                 yield which[rows], s_index[rows], row_inputs(op, runner, values[s_index[rows]])
 

@@ -32,6 +32,7 @@ from ..layers.base import Layer
 from .capture import read_sites, site_reads, token_rows
 from .patch_checks import metric_of, position_map_of
 from .rows import block_starts, given, upper_from
+from .turns import turn
 
 CUTS = 4  # the most blocks a Patcher cuts its graph at (the first patched one included, never cut)
 
@@ -239,6 +240,8 @@ class Patcher:
             corrupted = float(self._scores(torch.tensor([self.ids], device=device), None)[0])
             scores, unpatched = torch.zeros(len(rows)), []
             for start in range(0, len(rows), batch_size):
+                if start:
+                    turn()  # others may run between calls (`kvwire.steer.turns`)
                 picked = order[start:start + batch_size]
                 chunk = [{}] + [rows[i] for i in picked]  # row 0: the unpatched corrupted prompt
                 masks = {key: torch.zeros(len(chunk), T, dtype=torch.bool, device=device) for key in self.layers}
