@@ -280,3 +280,27 @@ def greedy_disagreements(logits_of, ids, tokens):
             if gap > TIE:
                 bad.append((row, step, chosen, best, gap))
     return bad
+
+
+def rows_joining_a_batch(lm, lengths, budgets, *, max_length, prefill_chunk, seed, head_start=3):
+    """Rows of `lengths` random prompt tokens through one engine (max_batch 2): the first decodes
+    `head_start` steps alone, then the others join, prefilled `prefill_chunk` tokens a step, taking
+    rows others left. Each row's tokens and log-probs must equal its own `lm.generate`; returns the
+    engine (its stats)."""
+    from kvwire.generate import Engine
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g).tolist() for n in lengths]
+    engine = Engine(lm, max_batch=2, max_length=max_length, prefill_chunk=prefill_chunk)
+    first = engine.submit(rows[0], budgets[0])
+    for i, _ in enumerate(engine.run([first])):
+        if i >= head_start - 1:
+            break
+    seqs = [first] + [engine.submit(r, n) for r, n in zip(rows[1:], budgets[1:])]
+    for _ in engine.run(seqs):
+        pass
+    for seq, row, n in zip(seqs, rows, budgets):
+        alone = lm.generate(torch.tensor(row), max_new_tokens=n, ignore_eos=True, return_logprobs=True)
+        assert seq.tokens == alone.tokens[0]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(alone.logprobs[0]), atol=1e-4, rtol=1e-4)
+    return engine

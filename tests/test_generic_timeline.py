@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import kvwire as kw
-from kvwire.generate import Engine
 from kvwire.models.generic import timeline
 
-from .generic_configs import PROMPT_IDS, hf_logits, prompt, rollout, tiny_model
+from .generic_configs import hf_logits, prompt, rollout, rows_joining_a_batch, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,21 +41,7 @@ def test_layers_attend_through_the_cache_api(model):
 def test_rows_joining_a_batch_at_other_cache_indices_equal_each_alone(model):
     """The engine's rows stand at different cache indices (per-row cache_index) and are prefilled
     2 tokens a step: each row's tokens and log-probabilities equal its own run."""
-    g = torch.Generator().manual_seed(5)
-    rows = [torch.randint(*PROMPT_IDS, (n,), generator=g).tolist() for n in (6, 9, 4)]
-    budgets = [8, 5, 7]
-    engine = Engine(model.lm, max_batch=2, max_length=L, prefill_chunk=2)
-    first = engine.submit(rows[0], budgets[0])
-    for i, _ in enumerate(engine.run([first])):
-        if i >= 3:
-            break
-    later = [engine.submit(r, n) for r, n in zip(rows[1:], budgets[1:])]
-    for _ in engine.run([first, *later]):
-        pass
-    for seq, row, n in zip([first, *later], rows, budgets):
-        alone = model.lm.generate(torch.tensor(row), max_new_tokens=n, ignore_eos=True, return_logprobs=True)
-        assert seq.tokens == alone.tokens[0]
-        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(alone.logprobs[0]), atol=1e-4, rtol=1e-4)
+    rows_joining_a_batch(model.lm, (6, 9, 4), (8, 5, 7), max_length=L, prefill_chunk=2, seed=5, head_start=4)
 
 
 def test_columns_put_each_rows_cache_right_aligned_before_the_chunk():
