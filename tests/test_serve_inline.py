@@ -124,6 +124,30 @@ def test_a_vector_sent_again_takes_its_slot_and_reuses_its_prefix(lm, api, serve
     assert bank.held[slot] == _digest_of(formal)
 
 
+def test_requests_sending_the_same_vector_share_its_slot(lm, api, server):
+    """Two requests with one vector hold one slot (each row its own strength), freed when the last
+    ends; one request sending a vector twice holds two slots, whose strengths add."""
+    bank, happy = server.app.state.served.inline, control_vectors(lm)["happy"]
+    a = bank.acquire(Inline({1: torch.full((32,), 5.0)}))
+    b = bank.acquire(Inline({1: torch.full((32,), 5.0)}))
+    c = bank.acquire(Inline({1: torch.full((32,), 5.0)}), taken=[a])
+    try:
+        assert a == b != c and bank.users[a] == 2 and bank.users[c] == 1
+        bank.release([b])
+        assert bank.digests[a] is not None  # still lent to the first
+    finally:
+        bank.release([a, c])
+    assert bank.digests == [None] * bank.slots
+    twice = ask(api, steer_vectors=[inline(happy, 0.5), inline(happy, 0.5)])
+    assert twice[0] == ask(api, steer={"happy": 1.0})[0]
+    assert twice[1] == pytest.approx(ask(api, steer={"happy": 1.0})[1], abs=1e-4)
+    with ThreadPoolExecutor(3) as pool:  # one vector, three strengths at once: each its own reply
+        together = list(pool.map(lambda s: ask(api, steer_vectors=[inline(happy, s)]), (0.5, 1.0, 1.5)))
+    for s, got in zip((0.5, 1.0, 1.5), together):
+        want = ask(api, steer={"happy": s})
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-4)
+
+
 def _digest_of(vector, operation="add"):
     """The bank's digest of a vector sent inline (`inline`) with `operation`, no bounds."""
     from kvwire.serve.inline import _digest
@@ -134,7 +158,7 @@ def _digest_of(vector, operation="add"):
 
 def test_busy_slots_answer_429_and_are_given_back(lm, server, api):
     bank = server.app.state.served.inline
-    held = [bank.acquire(Inline({1: torch.ones(32)})) for _ in range(4)]
+    held = [bank.acquire(Inline({1: torch.full((32,), k + 1.0)})) for k in range(4)]
     try:
         r = api.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2,
                                                    "steer_vectors": [inline(control_vectors(lm)["happy"])]})

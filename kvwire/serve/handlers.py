@@ -120,7 +120,7 @@ class Handlers:
         slots, held = [], []
         try:
             for item in inline:
-                slots.append(self.inline.acquire(item))
+                slots.append(self.inline.acquire(item, taken=slots))
             held = self.sae.acquire(features) if features else []
         except APIError:
             if slots:

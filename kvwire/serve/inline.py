@@ -7,7 +7,8 @@ default) and `inline{k}_lo`, `inline{k}_hi` (unbounded by default). A request's 
 written into a free slot (no row is reading that slot then) and its rows set that slot's strength
 (add, ablate) or bounds (clamp); every other row leaves them at their inert defaults. Rows with
 different inline vectors and operations thus share one batch, and the runtime inputs stay (B,)
-numbers, as for named vectors. The slot is freed when the request ends. A request asking for more
+numbers, as for named vectors. Requests sending the same vector (and operation and bounds) share
+its slot, each row with its own strength; the slot is freed when the last of them ends. A request asking for more
 vectors than the server allows gets 400; one that finds every slot lent gets 429 with
 Retry-After. The prefix store keys each row on a digest of its slots' vectors, operations and
 bounds.
@@ -111,6 +112,7 @@ class InlineBank:
         self.max_per_request = min(int(max_per_request), slots)
         self.layers = {i: SlotSteer(slots, self.width, device=lm.device) for i in self.blocks}
         self.digests = [None] * slots  # what a lent slot holds; None: free
+        self.users = [0] * slots  # requests a lent slot is lent to (those sending the same vector share it)
         # what each slot held when last lent and when it was given back: a vector sent again takes
         # the slot it had, so its rows' runtime inputs (and prefix-store keys) are the same again
         self.held, self.freed = [None] * slots, [0] * slots
@@ -135,11 +137,18 @@ class InlineBank:
                     f"inline{slot}_hi": LIMIT if item.hi is None else item.hi}
         return {f"inline{slot}_strength": float(item.strength)}
 
-    def acquire(self, item):
-        """Lend a free slot holding `item` (an `Inline`: {block: (D,) float32 tensor} and its
-        operation); returns its index. Raises APIError 429 when every slot is lent."""
+    def acquire(self, item, taken=()):
+        """Lend a slot holding `item` (an `Inline`: {block: (D,) float32 tensor} and its operation):
+        one already lent with the same vector, operation and bounds (shared: its rows set their own
+        strengths), else a free one; returns its index. `taken`: slots the same request holds (a
+        request sending one vector twice gets two slots, whose strengths add). Raises APIError 429
+        when every slot is lent."""
         digest = f"{item.operation}:{item.lo}:{item.hi}:{_digest(item.directions)}"
         with self._lock:
+            same = next((k for k, d in enumerate(self.digests) if d == digest and k not in taken), None)
+            if same is not None:
+                self.users[same] += 1
+                return same
             free = [k for k, d in enumerate(self.digests) if d is None]
             if not free:
                 raise APIError(f"all {self.slots} inline steering slots are in use; retry shortly",
@@ -147,7 +156,7 @@ class InlineBank:
                                headers={"Retry-After": "1"})
             # the slot this vector had, else the one given back longest ago (others keep theirs)
             free = min(free, key=lambda k: (self.held[k] != digest, self.freed[k]))
-            self.digests[free] = digest
+            self.digests[free], self.users[free] = digest, 1
             if self.held[free] == digest:
                 return free  # its directions are still there
             self.held[free] = digest
@@ -165,9 +174,11 @@ class InlineBank:
     def release(self, slots):
         with self._lock:
             for k in slots:
-                self.digests[k] = None
-                self._released += 1
-                self.freed[k] = self._released
+                self.users[k] -= 1
+                if self.users[k] == 0:
+                    self.digests[k] = None
+                    self._released += 1
+                    self.freed[k] = self._released
 
     def parse(self, vectors):
         """A request's `steer_vectors` -> [Inline], checked (`kvwire.serve.inline_wire`); APIError
