@@ -12,7 +12,7 @@ from ...layers.linear import Linear, WeightPack
 from . import seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
-                    recorded_calls, takes, with_arguments)
+                    cache_argument, recorded_calls, takes, with_arguments)
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
@@ -232,8 +232,6 @@ def _find_hand(name, model, backbone, probe, refused, count):
     the model's forward runs once with a cache, and a layer that hands exactly one key/value pair
     to `update`, nothing else, gets an attention call `through_cache` (its keys and values in a
     cache slot, `kvwire.models.generic.timeline`). Any other refused layer raises its reason."""
-    from .parts import cache_argument
-
     prelude = backbone.prelude
     base = prelude.base
     owner, stack, seen = {}, [], {i: [] for i in refused}
