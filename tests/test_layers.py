@@ -175,6 +175,38 @@ def test_flash_attention_matches_dense_whatever_each_block_shows(monkeypatch, ca
     assert used == {"none": 0, "a written prefix": 10}.get(cache_seen, S)
 
 
+def test_dense_attention_reads_a_cache_block_up_to_its_last_seen_slot(monkeypatch):
+    """A decode step's dense attention (one query row a head) leaves out the slots past the last
+    one any row sees (the engine's timeline is longer than its rows' sequences), a block no row
+    sees at all, and equals attention over every slot."""
+    from kvwire.layers import attention
+    from kvwire.layers.shared import per_call
+
+    torch.manual_seed(1)
+    attn = attention.Attention(32, 4, 1, 8)
+    q = torch.randn(2, 4, 1, 8)
+    cache_k, cache_v, chunk_k, chunk_v = (torch.randn(2, 1, n, 8) for n in (24, 24, 1, 1))
+    old = torch.zeros(2, 1, 24, dtype=torch.bool)
+    old[0, 0, :10], old[1, 0, :6] = True, True  # row 0 has written 10 slots, row 1 six
+    unseen = torch.zeros(2, 1, 5, dtype=torch.bool)
+    blocks = [(cache_k, cache_v, old), (torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8), unseen),
+              (chunk_k, chunk_v, torch.ones(2, 1, 1, dtype=torch.bool))]
+    widths, matmul = [], torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: widths.append(b.shape[-1]) or matmul(a, b))
+    with per_call():
+        got = attn._attend(q, blocks)
+    monkeypatch.setattr(torch, "matmul", matmul)
+    assert widths[:2] == [10, 1]  # the scores' key columns: 10 of 24 cached slots, no unseen block, the chunk
+    dense = attn._attend(q, [(cache_k[:, :, :10], cache_v[:, :, :10], old[..., :10]), blocks[2]])
+    torch.testing.assert_close(got, dense)
+    with torch.no_grad():  # the reference over every slot, written out
+        scores = torch.cat([q.reshape(2, 1, 4, 8) @ k.transpose(-1, -2) for k in (cache_k, chunk_k)], -1) * attn.scale
+        seen = torch.cat([old, torch.ones(2, 1, 1, dtype=torch.bool)], -1)[:, None]
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        want = probs[..., :24] @ cache_v + probs[..., 24:] @ chunk_v
+    torch.testing.assert_close(got, want.view(2, 4, 1, 8), atol=1e-5, rtol=1e-5)
+
+
 def test_layers_run_on_a_torch_without_is_exporting(monkeypatch):
     """torch 2.6 (inside pyproject's range) has no `torch.compiler.is_exporting`: linear's one-row
     pack, which asks on every eager call, reads it as False there (attention asks only while

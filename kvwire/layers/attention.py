@@ -62,6 +62,9 @@ class AttentionMath:
         if not torch.compiler.is_compiling() and self.softcap is None and rows >= FLASH_ROWS \
                 and q.device.type == "cpu":
             return self._attend_flash(q, blocks, dtype)
+        if not torch.compiler.is_compiling():  # eager: slots past the last one any row sees are left out
+            blocks = [(k[:, :, :used], v[:, :, :used], m[..., :used]) for k, v, m in blocks
+                      for used in (shared(_used_columns, m),) if used]
         B, H, T, hd = q.shape
         groups = H // self.num_kv_heads
         qg = as_float32(q).reshape(B, self.num_kv_heads, groups * T, hd)
@@ -326,6 +329,13 @@ def _broadcast_matmul(a, b):
     return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
 
 
+def _used_columns(mask):
+    """How many leading key columns of a block's mask (B|1, T, S) any query sees: through the last
+    seen one (a cache's timeline is longer than what its rows have written). Eager only."""
+    seen = mask.flatten(0, -2).any(0).nonzero()
+    return int(seen[-1]) + 1 if len(seen) else 0
+
+
 def _plain_causal(mask):
     """Whether a chunk's mask (B|1, T, T) is exactly causal in every row (no padding, no window)."""
     T = mask.shape[-1]
@@ -343,8 +353,7 @@ def _flash_bias(mask, groups, dtype=torch.float32):
     seen = mask.any(-1)  # (B|1, T): rows with no visible key, where the kernel may give 0 or NaN
     if not bool(seen.any()):
         return None, None, 0
-    columns = mask.flatten(0, 1).any(0)  # (S,)
-    used = int(columns.nonzero()[-1]) + 1
+    used = _used_columns(mask)
     mask = mask[..., :used]
     rows = mask[:, None, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, -1, used)
     bias = torch.zeros(rows.shape, dtype=dtype, device=rows.device).masked_fill(torch.logical_not(rows), float("-inf"))
