@@ -80,7 +80,9 @@ def test_rows_with_different_inline_vectors_batch_as_each_alone(lm, api, server)
         together = list(pool.map(lambda a: ask(api, **a), asks))
     for (t1, l1), (t2, l2) in zip(alone, together):
         assert t1 == t2 and l1 == pytest.approx(l2, abs=1e-4)
-    assert alone[0] == alone[4]  # inline happy at 1.0 == named happy at 1.0
+    # inline happy at 1.0 == named happy at 1.0 (within float rounding: either may be restored from
+    # the prefix store, whose rows continue a prompt in other chunks than a fresh prefill)
+    assert alone[0][0] == alone[4][0] and alone[0][1] == pytest.approx(alone[4][1], abs=1e-4)
     differ = {tuple(round(lp, 3) for lp in lps) for text, lps in alone[:4] + alone[5:]}
     assert len(differ) == 5  # five different steerings (add, clamp, none, ablate), five different replies
     bank = server.app.state.served.inline
