@@ -160,11 +160,12 @@ class Gate:
         self._held_since = 0.0
         self.holder = None  # the id of the thread inside `exclusive()`, if any
 
-    def checkpoint(self, idle=False):
-        """Between engine steps; `idle`: the engine has nothing to do (a turn given to it ends)."""
+    def checkpoint(self, idle=lambda: False):
+        """Between engine steps; `idle()`: whether the engine has nothing to do (a turn given to it
+        then ends), asked only while a turn is on."""
         with self._cond:
             self._stepping = False
-            if idle:
+            if self._share_until and idle():
                 self._owed, self._share_until = False, 0.0
             self._cond.notify_all()
             while (self.holder is not None or self._waiting) and not self._owed \
@@ -214,7 +215,7 @@ class Gate:
                 self._cond.wait(timeout=left if left > 0 else None)
         finally:
             self._waiting -= 1
-        self.holder, self._held_since = threading.get_ident(), time.monotonic()
+        self.holder, self._held_since, self._share_until = threading.get_ident(), time.monotonic(), 0.0
 
 
 class _Until:
@@ -224,8 +225,11 @@ class _Until:
     def __init__(self, stop, drained, gate, engine):
         self.stop, self.drained, self.gate, self.engine = stop, drained, gate, engine
 
+    def _idle(self):
+        return self.engine.idle
+
     def is_set(self):
-        self.gate.checkpoint(idle=self.engine.idle)
+        self.gate.checkpoint(self._idle)
         return self.stop.is_set() or self.drained()
 
 

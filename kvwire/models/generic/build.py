@@ -12,7 +12,7 @@ from ...layers.linear import Linear, WeightPack
 from . import seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
-                    cache_argument, recorded_calls, takes, with_arguments)
+                    recorded_calls, takes, with_arguments)
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
@@ -42,9 +42,8 @@ def from_transformers(model):
         raise ValueError(f"{name} is an encoder-decoder model; kvwire runs decoder-only language models")
     seam.register()
     _use_kvwire_attention(model)
-    base_name, base = _base(model, config)
-    getter = getattr(model, "get_decoder", None)
-    layers_name, layers = _decoder_layers(base, config, name, callable(getter) and getter() is base)
+    base_name, base, decoder = _base(model, config)
+    layers_name, layers = _decoder_layers(base, config, name, decoder)
     probe = _probe_ids(config, model)
     was_training = model.training
     model.eval()
@@ -255,7 +254,7 @@ def _find_hand(name, model, backbone, probe, refused, count):
     positions = torch.arange(probe.shape[1], device=probe.device)[None].expand(probe.shape[0], -1)
     try:
         with torch.no_grad():
-            base(input_ids=probe, position_ids=positions, use_cache=True, **{cache_argument(base): cache})
+            base(input_ids=probe, position_ids=positions, use_cache=True, **{prelude.cache_name: cache})
     except Exception:  # noqa: BLE001 - a forward that does not run with a cache: the reasons stand
         seen = {i: [] for i in refused}
     finally:
@@ -327,9 +326,10 @@ def _use_kvwire_attention(model):
 
 
 def _base(model, config):
-    """(dotted path, module) of the base model inside a causal LM: the module holding its list of
-    num_hidden_layers decoder layers (`get_decoder()` where that is it, and there also the one
-    list of layers it holds where num_hidden_layers counts sublayers: LongCat-Flash's two per layer)."""
+    """(dotted path, module, whether it is the model's own `get_decoder()`) of the base model inside
+    a causal LM: the module holding its list of num_hidden_layers decoder layers (`get_decoder()`
+    where that is it, and there also the one list of layers it holds where num_hidden_layers counts
+    sublayers: LongCat-Flash's two per layer)."""
     n = getattr(config, "num_hidden_layers", None)
     getter = getattr(model, "get_decoder", None)
     decoder = getter() if callable(getter) else None
@@ -339,7 +339,7 @@ def _base(model, config):
     for base in candidates:
         path = next((p for p, m in model.named_modules() if m is base and p), None)
         if path is not None and _layer_lists(base, n, base is decoder):
-            return path, base
+            return path, base, base is decoder
     raise ValueError(f"{type(model).__name__}: cannot find its base model (the module holding its {n} decoder "
                      f"layers, num_hidden_layers); expected a transformers ...ForCausalLM")
 

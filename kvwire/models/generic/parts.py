@@ -49,6 +49,11 @@ class _Recorder(nn.Module):
         else:
             hidden = kwargs.pop("hidden_states")
         _calls.get()[self.index] = (hidden, args, kwargs)  # the running prelude's store
+        return self.returned(hidden)
+
+    def returned(self, hidden):
+        """What the layer's own forward would return around `hidden`: a tuple as long as its own, or
+        the tensor."""
         return (hidden,) + (None,) * (self.returns_tuple - 1) if self.returns_tuple else hidden
 
 
@@ -84,6 +89,7 @@ class Prelude(Layer):
         self.layers_name, self.returns_tuple = layers_name, returns_tuple
         self.uncalled = set(uncalled)  # layers the forward skips on text (`UncalledLayer`)
         self.cache_layers = 0  # the transformers cache layers a timeline cache holds
+        self.cache_name = cache_argument(base)  # the forward's cache argument (read once, not a step)
         # made once: a call only swaps them in (not a submodule: they hold no weights)
         self.__dict__["recorders"] = nn.ModuleList(_Recorder(i, returns_tuple, layer)
                                                    for i, layer in enumerate(getattr(base, layers_name)))
@@ -103,7 +109,7 @@ class Prelude(Layer):
             # columns (`kvwire.models.generic.timeline`), the cache handed to the layers that update it
             kwargs = {"use_cache": True, "attention_mask": timeline.padding_mask(cache_index, token_ids.shape[1],
                                                                                  attention_mask),
-                      cache_argument(self.base): timeline.timeline_cache(self.cache_layers, attention_mask.shape[1])}
+                      self.cache_name: timeline.timeline_cache(self.cache_layers, attention_mask.shape[1])}
         setattr(self.base, self.layers_name, self.recorders)
         try:
             self.base(input_ids=token_ids, position_ids=positions, **kwargs)
@@ -360,10 +366,7 @@ class _Replayer(_Recorder):
         self.last, self.value = last, None
 
     def forward(self, *args, **kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        if self.last:
-            hidden = self.value
-        return (hidden,) + (None,) * (self.returns_tuple - 1) if self.returns_tuple else hidden
+        return self.returned(self.value if self.last else (args[0] if args else kwargs["hidden_states"]))
 
 
 class ReplayTail(Layer):

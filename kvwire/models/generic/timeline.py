@@ -27,6 +27,7 @@ The cache holds max_length slots (no ring): the columns are re-ordered per step 
 costs a copy of the layer's keys and values each step.
 """
 import contextvars
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -100,13 +101,9 @@ def timeline_cache(layers, slots):
     return Cache(layers=[_layer_class()(slots) for _ in range(layers)])
 
 
-_made = []
-
-
+@functools.cache
 def _layer_class():
     """transformers' cache layer mixin, subclassed once (transformers is imported lazily)."""
-    if _made:
-        return _made[0]
     from transformers.cache_utils import CacheLayerMixin
 
     class TimelineLayer(CacheLayerMixin):
@@ -133,7 +130,6 @@ def _layer_class():
         def get_max_length(self):
             return self.slots
 
-    _made.append(TimelineLayer)
     return TimelineLayer
 
 
