@@ -30,11 +30,6 @@ STRENGTH = 0.5  # the control vector's strength; its direction has the block out
 
 # type -> (exception, message) of kw.from_hf, as the run gives them
 AT_BUILD = {
-    # refused by the build's cached checks: Llama 4's attention temperature (its NoPE layers) counts
-    # positions from the past length transformers' cache reports, one number for the batch
-    "llama4_text": (ValueError, "Llama4ForCausalLM: its layers compute with the number of past tokens "
-                                "transformers' cache reports (one number for the batch), which cannot say where "
-                                "each of kvwire's rows stands"),
     # keys longer than the chunk (compressed keys appended to the window's: per-layer state)
     "deepseek_v4": (ValueError, "DeepseekV4ForCausalLM: cached decoding fails (RuntimeError: The size of tensor a "
                                 "(15) must match the size of tensor b (13) at non-singleton dimension 3); its layers "

@@ -5,11 +5,13 @@ what runs after the layers and how logits are made are all found by running the 
 forward on a short probe and watching which modules it calls. The result is checked against the
 model's own logits on that probe, so a model the split does not fit is refused, not run wrong.
 """
+import warnings
+
 import torch
 from torch import nn
 
 from ...layers.linear import Linear, WeightPack
-from . import seam, state as state_slots, timeline
+from . import rerun, seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
                     recorded_calls, takes, with_arguments)
@@ -71,12 +73,18 @@ def from_transformers(model):
     stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
     backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"], seen["uncalled"]), parts,
                                Tail([getattr(base, n) for n in tail_names]), stem)
-    _find_states(name, model, backbone, probe)
+    try:
+        _find_states(name, model, backbone, probe)
+        refused = None
+    except ValueError as e:  # no cache the pass can find: the layers may still rerun over their inputs
+        refused = e
     head = Head(model, base_name, plain=True, output_class=seen["output_class"])
     with torch.no_grad():
         try:
             hidden = backbone(probe)
         except Exception as e:  # noqa: BLE001 - a layer needing what another one computed in the model's forward
+            if refused is not None:
+                raise refused from None
             raise ValueError(f"{name}: its decoder layers do not run one after another on the arguments the model's "
                              f"forward gives them ({type(e).__name__}: {e}); its layers pass each other more than the "
                              f"hidden states, which the generic path does not carry") from e
@@ -88,30 +96,67 @@ def from_transformers(model):
             if not close(logits, seen["logits"]):
                 backbone.tail = tail
     if not close(logits, seen["logits"]):
+        if refused is not None:
+            raise refused
         diff = (logits - seen["logits"]).abs().max().item()
         raise ValueError(f"{name}: the generic path does not reproduce the model's own logits on a probe "
                          f"(max difference {diff:.3g}); its forward does more than prelude, decoder layers and "
                          f"final modules")
+    if refused is None:
+        try:
+            _check_all_cached(name, model, backbone, head, probe, seen["logits"])
+        except ValueError as e:
+            refused = e
+    if refused is not None:
+        _rerun(name, backbone, head, probe, seen["logits"], refused)
+    _find_sites(backbone, probe)
+    _kvwire_linears(model)
+    return backbone, head, config
+
+
+def _check_all_cached(name, model, backbone, head, probe, expected):
+    """The cached checks; where they fail on attention whose module does more with its keys than
+    hand them to the interface (a mask or scale computed from the cache's length or contents), the
+    checks again with those layers through the Cache API (`_find_hand`)."""
     try:
-        _check_cached(name, backbone, head, probe, seen["logits"])
+        _check_cached(name, backbone, head, probe, expected)
     except ValueError as e:
-        # attention whose module does more with its keys than hand them to the interface (a mask or
-        # scale computed from the cache's length or contents): tried again through the Cache API
         if backbone.prelude.uses_timeline or any(part.states is not None for part in backbone.layers):
             raise
         calls = [part.calls for part in backbone.layers]
         try:
             _find_hand(name, model, backbone, probe, {p.index: str(e) for p in backbone.layers if p.calls},
                        _cache_layer_count(model, backbone))
-            _check_cached(name, backbone, head, probe, seen["logits"])
+            _check_cached(name, backbone, head, probe, expected)
         except ValueError as again:
             for part, kept in zip(backbone.layers, calls):
                 part.calls = kept
             backbone.prelude.uses_timeline = False
             raise (ValueError(str(again)) if isinstance(again, _PastLength) else e) from None
-    _find_sites(backbone, probe)
-    _kvwire_linears(model)
-    return backbone, head, config
+
+
+def _rerun(name, backbone, head, probe, expected, refused):
+    """Make every decoder layer rerun over its kept inputs (`kvwire.models.generic.rerun`), the
+    cache pass having `refused` the model; checked as any cache is. Raises `refused` where the
+    rerun does not reproduce the model either (a model whose layers are not causal, say)."""
+    prelude = backbone.prelude
+    with torch.no_grad():
+        width = prelude(probe).shape[-1]
+    if int(probe.max()) >= rerun.IDS_LIMIT:
+        raise refused
+    prelude.uses_timeline, prelude.reruns = False, True
+    for part in backbone.layers:
+        if not isinstance(part, UncalledLayer):
+            part.calls, part.states, part.rerun_width = [], None, width
+            part.__dict__["mixer"] = None
+    try:
+        _check_cached(name, backbone, head, probe, expected)
+    except ValueError:
+        raise refused from None
+    backbone.rerun_reason = str(refused)
+    warnings.warn(f"{name}: kvwire's cache pass does not fit this model ({refused}); its decoder layers rerun over "
+                  f"their kept inputs instead: exact, but each step runs every layer over max_length tokens",
+                  stacklevel=3)
 
 
 def _fit_head(model, base_name, seen, hidden):

@@ -19,7 +19,8 @@ from torch import nn
 
 from ...layers.base import Block, Layer
 from ...layers.inner import InnerSites
-from . import seam, sites, state as state_slots, stepping, timeline
+from ...layers.shared import shared
+from . import rerun, seam, sites, state as state_slots, stepping, timeline
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 
@@ -97,9 +98,32 @@ class Prelude(Layer):
     def forward(self, token_ids):
         B, T = token_ids.shape
         positions = torch.arange(T, device=token_ids.device)[None].expand(B, T)
-        return self.forward_cached(token_ids, positions=positions)
+        return self._record(token_ids, positions)
 
-    def forward_cached(self, token_ids, *, positions, cache_index=None, attention_mask=None):
+    # set by the build where the cache pass does not fit the model (`kvwire.models.generic.rerun`):
+    # cached calls keep the token ids and run the forward over each row's whole history
+    reruns = False
+
+    def cache_spec(self, batch_size, max_length, dtype):
+        """The token ids' slot of a model whose layers rerun over their inputs, else None."""
+        return rerun.spec(batch_size, max_length, 1) if self.reruns else None
+
+    def forward_cached(self, token_ids, *, positions, cache_index=None, attention_mask=None, cache=None):
+        if self.reruns:
+            return self._rerun(token_ids, cache_index, attention_mask, cache)
+        return self._record(token_ids, positions, cache_index, attention_mask)
+
+    def _rerun(self, token_ids, cache_index, attention_mask, cache):
+        """(the chunk's hidden states (B, T, D), next ids slot): the forward over each row's packed
+        history (`kvwire.models.generic.rerun`), its layers' arguments recorded for that window."""
+        B, T = token_ids.shape
+        cache = rerun.write(cache, token_ids[..., None], cache_index)
+        source, chunk, _ = shared(rerun.packing, cache_index, T, attention_mask)
+        ids = rerun.window(cache, source)[..., 0].to(torch.long)
+        positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(B, -1)
+        return rerun.chunk_of(self._record(ids, positions), chunk), cache
+
+    def _record(self, token_ids, positions, cache_index=None, attention_mask=None):
         layers = getattr(self.base, self.layers_name)
         store = [None] * len(layers)
         _calls.set(store)  # the recorders fill it; the decoder layers read it
@@ -168,6 +192,7 @@ class DecoderLayer(InnerSites, Block):
         self.__dict__["mixer"] = None  # a stateful layer's token mixer (a submodule of block; found by the build)
         self.calls = list(calls)
         self.inner_sites, self.points, self.width, self.heads_width = ("resid_pre",), {}, None, None
+        self.rerun_width = None  # D where the layer reruns over its kept inputs (`kvwire.models.generic.rerun`)
 
     @property
     def attention(self):
@@ -217,6 +242,10 @@ class DecoderLayer(InnerSites, Block):
         if given:
             args, kwargs = with_arguments(self.block, args, kwargs, given)
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
+        return self._call(x, args, kwargs, positions, inputs, gate)
+
+    def _call(self, x, args, kwargs, positions, inputs, gate):
+        """The transformers layer on x (B, T, D), its inner sites' edits in place."""
         if any(site != "resid_pre" for site in self.edits):
             with sites.running(self, x, positions, inputs, gate):
                 out = self.block(x, *args, **kwargs)
@@ -225,7 +254,10 @@ class DecoderLayer(InnerSites, Block):
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def cache_spec(self, batch_size, max_length, dtype):
-        """The first attention call's (key, value) shapes, else the state slot's, else None."""
+        """The first attention call's (key, value) shapes, else the state slot's, else None; a layer
+        rerunning over its inputs keeps them instead (`rerun_width` numbers a token)."""
+        if self.rerun_width is not None:
+            return rerun.spec(batch_size, max_length, self.rerun_width)
         if self.attention is None:
             return None if self.states is None else state_slots.spec(self.states.states, batch_size)
         return self.calls[0].cache_spec(batch_size, max_length)
@@ -244,6 +276,8 @@ class DecoderLayer(InnerSites, Block):
 
     def forward_cached(self, x, gate=None, *, positions, cache_index=None, attention_mask=None, cache=None,
                        **inputs):
+        if self.rerun_width is not None:
+            return self._rerun(x, gate, positions, inputs, cache, cache_index, attention_mask)
         if self.attention is None and self.states is None:  # nothing to cache (a feed-forward block)
             return self._run(x, positions, inputs, gate)
         if self.attention is None:
@@ -269,6 +303,21 @@ class DecoderLayer(InnerSites, Block):
                                f"cache holds {len(states)} (the probe's)")
         caches = [state.cache for state in states] + ([slot] if slot is not None else [])
         return (out, caches[0]) if len(caches) == 1 else (out, tuple(caches))
+
+    def _rerun(self, x, gate, positions, inputs, slot, cache_index, attention_mask):
+        """(out, next slot) of a layer rerunning over its inputs (`kvwire.models.generic.rerun`): the
+        chunk, through "resid_pre", joins the inputs the layer keeps, and the layer runs over each
+        row's packed history with the arguments the prelude recorded for it."""
+        calls = _calls.get()
+        x = self.edit_at("resid_pre", x, positions, inputs, gate)
+        slot = rerun.write(slot, x, cache_index)
+        source, chunk, _ = shared(rerun.packing, cache_index, x.shape[1], attention_mask)
+        history = rerun.window(slot, source).to(x.dtype)
+        B, M = source.shape
+        window_positions = torch.arange(M, device=x.device)[None].expand(B, M)
+        _, args, kwargs = calls[self.index]
+        out = self._call(history, args, kwargs, window_positions, inputs, None)
+        return rerun.chunk_of(out, chunk), slot
 
     def _with_state(self, x, gate, positions, inputs, slot, cache_index, attention_mask):
         """(out, next state slot): the layer's own mixer continues its state; the chunk's padding
@@ -458,6 +507,7 @@ class GenericBackbone(nn.Module):
     def __init__(self, prelude, layers, tail, stem):
         super().__init__()
         self.prelude, self.layers, self.tail, self.stem = prelude, nn.ModuleList(layers), tail, nn.ModuleDict(stem)
+        self.rerun_reason = None  # why the cache pass did not fit, where the layers rerun (`rerun`)
 
     def forward(self, token_ids):
         x = self.prelude(token_ids)

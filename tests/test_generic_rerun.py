@@ -1,0 +1,103 @@
+"""Models whose cache the pass cannot find, run by rerunning each decoder layer over the inputs it
+keeps (`kvwire.models.generic.rerun`): a layer with no cache at all (GPT-1), a recurrent layer
+keeping its state in a cache of its own (RWKV), state in module attributes (RecurrentGemma). Each
+must equal transformers' uncached forward, alone, left-padded, and in the engine at per-row cache
+indices."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import kvwire as kw
+from kvwire.models.generic import rerun
+
+from .generic_configs import greedy_disagreements, hf_logits, prompt, rollout, rows_joining_a_batch, tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+TYPES = {  # type -> what the cache pass says of it
+    "openai-gpt": "takes no `cache` argument",
+    "rwkv": "takes no `cache` argument",
+    "recurrent_gemma": "cached decoding does not reproduce the model's own logits",
+}
+L = 32
+
+
+@pytest.fixture(scope="module", params=sorted(TYPES))
+def model(request):
+    original = tiny_model(request.param)
+    hf = copy.deepcopy(original)
+    with pytest.warns(UserWarning, match="rerun over their kept inputs"):
+        lm = kw.from_hf(original, generic=True)
+    return SimpleNamespace(type=request.param, hf=hf, lm=lm)
+
+
+def test_the_build_says_why_the_layers_rerun(model):
+    assert TYPES[model.type] in model.lm.backbone.rerun_reason
+    width = model.lm.head.weight.shape[1]
+    for part in model.lm.backbone.layers:
+        assert part.cache_spec(2, L, torch.float32) == ((2, 1, L, width), (2, 1, L, 1))
+    assert model.lm.backbone.prelude.cache_spec(2, L, torch.float32) == ((2, 1, L, 1), (2, 1, L, 1))
+
+
+def test_cached_greedy_equals_the_uncached_rollout(model):
+    ids = prompt(2, 9, seed=2)
+    tokens = torch.stack(model.lm.generate(ids, max_new_tokens=10, ignore_eos=True))
+    expected = rollout(lambda x: hf_logits(model.hf, x), ids, tokens.shape[1])
+    assert torch.equal(tokens, expected) or greedy_disagreements(lambda x: hf_logits(model.hf, x), ids, tokens) == []
+
+
+def test_left_padded_rows_equal_each_alone(model):
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 100, (n,), generator=g) for n in (4, 11, 7)]
+    batch = model.lm.generate(rows, max_new_tokens=8, ignore_eos=True)
+    for i, row in enumerate(rows):
+        assert batch[i].tolist() == model.lm.generate(row, max_new_tokens=8, ignore_eos=True).tolist(), i
+
+
+def test_rows_joining_a_batch_at_other_cache_indices_equal_each_alone(model):
+    rows_joining_a_batch(model.lm, (6, 9, 4), (8, 5, 7), max_length=L, prefill_chunk=2, seed=5, head_start=4)
+
+
+def test_a_control_vector_reruns_with_the_history(model):
+    """A vector added after block 1 changes every past token's input to block 2: cached greedy of
+    the steered model equals its own uncached rollout."""
+    width = model.lm.head.weight.shape[1]
+    v = torch.randn(width, generator=torch.Generator().manual_seed(0))
+    steered = model.lm.steer(kw.ControlVector({1: v}), 4.0)
+    ids = prompt(2, 9, seed=4)
+    with torch.no_grad():
+        assert not torch.allclose(steered(ids), model.lm(ids), atol=1e-3)
+    tokens = torch.stack(steered.generate(ids, max_new_tokens=6, ignore_eos=True))
+    assert greedy_disagreements(lambda x: steered(x), ids, tokens) == []
+
+
+def test_a_model_the_cache_pass_fits_keeps_its_cache():
+    lm = kw.from_hf(tiny_model("llama"), generic=True)
+    assert lm.backbone.rerun_reason is None
+    assert lm.backbone.prelude.cache_spec(1, L, torch.float32) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_packing_puts_each_rows_real_tokens_first_in_order(data):
+    B = data.draw(st.integers(1, 3))
+    M = data.draw(st.integers(2, 10))
+    T = data.draw(st.integers(1, M))
+    rows = data.draw(st.booleans())
+    starts = [data.draw(st.integers(0, M - T)) for _ in range(B if rows else 1)]
+    mask = torch.tensor([[data.draw(st.booleans()) for _ in range(M)] for _ in range(B)])
+    cache_index = torch.tensor(starts) if rows else torch.tensor(starts[0])
+    source, chunk, real = rerun.packing(cache_index, T, mask)
+    for b in range(B):
+        start = starts[b if rows else 0]
+        kept = [c for c in range(M) if mask[b, c] and c < start + T]
+        n = len(kept)
+        assert source[b, :n].tolist() == kept
+        assert sorted(source[b].tolist()) == list(range(M))  # a permutation: every column read once
+        assert real[b].tolist() == [j < n for j in range(M)]
+        for t in range(T):
+            if mask[b, start + t]:
+                assert source[b, chunk[b, t]] == start + t
