@@ -55,6 +55,7 @@ SMALL = {
     # sparse-attention indexers
     **dict.fromkeys(("index_n_heads", "indexer_n_heads", "index_num_heads"), 2),
     **dict.fromkeys(("index_head_dim", "indexer_head_dim"), 16),
+    "index_topk": 4,  # fewer keys than a probe has: the indexer's choice matters
     # linear attention / gated delta-nets
     **dict.fromkeys(("linear_num_key_heads", "linear_num_heads"), 2),
     "linear_num_value_heads": 4,

@@ -101,3 +101,18 @@ def test_packing_puts_each_rows_real_tokens_first_in_order(data):
         for t in range(T):
             if mask[b, start + t]:
                 assert source[b, chunk[b, t]] == start + t
+
+
+def test_sparse_attention_sees_only_the_keys_its_indexer_picks():
+    """DeepSeek V3.2's indexer picks 4 keys per query (the tiny config's index_topk): kvwire's
+    logits follow that choice, and, its cache not keeping the indexer's keys, its layers rerun."""
+    original = tiny_model("deepseek_v32")
+    hf = copy.deepcopy(original)
+    with pytest.warns(UserWarning, match="rerun over their kept inputs"):
+        lm = kw.from_hf(original, generic=True)
+    assert "indexer selects" in lm.backbone.rerun_reason
+    ids = prompt(2, 11, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    tokens = torch.stack(lm.generate(ids, max_new_tokens=8, ignore_eos=True))
+    assert greedy_disagreements(lambda x: hf_logits(hf, x), ids, tokens) == []

@@ -106,6 +106,13 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     eager = eager_function(module)
     step = _active.get()
     state = None if step is None else step.next_for(module)
+    indices = kwargs.pop("indices", None)
+    if indices is not None:  # sparse attention: an indexer picked the keys each query sees
+        if state is not None:
+            raise RuntimeError(f"{type(module).__name__} attends only to the keys its indexer selects (`indices`), "
+                               f"scored against every past token's indexer key, which kvwire's key/value cache does "
+                               f"not keep")
+        attention_mask = selected(attention_mask, indices, key.shape[2], query.dtype)
     if state is None:
         out = eager(module, query, key, value, attention_mask, **kwargs)
         watcher = _watcher.get()
@@ -134,6 +141,19 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     out = eager(module, query, keys, values, bias, **kwargs)
     state.cache = write_chunk(state.cache, key.float(), value.float(), state.cache_index)
     return out
+
+
+def selected(mask, indices, K, dtype):
+    """The attention mask (B | 1, 1, T, K), bool or additive, also hiding every key outside
+    `indices` (B, T, top-k): the keys a sparse-attention indexer picked for each query, as
+    transformers' eager path folds them in."""
+    B, T = indices.shape[:2]
+    keep = torch.zeros(B, T, K, dtype=torch.bool, device=indices.device).scatter(-1, indices.long(), True)[:, None]
+    if mask is None:
+        mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def mask_window(mask, T):
