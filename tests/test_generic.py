@@ -303,3 +303,66 @@ def test_decoder_layers_whose_count_is_of_sublayers_are_found():
     assert all(len(part.calls) == 2 for part in lm.backbone.layers)
     ids = prompt(1, 7, 7)
     assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def _present(model_type):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+
+
+def test_what_a_layer_hands_the_next_beside_its_hidden_states_is_carried():
+    """Zaya's layers return (hidden, router states) and its forward passes the router states to the
+    next layer: the build finds the link on the probe, and cached greedy equals transformers'."""
+    _present("zaya")
+    hf, lm = _generic("zaya")
+    assert [part.carried for part in lm.backbone.layers][1:] == [[(1, 0)]] * (len(lm.backbone.layers) - 1)
+    ids = prompt(1, 7, 8)
+    assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def test_decoder_layers_held_below_the_base_model_are_found():
+    """GIT's text layers are `encoder.layer` of its base model, beside an image encoder's list of
+    as many layers: the build takes the list nearest the base model, and text generation equals
+    transformers'."""
+    _present("git")
+    with pytest.warns(UserWarning, match="rerun"):
+        hf, lm = _generic("git")
+    assert lm.backbone.prelude.layers_name == "encoder.layer"
+    ids = prompt(1, 7, 9)
+    assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def test_attention_across_a_tokens_layers_is_not_attention_across_tokens():
+    """Inkling 2's block attention residuals attend, at each token, over earlier blocks' outputs
+    (non-causal, with the tokens where heads go): the model is not refused as bidirectional."""
+    _present("inkling2_text")
+    with pytest.warns(UserWarning, match="rerun"):
+        hf, lm = _generic("inkling2_text")
+    ids = prompt(2, 9, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("xlnet", r"hidden states of shape \(12, 2, 64\) for 2 rows of 12 tokens"),  # tokens first
+    ("dory", r"its forward runs decoder layer 0 \(DoryDecoderLayer\) 2 times \(a looped or recurrent-depth model\)"),
+    ("cpmant", r"hidden states of shape \(2, 44, 64\) for 2 rows of 12 tokens"),  # a learned prompt prepended
+    ("blt", r"cannot find its base model: its config names no number of decoder layers .* its module lists are "
+            r"model\.local_encoder\.layers \(4\)"),
+])
+def test_models_the_split_cannot_hold_are_refused_saying_why(model_type, reason):
+    _present(model_type)
+    with pytest.raises(ValueError, match=reason):
+        kw.from_hf(tiny_model(model_type), generic=True)
+
+
+def test_a_model_whose_logits_read_later_tokens_is_refused():
+    """An embedding hook adding the sequence's mean makes every logit depend on later tokens: the
+    build refuses the model as not causal (no cache, nor a rerun, can serve it)."""
+    hf = tiny_model("llama")
+    hf.get_input_embeddings().register_forward_hook(lambda m, a, out: out + out.mean(dim=1, keepdim=True))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: its logits at a token depend on later tokens \(the "
+                                         r"first 6 tokens of a probe alone give other logits there\)"):
+        kw.from_hf(hf, generic=True)

@@ -30,11 +30,6 @@ STRENGTH = 0.5  # the control vector's strength; its direction has the block out
 
 # type -> (exception, message) of kw.from_hf, as the run gives them
 AT_BUILD = {
-    # keys longer than the chunk (compressed keys appended to the window's: per-layer state)
-    "deepseek_v4": (ValueError, "DeepseekV4ForCausalLM: cached decoding fails (RuntimeError: The size of tensor a "
-                                "(15) must match the size of tensor b (13) at non-singleton dimension 3); its layers "
-                                "depend on more than their keys and values, which the generic path does not carry "
-                                "yet"),
 }
 
 # (type, test) -> the failure of a kvwire model that builds

@@ -38,7 +38,7 @@ def test_the_build_says_why_the_layers_rerun(model):
     assert TYPES[model.type] in model.lm.backbone.rerun_reason
     width = model.lm.head.weight.shape[1]
     for part in model.lm.backbone.layers:
-        assert part.cache_spec(2, L, torch.float32) == ((2, 1, L, width), (2, 1, L, 1))
+        assert part.cache_spec(2, L, torch.float32) == ((2, 1, L, width), (2, 1, L, 1))  # (B, 1, L, D)
     assert model.lm.backbone.prelude.cache_spec(2, L, torch.float32) == ((2, 1, L, 1), (2, 1, L, 1))
 
 

@@ -112,7 +112,10 @@ class Scheduled(Layer):
         scale = inputs[f"{name}_{self.scale_input}"] if self.scale_input else None
         # once per call for every layer of this name: the graph passes them the same input tensors
         on = shared(schedule_mask, positions, inputs[f"{name}_start"], inputs[f"{name}_end"], scale)
-        return self.act(x, on if gate is None else on * gate, inputs)
+        on = on if gate is None else on * gate
+        if x.dim() > 3:  # several residual streams (B, T, streams, D): each acted on alike
+            on = on.reshape(on.shape[:2] + (1,) * (x.dim() - 2))
+        return self.act(x, on, inputs)
 
     def runtime_defaults(self, batch_size, prompt_lengths=None):
         device = next(self.buffers()).device

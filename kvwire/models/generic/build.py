@@ -51,7 +51,7 @@ def from_transformers(model):
     model.eval()
     try:
         with torch.no_grad():
-            seen = _watch(model, base, layers, probe)
+            seen = _watch(model, base, layers_name, layers, probe)
     finally:
         model.train(was_training)
     parts = []
@@ -69,19 +69,35 @@ def from_transformers(model):
                                  f"bidirectional; kvwire runs causal language models")
         paths = {id(m): p for p, m in layer.named_modules()}
         parts.append(DecoderLayer(layer, i, [AttentionCall(paths[id(module)], *shape) for module, *shape in calls]))
+    for part in parts:
+        part.carried = seen["carried"].get(part.index, [])
+    for i, times in enumerate(seen["runs"]):
+        if times > 1:  # a looped model: the split has one node per decoder layer, run once
+            raise ValueError(f"{name}: its forward runs decoder layer {i} ({type(layers[i]).__name__}) {times} times "
+                             f"(a looped or recurrent-depth model); the generic path runs each decoder layer once")
     tail_names = seen["tail"]
-    stem = {n: m for n, m in base.named_children() if n != layers_name and n not in tail_names}
+    stem = {n.replace(".", "_"): m for n, m in _around(base, layers_name) if n not in tail_names}
     backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"], seen["uncalled"]), parts,
-                               Tail([getattr(base, n) for n in tail_names]), stem)
+                               Tail([base.get_submodule(n) for n in tail_names]), stem)
     try:
         _find_states(name, model, backbone, probe)
         refused = None
+    except _Unfit:
+        raise
     except ValueError as e:  # no cache the pass can find: the layers may still rerun over their inputs
         refused = e
+    with torch.no_grad():
+        _check_causal(name, model, probe, seen["logits"])
     head = Head(model, base_name, plain=True, output_class=seen["output_class"])
     with torch.no_grad():
         try:
-            hidden = backbone(probe)
+            try:
+                hidden = backbone(probe)
+            except TypeError:  # a final module taking more than the hidden states: the forward's own code after the layers
+                if not tail_names:
+                    raise
+                backbone.tail = ReplayTail(base, layers_name, seen["returns_tuple"])
+                hidden = backbone(probe)
         except Exception as e:  # noqa: BLE001 - a layer needing what another one computed in the model's forward
             if refused is not None:
                 raise refused from None
@@ -91,7 +107,8 @@ def from_transformers(model):
         head, logits = _fit_head(model, base_name, seen, hidden)
         if not close(logits, seen["logits"]):  # more after the layers than modules one after another
             tail = backbone.tail
-            backbone.tail = ReplayTail(base, layers_name, seen["returns_tuple"])
+            if not isinstance(tail, ReplayTail):
+                backbone.tail = ReplayTail(base, layers_name, seen["returns_tuple"])
             head, logits = _fit_head(model, base_name, seen, backbone(probe))
             if not close(logits, seen["logits"]):
                 backbone.tail = tail
@@ -112,6 +129,15 @@ def from_transformers(model):
     _find_sites(backbone, probe)
     _kvwire_linears(model)
     return backbone, head, config
+
+
+def _check_causal(name, model, probe, expected):
+    """Refuse a model whose logits at a token depend on later tokens (XLNet's default bidirectional
+    attention): the probe's first half alone must give the full probe's logits there."""
+    half = probe.shape[1] // 2
+    if not close(model(input_ids=probe[:, :half], use_cache=False).logits, expected[:, :half]):
+        raise ValueError(f"{name}: its logits at a token depend on later tokens (the first {half} tokens of a probe "
+                         f"alone give other logits there); kvwire runs causal language models")
 
 
 def _check_all_cached(name, model, backbone, head, probe, expected):
@@ -141,13 +167,13 @@ def _rerun(name, backbone, head, probe, expected, refused):
     rerun does not reproduce the model either (a model whose layers are not causal, say)."""
     prelude = backbone.prelude
     with torch.no_grad():
-        width = prelude(probe).shape[-1]
+        shape = tuple(prelude(probe).shape[2:])
     if int(probe.max()) >= rerun.IDS_LIMIT:
         raise refused
     prelude.uses_timeline, prelude.reruns = False, True
     for part in backbone.layers:
         if not isinstance(part, UncalledLayer):
-            part.calls, part.states, part.rerun_width = [], None, width
+            part.calls, part.states, part.rerun_shape = [], None, shape
             part.__dict__["mixer"] = None
     try:
         _check_cached(name, backbone, head, probe, expected)
@@ -166,6 +192,10 @@ def _fit_head(model, base_name, seen, hidden):
     if not close(head(hidden), seen["logits"]):
         head = Head(model, base_name, plain=False, output_class=seen["output_class"])
     return head, head(hidden)
+
+
+class _Unfit(ValueError):
+    """A model the split into prelude, layers and tail does not hold, whatever caches it."""
 
 
 class _PastLength(ValueError):
@@ -209,7 +239,7 @@ def _find_states(name, model, backbone, probe):
     count = _cache_layer_count(model, backbone)
     with torch.no_grad():
         try:
-            backbone.prelude(probe)
+            shape = tuple(backbone.prelude(probe).shape)
         except Exception as e:  # noqa: BLE001 - a forward that does not run with its layers recorded
             bare = next((part for part in backbone.layers if part.attention is None), None)
             if bare is None:
@@ -218,6 +248,10 @@ def _find_states(name, model, backbone, probe):
                              f"transformers' attention interface sees, and the model's forward does not run with its "
                              f"decoder layers recorded ({type(e).__name__}: {e}); the generic path caches attention "
                              f"and the state of layers that keep it in transformers' Cache API") from e
+        if shape[:2] != tuple(probe.shape):  # CPM-Ant's learned prompt, prepended; XLNet's tokens first
+            raise _Unfit(f"{name}: its decoder layers take hidden states of shape {shape} for {probe.shape[0]} rows "
+                         f"of {probe.shape[1]} tokens; the generic path runs layers on (rows, tokens, ...), one "
+                         f"position per token")
         calls = recorded_calls()
         refused = {}  # index -> why, for layers that may still attend through the Cache API (`_find_hand`)
         for part in backbone.layers:
@@ -385,16 +419,28 @@ def _base(model, config):
         path = next((p for p, m in model.named_modules() if m is base and p), None)
         if path is not None and _layer_lists(base, n, base is decoder):
             return path, base, base is decoder
-    raise ValueError(f"{type(model).__name__}: cannot find its base model (the module holding its {n} decoder "
-                     f"layers, num_hidden_layers); expected a transformers ...ForCausalLM")
+    lists = [f"{p} ({len(m)})" for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    said = "its config names no number of decoder layers (num_hidden_layers)" if n is None else \
+        f"no module holds a list of its {n} decoder layers (num_hidden_layers)"
+    raise ValueError(f"{type(model).__name__}: cannot find its base model: {said}; its module lists are "
+                     f"{', '.join(lists[:6]) or 'none'}. The generic path runs one list of decoder layers, each "
+                     f"once per token (not stacks run in cycles or over patches)")
 
 
 def _layer_lists(base, n, decoder):
-    """[(name, ModuleList)] of `base`'s children that may be its decoder layers: those of n
-    layers, else (for the model's own `get_decoder()`) its only list."""
+    """[(path, ModuleList)] in `base` that may be its decoder layers: its children of n layers,
+    else (for the model's own `get_decoder()`) its only list, else the lists of n layers nearest
+    below it (a child running the layers: GIT's `encoder.layer`, beside its image encoder's deeper
+    list)."""
     lists = [(k, v) for k, v in base.named_children() if isinstance(v, nn.ModuleList)]
     sized = [(k, v) for k, v in lists if len(v) == n]
-    return sized or (lists if decoder and len(lists) == 1 else [])
+    if sized or not decoder:
+        return sized
+    if len(lists) == 1:
+        return lists
+    nested = [(k, v) for k, v in base.named_modules() if k and isinstance(v, nn.ModuleList) and len(v) == n]
+    depth = min((k.count(".") for k, _ in nested), default=None)
+    return [(k, v) for k, v in nested if k.count(".") == depth]
 
 
 def _decoder_layers(base, config, name, decoder):
@@ -433,26 +479,35 @@ def _special_ids(config, depth=0):
     return found
 
 
-def _watch(model, base, layers, probe):
-    """Run the model on the probe, recording: its logits, the order of the base model's children,
-    each decoder layer's attention calls and whether the layers return tuples."""
+def _watch(model, base, layers_name, layers, probe):
+    """Run the model on the probe, recording: its logits, the order of the base model's children
+    (and of the children beside the layers of those holding them), each decoder layer's attention
+    calls and whether the layers return tuples."""
     order, owner, attention = [], {}, [[] for _ in layers]
     for i, layer in enumerate(layers):
         for m in layer.modules():
             owner.setdefault(id(m), i)
-    returns_tuple, marker = [], _name_of(base, layers)
-    hooks = [child.register_forward_hook(lambda m, a, o, n=n: order.append(n)) for n, child in base.named_children()
-             if child is not layers]
+    returns_tuple, marker = [], layers_name
+    hooks = [child.register_forward_hook(lambda m, a, o, n=n: order.append(n))
+             for n, child in _around(base, layers_name)]
     called = set()
-    hooks += [layer.register_forward_hook(lambda m, a, o, i=i: (order.append(marker), called.add(i)) and None)
+    runs = [0] * len(layers)
+    hooks += [layer.register_forward_hook(lambda m, a, o, i=i: (order.append(marker), called.add(i),
+                                                                 runs.__setitem__(i, runs[i] + 1)) and None)
               for i, layer in enumerate(layers)]
     hooks += [layer.register_forward_hook(lambda m, a, o: returns_tuple.append(
         len(o) if isinstance(o, (tuple, list)) else 0)) for layer in layers]
     outputs = []
     hooks.append(base.register_forward_hook(lambda m, a, o: outputs.append(type(o))))
+    returned, given = {}, {}  # per layer: its returned tuple, its arguments after the hidden states
+    hooks += [layer.register_forward_hook(lambda m, a, o, i=i: returned.setdefault(i, o)) for i, layer in enumerate(layers)]
+    hooks += [layer.register_forward_pre_hook(lambda m, a, k, i=i: given.setdefault(i, (a[1:] if a else a, k)) and None,
+                                              with_kwargs=True) for i, layer in enumerate(layers)]
 
     def seen(module, key, value, window, plain_math):
         i = owner.get(id(module))
+        if i is not None and _across_depth(module, key, probe.shape[1]):
+            return  # within each position (over earlier layers' outputs): no tokens mixed, nothing to cache
         if i is not None:
             attention[i].append((module, key.shape[1], key.shape[-1], value.shape[-1], window, plain_math))
 
@@ -463,11 +518,39 @@ def _watch(model, base, layers, probe):
         for h in hooks:
             h.remove()
     layers_at = [k for k, n in enumerate(order) if n == marker]
+    carried = {}  # layer -> [(k, argument)]: the previous layer's k-th returned tensor, passed on as it is
+    for i in range(1, len(layers)):
+        out = returned.get(i - 1)
+        if not isinstance(out, (tuple, list)) or i not in given:
+            continue
+        args, kwargs = given[i]
+        links = [(k, at) for k, t in enumerate(out) if k and isinstance(t, torch.Tensor)
+                 for at, v in [*enumerate(args), *kwargs.items()] if v is t]
+        if links:
+            carried[i] = links
     tail = [n for n in order[layers_at[-1] + 1:]] if layers_at else []
     return {"logits": logits.float(), "attention": attention, "tail": list(dict.fromkeys(tail)),
             "returns_tuple": returns_tuple[0] if returns_tuple else 0, "output_class": outputs[0] if outputs else None,
-            "uncalled": [i for i in range(len(layers)) if i not in called]}
+            "uncalled": [i for i in range(len(layers)) if i not in called], "carried": carried, "runs": runs}
 
 
-def _name_of(base, layers):
-    return next(n for n, c in base.named_children() if c is layers)
+def _around(base, layers_name):
+    """[(path, module)]: the base model's children but the decoder layers, and where a child holds
+    them (a dotted `layers_name`), that child's other children in its place, and so on down."""
+    first, _, rest = layers_name.partition(".")
+    around = []
+    for n, child in base.named_children():
+        if n != first:
+            around.append((n, child))
+        elif rest:
+            around += [(f"{n}.{k}", m) for k, m in _around(child, rest)]
+    return around
+
+
+def _across_depth(module, key, T):
+    """Whether an attention call mixes no tokens: a non-causal call whose keys hold the probe's T
+    positions where heads go and something else (the outputs of earlier layers at each position,
+    Inkling 2's block attention residuals) along their sequence axis. It runs within each token,
+    uncached, as a feed-forward module does."""
+    return (not getattr(module, "is_causal", True) and key.dim() == 4 and key.shape[1] == T
+            and key.shape[2] != T)

@@ -23,6 +23,11 @@ from ...layers.shared import shared
 from . import rerun, seam, sites, state as state_slots, stepping, timeline
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
+# the token ids of the running prelude call: a `ReplayTail` replays the forward on them
+_tokens = contextvars.ContextVar("kvwire_generic_token_ids", default=None)
+# {index: the tuple decoder layer `index` returned} in the running call: what a layer hands the next
+# one beside its hidden states (Zaya's router states), read by layers with `carried` arguments
+_outputs = contextvars.ContextVar("kvwire_generic_layer_outputs", default=None)
 
 
 class _Recorder(nn.Module):
@@ -58,6 +63,16 @@ class _Recorder(nn.Module):
         return (hidden,) + (None,) * (self.returns_tuple - 1) if self.returns_tuple else hidden
 
 
+def swap_layers(base, layers_name, modules):
+    """Put `modules` where `base` holds its decoder layers (`layers_name`, a dotted path: the list may
+    sit inside a child of the base model, GIT's `encoder.layer`); returns what was there."""
+    owner, _, leaf = layers_name.rpartition(".")
+    owner = base.get_submodule(owner) if owner else base
+    held = getattr(owner, leaf)
+    setattr(owner, leaf, modules)
+    return held
+
+
 def cache_argument(base):
     """The name under which the base model's forward takes a transformers cache."""
     names = inspect.signature(base.forward).parameters
@@ -75,7 +90,7 @@ class Prelude(Layer):
 
     Args:
         base: the transformers base model (its forward takes input_ids and position_ids).
-        layers_name: the attribute of `base` holding its decoder layers (a ModuleList).
+        layers_name: the path in `base` of its decoder layers (a ModuleList; dotted where a child holds them).
         returns_tuple: whether the layers return tuples (older families) rather than tensors.
     """
 
@@ -93,7 +108,7 @@ class Prelude(Layer):
         self.cache_name = cache_argument(base)  # the forward's cache argument (read once, not a step)
         # made once: a call only swaps them in (not a submodule: they hold no weights)
         self.__dict__["recorders"] = nn.ModuleList(_Recorder(i, returns_tuple, layer)
-                                                   for i, layer in enumerate(getattr(base, layers_name)))
+                                                   for i, layer in enumerate(base.get_submodule(layers_name)))
 
     def forward(self, token_ids):
         B, T = token_ids.shape
@@ -106,7 +121,7 @@ class Prelude(Layer):
 
     def cache_spec(self, batch_size, max_length, dtype):
         """The token ids' slot of a model whose layers rerun over their inputs, else None."""
-        return rerun.spec(batch_size, max_length, 1) if self.reruns else None
+        return rerun.spec(batch_size, max_length, (1,)) if self.reruns else None
 
     def forward_cached(self, token_ids, *, positions, cache_index=None, attention_mask=None, cache=None):
         if self.reruns:
@@ -121,12 +136,15 @@ class Prelude(Layer):
         source, chunk, _ = shared(rerun.packing, cache_index, T, attention_mask)
         ids = rerun.window(cache, source)[..., 0].to(torch.long)
         positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(B, -1)
-        return rerun.chunk_of(self._record(ids, positions), chunk), cache
+        hidden = rerun.chunk_of(self._record(ids, positions), chunk)
+        _tokens.set(token_ids)  # a `ReplayTail` runs on the chunk
+        return hidden, cache
 
     def _record(self, token_ids, positions, cache_index=None, attention_mask=None):
-        layers = getattr(self.base, self.layers_name)
-        store = [None] * len(layers)
+        store = [None] * len(self.recorders)
         _calls.set(store)  # the recorders fill it; the decoder layers read it
+        _tokens.set(token_ids)
+        _outputs.set({})
         kwargs = {"use_cache": False}
         if self.uses_timeline and cache_index is not None:
             # the forward as transformers runs it with a cache: masks and biases over the timeline's
@@ -134,11 +152,11 @@ class Prelude(Layer):
             kwargs = {"use_cache": True, "attention_mask": timeline.padding_mask(cache_index, token_ids.shape[1],
                                                                                  attention_mask),
                       self.cache_name: timeline.timeline_cache(self.cache_layers, attention_mask.shape[1])}
-        setattr(self.base, self.layers_name, self.recorders)
+        layers = swap_layers(self.base, self.layers_name, self.recorders)
         try:
             self.base(input_ids=token_ids, position_ids=positions, **kwargs)
         finally:
-            setattr(self.base, self.layers_name, layers)
+            swap_layers(self.base, self.layers_name, layers)
         missing = [i for i, call in enumerate(store) if call is None and i not in self.uncalled]
         if missing:
             raise RuntimeError(f"{type(self.base).__name__}'s forward did not call decoder layers {missing[:8]}")
@@ -191,8 +209,11 @@ class DecoderLayer(InnerSites, Block):
         self.block, self.index, self.states = layer, index, states
         self.__dict__["mixer"] = None  # a stateful layer's token mixer (a submodule of block; found by the build)
         self.calls = list(calls)
+        # [(k, argument)]: element k of the previous layer's returned tuple is this layer's argument
+        # (a position after the hidden states, or a keyword): found by the build's probe
+        self.carried = []
         self.inner_sites, self.points, self.width, self.heads_width = ("resid_pre",), {}, None, None
-        self.rerun_width = None  # D where the layer reruns over its kept inputs (`kvwire.models.generic.rerun`)
+        self.rerun_shape = None  # (D,) where the layer reruns over its kept inputs (`kvwire.models.generic.rerun`)
 
     @property
     def attention(self):
@@ -238,26 +259,48 @@ class DecoderLayer(InnerSites, Block):
         if calls is None:
             raise RuntimeError("a generic decoder layer runs after its model's Prelude (it takes the layer's "
                                "arguments from it); call the whole backbone")
-        _, args, kwargs = calls[self.index]
+        args, kwargs = self._arguments(calls)
         if given:
             args, kwargs = with_arguments(self.block, args, kwargs, given)
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
         return self._call(x, args, kwargs, positions, inputs, gate)
 
+    def _arguments(self, calls):
+        """(args, kwargs) of this layer's call: the prelude's record, with what the previous layer
+        returned beside its hidden states where the layer takes that (`carried`)."""
+        _, args, kwargs = calls[self.index]
+        outputs = _outputs.get()
+        if not self.carried or outputs is None or self.index - 1 not in outputs:
+            return args, kwargs
+        previous = outputs[self.index - 1]
+        args, kwargs = list(args), dict(kwargs)
+        for k, at in self.carried:
+            if isinstance(at, int):
+                args[at] = previous[k]
+            else:
+                kwargs[at] = previous[k]
+        return tuple(args), kwargs
+
     def _call(self, x, args, kwargs, positions, inputs, gate):
-        """The transformers layer on x (B, T, D), its inner sites' edits in place."""
+        """The transformers layer on x (B, T, D), its inner sites' edits in place; a tuple it returns
+        is kept for the next layer (`carried`)."""
         if any(site != "resid_pre" for site in self.edits):
             with sites.running(self, x, positions, inputs, gate):
                 out = self.block(x, *args, **kwargs)
         else:
             out = self.block(x, *args, **kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(out, (tuple, list)):
+            return out
+        outputs = _outputs.get()
+        if outputs is not None:
+            outputs[self.index] = out
+        return out[0]
 
     def cache_spec(self, batch_size, max_length, dtype):
         """The first attention call's (key, value) shapes, else the state slot's, else None; a layer
-        rerunning over its inputs keeps them instead (`rerun_width` numbers a token)."""
-        if self.rerun_width is not None:
-            return rerun.spec(batch_size, max_length, self.rerun_width)
+        rerunning over its inputs keeps them instead (a `rerun_shape` tensor a token)."""
+        if self.rerun_shape is not None:
+            return rerun.spec(batch_size, max_length, self.rerun_shape)
         if self.attention is None:
             return None if self.states is None else state_slots.spec(self.states.states, batch_size)
         return self.calls[0].cache_spec(batch_size, max_length)
@@ -276,7 +319,7 @@ class DecoderLayer(InnerSites, Block):
 
     def forward_cached(self, x, gate=None, *, positions, cache_index=None, attention_mask=None, cache=None,
                        **inputs):
-        if self.rerun_width is not None:
+        if self.rerun_shape is not None:
             return self._rerun(x, gate, positions, inputs, cache, cache_index, attention_mask)
         if self.attention is None and self.states is None:  # nothing to cache (a feed-forward block)
             return self._run(x, positions, inputs, gate)
@@ -312,10 +355,10 @@ class DecoderLayer(InnerSites, Block):
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
         slot = rerun.write(slot, x, cache_index)
         source, chunk, _ = shared(rerun.packing, cache_index, x.shape[1], attention_mask)
-        history = rerun.window(slot, source).to(x.dtype)
+        history = rerun.window(slot, source, x.shape[2:]).to(x.dtype)
         B, M = source.shape
         window_positions = torch.arange(M, device=x.device)[None].expand(B, M)
-        _, args, kwargs = calls[self.index]
+        args, kwargs = self._arguments(calls)
         out = self._call(history, args, kwargs, window_positions, inputs, None)
         return rerun.chunk_of(out, chunk), slot
 
@@ -436,7 +479,7 @@ class ReplayTail(Layer):
         super().__init__()
         self.__dict__["base"] = base  # not a submodule: its weights belong to the backbone's parts
         self.layers_name = layers_name
-        layers = getattr(base, layers_name)
+        layers = base.get_submodule(layers_name)
         self.__dict__["replayers"] = nn.ModuleList(_Replayer(i, returns_tuple, layer, i == len(layers) - 1)
                                                    for i, layer in enumerate(layers))
 
@@ -445,13 +488,15 @@ class ReplayTail(Layer):
         return self.forward_cached(x, positions=torch.arange(T, device=x.device)[None].expand(B, T))
 
     def forward_cached(self, x, *, positions):
-        layers = getattr(self.base, self.layers_name)
         self.replayers[-1].value = x
-        setattr(self.base, self.layers_name, self.replayers)
+        layers = swap_layers(self.base, self.layers_name, self.replayers)
         try:
-            out = self.base(input_ids=torch.zeros_like(positions), position_ids=positions, use_cache=False)
+            ids = _tokens.get()
+            if ids is None or ids.shape != positions.shape:
+                ids = torch.zeros_like(positions)
+            out = self.base(input_ids=ids, position_ids=positions, use_cache=False)
         finally:
-            setattr(self.base, self.layers_name, layers)
+            swap_layers(self.base, self.layers_name, layers)
             self.replayers[-1].value = None
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
 

@@ -21,6 +21,8 @@ flow) but it is not a key/value cache: every call runs each layer over max_lengt
 decode step costs a prefill of the window. The build uses it only where the cache pass does not
 fit, and says so (`GenericBackbone.rerun_reason`).
 """
+import math
+
 import torch
 
 from ...layers.attention import write_chunk
@@ -48,17 +50,20 @@ def packing(cache_index, T, attention_mask):
 
 
 def write(cache, columns, cache_index):
-    """The (kept, spare) cache pair with `columns` (B, T, C) written at cache_index as a
-    (B, 1, T, C) chunk (the spare half of the pair, (B, 1, max_length, 1), stays zero)."""
-    kept = columns.float()[:, None]
+    """The (kept, spare) cache pair with `columns` (B, T, ...) written at cache_index as a
+    (B, 1, T, C) chunk, C the product of its trailing sizes (the spare half of the pair,
+    (B, 1, max_length, 1), stays zero)."""
+    kept = columns.float().flatten(2)[:, None]
     spare = kept.new_zeros(kept.shape[:-1] + (1,))
     return write_chunk(cache, kept, spare, cache_index)
 
 
-def window(cache, source):
-    """(B, M, C): the kept half of a cache pair (B, 1, M, C) in packed column order."""
+def window(cache, source, shape=None):
+    """(B, M, *shape): the kept half of a cache pair (B, 1, M, C) in packed column order, each
+    column's C numbers in `shape` (default (C,))."""
     kept = cache[0][:, 0]
-    return kept.gather(1, source[..., None].expand(kept.shape))
+    packed = kept.gather(1, source[..., None].expand(kept.shape))
+    return packed if shape is None else packed.reshape(packed.shape[:2] + tuple(shape))
 
 
 def chunk_of(values, chunk):
@@ -67,6 +72,7 @@ def chunk_of(values, chunk):
     return values.gather(1, index.expand(chunk.shape + values.shape[2:]))
 
 
-def spec(batch_size, max_length, width):
-    """(kept shape, spare shape) of a slot keeping `width` numbers per token."""
-    return (batch_size, 1, max_length, width), (batch_size, 1, max_length, 1)
+def spec(batch_size, max_length, shape):
+    """(kept shape, spare shape) of a slot keeping a tensor of `shape` per token (hidden states
+    (D,), or (streams, D) for a model with several residual streams)."""
+    return (batch_size, 1, max_length, math.prod(shape)), (batch_size, 1, max_length, 1)

@@ -207,6 +207,18 @@ def _mask_mixer(module, args, kwargs):
         return None
     names = list(inspect.signature(module.forward).parameters)
     at = names.index("attention_mask")
+    current = args[at] if at < len(args) else kwargs.get("attention_mask")
+    mask = _padding_in(current, given[1])
     if at < len(args):  # passed positionally
-        return args[:at] + (given[1],) + args[at + 1:], kwargs
-    return args, {**kwargs, "attention_mask": given[1]}
+        return args[:at] + (mask,) + args[at + 1:], kwargs
+    return args, {**kwargs, "attention_mask": mask}
+
+
+def _padding_in(current, real):
+    """The mixer's `attention_mask` with the padding mask `real` (B, T) in: `real` itself, or, where
+    the mixer takes a mapping of masks (Zaya's {"causal": ..., "conv": ...}), that mapping with
+    `real` for its entries that are padding masks (2D, or None: no padding) and its attention masks
+    (4D: kvwire's seam makes its own) kept."""
+    if not isinstance(current, dict):
+        return real
+    return {k: real if v is None or (isinstance(v, torch.Tensor) and v.dim() == 2) else v for k, v in current.items()}
