@@ -116,3 +116,19 @@ def test_sparse_attention_sees_only_the_keys_its_indexer_picks():
         torch.testing.assert_close(lm(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
     tokens = torch.stack(lm.generate(ids, max_new_tokens=8, ignore_eos=True))
     assert greedy_disagreements(lambda x: hf_logits(hf, x), ids, tokens) == []
+
+
+def test_a_rerunning_model_exports_to_onnx_and_runs_transformers_tokens(tmp_path):
+    """The rerun's packing (cumulative sums, a scatter, gathers) is static-shape: GPT-1, cached by
+    its layers' inputs, exports and generates transformers' tokens in ONNX Runtime."""
+    pytest.importorskip("onnxruntime")
+    from kvwire.export import load_exported
+
+    original = tiny_model("openai-gpt")
+    hf = copy.deepcopy(original)
+    with pytest.warns(UserWarning, match="rerun"):
+        lm = kw.from_hf(original, generic=True)
+    kw.export(lm, tmp_path / "m.onnx", max_length=32)
+    ids = prompt(1, 9, 6)
+    got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()
+    assert got[-8:] == rollout(lambda x: hf_logits(hf, x), ids, 8)[0].tolist()
