@@ -132,3 +132,24 @@ def test_a_rerunning_model_exports_to_onnx_and_runs_transformers_tokens(tmp_path
     ids = prompt(1, 9, 6)
     got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()
     assert got[-8:] == rollout(lambda x: hf_logits(hf, x), ids, 8)[0].tolist()
+
+
+def test_a_conversations_next_turn_reuses_the_kept_inputs(model):
+    """The prefix store keeps a finished sequence's columns (layer inputs, token ids) as it keeps
+    keys and values: the next turn reuses them and equals its prompt run alone."""
+    from kvwire.generate import Engine, PrefixStore
+
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(model.lm, max_batch=2, max_length=L, prefix_store=store)
+    turn1 = prompt(1, 8, seed=6)[0].tolist()
+    a = engine.submit(turn1, 5)
+    for _ in engine.run([a]):
+        pass
+    turn2 = turn1 + a.tokens + [5, 6, 7]
+    b = engine.submit(turn2, 5)
+    for _ in engine.run([b]):
+        pass
+    assert store.hits == 1 and b.cached_tokens == len(turn1) + len(a.tokens) - 1
+    alone = model.lm.generate(torch.tensor(turn2), max_new_tokens=5, ignore_eos=True, return_logprobs=True)
+    assert b.tokens == alone.tokens[0]
+    torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(alone.logprobs[0]), atol=1e-4, rtol=1e-4)
