@@ -363,6 +363,6 @@ def test_a_model_whose_logits_read_later_tokens_is_refused():
     build refuses the model as not causal (no cache, nor a rerun, can serve it)."""
     hf = tiny_model("llama")
     hf.get_input_embeddings().register_forward_hook(lambda m, a, out: out + out.mean(dim=1, keepdim=True))
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM: its logits at a token depend on later tokens \(the "
-                                         r"first 6 tokens of a probe alone give other logits there\)"):
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: its logits at a token depend on later tokens \(other "
+                                         r"tokens after the first 6 of a probe give other logits before them\)"):
         kw.from_hf(hf, generic=True)
