@@ -11,7 +11,7 @@ import kvwire as kw
 from kvwire.models.generic.experts import dense_experts, experts_modules
 
 from .conftest import FAMILIES
-from .generic_configs import prompt, tiny_model
+from .generic_configs import greedy_disagreements, prompt, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -242,17 +242,19 @@ def _generic(model_type):
     return hf, kw.from_hf(original, generic=True)
 
 
-def test_layers_that_pass_each_other_more_than_the_hidden_states_are_refused():
-    """HunYuan V4's shared sparse-attention layers read top-k indices an earlier layer computed in the
-    model's forward: run one after another on their recorded arguments they cannot, and the build
-    says so (rather than transformers' own error surfacing from inside kvwire)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if "hy_v4" not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no hy_v4")
-    with pytest.raises(ValueError, match=r"HYV4ForCausalLM: its decoder layers do not run one after another .*"
-                                         r"Shared DSA layers require top-k indices"):
-        kw.from_hf(tiny_model("hy_v4"), generic=True)
+def test_indices_a_layer_hands_the_next_are_carried():
+    """HunYuan V4's shared sparse-attention layers take the top-k indices an earlier layer returned
+    beside its hidden states: carried from layer to layer, the model runs (its indexer's keys not in
+    kvwire's cache, it reruns) and equals transformers'."""
+    _present("hy_v4")
+    with pytest.warns(UserWarning, match="rerun"):
+        hf, lm = _generic("hy_v4")
+    assert any(part.carried for part in lm.backbone.layers)
+    ids = prompt(2, 11, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    tokens = torch.stack(lm.generate(ids, max_new_tokens=8, ignore_eos=True))
+    assert greedy_disagreements(lambda x: hf(x).logits, ids, tokens) == []  # near-ties teacher-forced
 
 
 def test_what_the_forward_does_after_its_layers_runs_as_transformers_writes_it():

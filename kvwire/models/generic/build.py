@@ -377,7 +377,7 @@ def _find_sites(backbone, probe):
         for part in backbone.layers:
             if isinstance(part, UncalledLayer):
                 continue
-            _, args, kwargs = calls[part.index]
+            args, kwargs = part.arguments(calls)
             mixer = part.attention if part.attention is not None else part.mixer
             points, heads_width = find_sites(part.block, mixer, x, args, kwargs,
                                              with_heads=part.attention is not None)
@@ -490,22 +490,24 @@ def _watch(model, base, layers_name, layers, probe):
     for i, layer in enumerate(layers):
         for m in layer.modules():
             owner.setdefault(id(m), i)
-    returns_tuple, marker = [], layers_name
+    marker = layers_name
     hooks = [child.register_forward_hook(lambda m, a, o, n=n: order.append(n))
              for n, child in _around(base, layers_name)]
-    called = set()
-    runs = [0] * len(layers)
-    hooks += [layer.register_forward_hook(lambda m, a, o, i=i: (order.append(marker), called.add(i),
-                                                                 runs.__setitem__(i, runs[i] + 1)) and None)
-              for i, layer in enumerate(layers)]
-    hooks += [layer.register_forward_hook(lambda m, a, o: returns_tuple.append(
-        len(o) if isinstance(o, (tuple, list)) else 0)) for layer in layers]
+    runs = [[] for _ in layers]  # per layer, each call's [arguments after the hidden states, kwargs, output]
+
+    def entered(i):
+        return lambda module, args, kwargs: runs[i].append([args[1:], kwargs, None]) and None
+
+    def left(i):
+        def hook(module, args, out):
+            order.append(marker)
+            runs[i][-1][2] = out
+        return hook
+
+    for i, layer in enumerate(layers):
+        hooks += [layer.register_forward_pre_hook(entered(i), with_kwargs=True), layer.register_forward_hook(left(i))]
     outputs = []
     hooks.append(base.register_forward_hook(lambda m, a, o: outputs.append(type(o))))
-    returned, given = {}, {}  # per layer: its returned tuple, its arguments after the hidden states
-    hooks += [layer.register_forward_hook(lambda m, a, o, i=i: returned.setdefault(i, o)) for i, layer in enumerate(layers)]
-    hooks += [layer.register_forward_pre_hook(lambda m, a, k, i=i: given.setdefault(i, (a[1:] if a else a, k)) and None,
-                                              with_kwargs=True) for i, layer in enumerate(layers)]
 
     def seen(module, key, value, window, plain_math):
         i = owner.get(id(module))
@@ -521,20 +523,28 @@ def _watch(model, base, layers_name, layers, probe):
         for h in hooks:
             h.remove()
     layers_at = [k for k, n in enumerate(order) if n == marker]
-    carried = {}  # layer -> [(k, argument)]: the previous layer's k-th returned tensor, passed on as it is
-    for i in range(1, len(layers)):
-        out = returned.get(i - 1)
-        if not isinstance(out, (tuple, list)) or i not in given:
+    tail = [n for n in order[layers_at[-1] + 1:]] if layers_at else []
+    first = next((r[0][2] for r in runs if r), None)
+    return {"logits": logits.float(), "attention": attention, "tail": list(dict.fromkeys(tail)),
+            "returns_tuple": len(first) if isinstance(first, (tuple, list)) else 0,
+            "output_class": outputs[0] if outputs else None,
+            "uncalled": [i for i, r in enumerate(runs) if not r], "carried": _carried(runs),
+            "runs": [len(r) for r in runs]}
+
+
+def _carried(runs):
+    """{layer: [(k, argument)]}: where the previous layer's k-th returned tensor (k >= 1) is this
+    layer's argument (a position after the hidden states, or a keyword) as it is, on the probe."""
+    carried = {}
+    for i in range(1, len(runs)):
+        if not runs[i] or not runs[i - 1] or not isinstance(runs[i - 1][0][2], (tuple, list)):
             continue
-        args, kwargs = given[i]
-        links = [(k, at) for k, t in enumerate(out) if k and isinstance(t, torch.Tensor)
+        args, kwargs, _ = runs[i][0]
+        links = [(k, at) for k, t in enumerate(runs[i - 1][0][2]) if k and isinstance(t, torch.Tensor)
                  for at, v in [*enumerate(args), *kwargs.items()] if v is t]
         if links:
             carried[i] = links
-    tail = [n for n in order[layers_at[-1] + 1:]] if layers_at else []
-    return {"logits": logits.float(), "attention": attention, "tail": list(dict.fromkeys(tail)),
-            "returns_tuple": returns_tuple[0] if returns_tuple else 0, "output_class": outputs[0] if outputs else None,
-            "uncalled": [i for i in range(len(layers)) if i not in called], "carried": carried, "runs": runs}
+    return carried
 
 
 def _around(base, layers_name):

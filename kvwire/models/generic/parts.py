@@ -259,13 +259,13 @@ class DecoderLayer(InnerSites, Block):
         if calls is None:
             raise RuntimeError("a generic decoder layer runs after its model's Prelude (it takes the layer's "
                                "arguments from it); call the whole backbone")
-        args, kwargs = self._arguments(calls)
+        args, kwargs = self.arguments(calls)
         if given:
             args, kwargs = with_arguments(self.block, args, kwargs, given)
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
         return self._call(x, args, kwargs, positions, inputs, gate)
 
-    def _arguments(self, calls):
+    def arguments(self, calls):
         """(args, kwargs) of this layer's call: the prelude's record, with what the previous layer
         returned beside its hidden states where the layer takes that (`carried`)."""
         _, args, kwargs = calls[self.index]
@@ -358,7 +358,7 @@ class DecoderLayer(InnerSites, Block):
         history = rerun.window(slot, source, x.shape[2:]).to(x.dtype)
         B, M = source.shape
         window_positions = torch.arange(M, device=x.device)[None].expand(B, M)
-        args, kwargs = self._arguments(calls)
+        args, kwargs = self.arguments(calls)
         out = self._call(history, args, kwargs, window_positions, inputs, None)
         return rerun.chunk_of(out, chunk), slot
 
