@@ -153,3 +153,22 @@ def test_a_conversations_next_turn_reuses_the_kept_inputs(model):
     alone = model.lm.generate(torch.tensor(turn2), max_new_tokens=5, ignore_eos=True, return_logprobs=True)
     assert b.tokens == alone.tokens[0]
     torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(alone.logprobs[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_a_gated_edit_inside_rerunning_blocks_keeps_each_tokens_gate():
+    """A vector added at attn_out of a rerunning block (its attention calls still name its sites),
+    gated by a probe at block 1: each token's gate is kept beside its inputs, so the edit reruns over
+    the history as it was gated, and cached greedy equals the steered model's own rollout."""
+    with pytest.warns(UserWarning, match="rerun"):
+        lm = kw.from_hf(tiny_model("deepseek_v32"), generic=True)
+    block = lm.backbone.layers[2]
+    assert "attn_out" in block.inner_sites
+    g = torch.Generator().manual_seed(7)
+    w, v = torch.randn(block.width, generator=g), torch.randn(block.width, generator=g)
+    ids = prompt(2, 9, seed=8)
+    steered = lm.steer(kw.ControlVector({2: v}, site="attn_out"), 4.0, gate=kw.Gate(w, layer=1, threshold=0.0))
+    with torch.no_grad():
+        ungated = lm.steer(kw.ControlVector({2: v}, site="attn_out"), 4.0)
+        assert not torch.allclose(steered(ids), ungated(ids), atol=1e-3)  # the gate shuts some tokens
+    tokens = torch.stack(steered.generate(ids, max_new_tokens=8, ignore_eos=True))
+    assert greedy_disagreements(lambda x: steered(x), ids, tokens) == []

@@ -176,7 +176,7 @@ def _rerun(name, backbone, head, probe, expected, refused):
     prelude.uses_timeline, prelude.reruns = False, True
     for part in backbone.layers:
         if not isinstance(part, UncalledLayer):
-            part.calls, part.states, part.rerun_shape = [], None, shape
+            part.states, part.rerun_shape = None, shape  # its attention calls stay: they name its sites
             part.__dict__["mixer"] = None
     try:
         _check_cached(name, backbone, head, probe, expected)

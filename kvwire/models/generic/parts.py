@@ -308,8 +308,8 @@ class DecoderLayer(InnerSites, Block):
     @property
     def cache_parts(self):
         """{"attention": this layer, "attention2": its second call's cache, ..., "state": its state
-        slot} for a layer keeping more than one cache, else None."""
-        if len(self.calls) + (self.states is not None) < 2:
+        slot} for a layer keeping more than one cache, else None (one rerunning keeps its inputs)."""
+        if self.rerun_shape is not None or len(self.calls) + (self.states is not None) < 2:
             return None
         parts = {"attention": self}
         parts.update({f"attention{k + 1}": _AttentionPart(self, k) for k in range(1, len(self.calls))})
@@ -353,13 +353,14 @@ class DecoderLayer(InnerSites, Block):
         row's packed history with the arguments the prelude recorded for it."""
         calls = _calls.get()
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
-        slot = rerun.write(slot, x, cache_index)
+        slot = rerun.write(slot, x, cache_index, gate)  # each token's gate too: edits inside rerun with it
         source, chunk, _ = shared(rerun.packing, cache_index, x.shape[1], attention_mask)
         history = rerun.window(slot, source, x.shape[2:]).to(x.dtype)
         B, M = source.shape
         window_positions = torch.arange(M, device=x.device)[None].expand(B, M)
         args, kwargs = self.arguments(calls)
-        out = self._call(history, args, kwargs, window_positions, inputs, None)
+        gates = None if gate is None else rerun.gates(slot, source)
+        out = self._call(history, args, kwargs, window_positions, inputs, gates)
         return rerun.chunk_of(out, chunk), slot
 
     def _with_state(self, x, gate, positions, inputs, slot, cache_index, attention_mask):

@@ -49,13 +49,19 @@ def packing(cache_index, T, attention_mask):
     return source, chunk, columns[None] < count
 
 
-def write(cache, columns, cache_index):
+def write(cache, columns, cache_index, gate=None):
     """The (kept, spare) cache pair with `columns` (B, T, ...) written at cache_index as a
-    (B, 1, T, C) chunk, C the product of its trailing sizes (the spare half of the pair,
-    (B, 1, max_length, 1), stays zero)."""
+    (B, 1, T, C) chunk, C the product of its trailing sizes, and the chunk's `gate` (B, T, 1) (a
+    gated edit's, where one is given; else zeros) in the spare half (B, 1, max_length, 1)."""
     kept = columns.float().flatten(2)[:, None]
-    spare = kept.new_zeros(kept.shape[:-1] + (1,))
+    spare = kept.new_zeros(kept.shape[:-1] + (1,)) if gate is None else gate.float().reshape(kept.shape[:-1] + (1,))
     return write_chunk(cache, kept, spare, cache_index)
+
+
+def gates(cache, source):
+    """(B, M, 1): the gates `write` kept in the spare half of a cache pair, in packed column order."""
+    spare = cache[1][:, 0]
+    return spare.gather(1, source[..., None])
 
 
 def window(cache, source, shape=None):
