@@ -172,3 +172,42 @@ def test_a_gated_edit_inside_rerunning_blocks_keeps_each_tokens_gate():
         assert not torch.allclose(steered(ids), ungated(ids), atol=1e-3)  # the gate shuts some tokens
     tokens = torch.stack(steered.generate(ids, max_new_tokens=8, ignore_eos=True))
     assert greedy_disagreements(lambda x: steered(x), ids, tokens) == []
+
+
+def test_a_window_past_the_position_table_keeps_each_rows_positions(monkeypatch):
+    """GPT-2's learned positions stop at n_positions. Made to rerun, it runs an engine whose
+    max_length is longer: the pad columns of each window take the row's last position, not their
+    column's, so no position past the row's is looked up, and rows equal each alone."""
+    from kvwire.models.generic import build
+
+    def refuse(name, *args):
+        raise ValueError(f"{name}: made to rerun")
+
+    monkeypatch.setattr(build, "_check_all_cached", refuse)
+    original = tiny_model("gpt2")
+    with pytest.warns(UserWarning, match="rerun"):
+        lm = kw.from_hf(original, generic=True)
+    rows_joining_a_batch(lm, (6, 9), (5, 4), max_length=original.config.n_positions + 20, prefill_chunk=4, seed=9)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: kw.steer.Steer(d, 2.0), lambda d: kw.steer.Ablate(d[None]), lambda d: kw.steer.Clamp(d[None], -0.1, 0.1)])
+def test_edits_act_on_each_residual_stream_as_on_a_token(make):
+    """Hidden states of several residual streams (B, T, streams, D: DeepSeek V4's hyper-connections)
+    are steered, ablated and clamped stream by stream, as each stream alone would be."""
+    g = torch.Generator().manual_seed(11)
+    d, x = torch.randn(8, generator=g), torch.randn(2, 5, 3, 8, generator=g)
+    edit = make(d)
+    want = torch.stack([edit(x[:, :, s]) for s in range(3)], dim=2)
+    torch.testing.assert_close(edit(x), want)
+    torch.testing.assert_close(edit(x[:, -1:]), want[:, -1:])  # a decode step
+
+
+def test_only_what_a_next_layer_carries_is_kept(model):
+    """A layer's returned tuple is kept for the call only where the next layer carries part of it
+    (none of these models): nothing window-sized outlives the layer."""
+    from kvwire.models.generic import parts
+
+    model.lm.generate(prompt(1, 5, seed=1), max_new_tokens=2, ignore_eos=True)
+    assert not any(part.hands_on for part in model.lm.backbone.layers)
+    assert parts._outputs.get() in (None, {})

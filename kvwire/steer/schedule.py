@@ -113,8 +113,11 @@ class Scheduled(Layer):
         # once per call for every layer of this name: the graph passes them the same input tensors
         on = shared(schedule_mask, positions, inputs[f"{name}_start"], inputs[f"{name}_end"], scale)
         on = on if gate is None else on * gate
-        if x.dim() > 3:  # several residual streams (B, T, streams, D): each acted on alike
-            on = on.reshape(on.shape[:2] + (1,) * (x.dim() - 2))
+        if x.dim() > 3:  # several residual streams (B, T, streams, D): each acted on as a token of its own
+            B, T = x.shape[:2]
+            streams = x[0, 0].numel() // x.shape[-1]
+            flat = self.act(x.reshape(B, T * streams, x.shape[-1]), on.repeat_interleave(streams, dim=1), inputs)
+            return flat.reshape(x.shape)
         return self.act(x, on, inputs)
 
     def runtime_defaults(self, batch_size, prompt_lengths=None):

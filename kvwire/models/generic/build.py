@@ -69,8 +69,9 @@ def from_transformers(model):
                                  f"bidirectional; kvwire runs causal language models")
         paths = {id(m): p for p, m in layer.named_modules()}
         parts.append(DecoderLayer(layer, i, [AttentionCall(paths[id(module)], *shape) for module, *shape in calls]))
-    for part in parts:
+    for before, part in zip(parts, parts[1:]):
         part.carried = seen["carried"].get(part.index, [])
+        before.hands_on = bool(part.carried)
     for i, times in enumerate(seen["runs"]):
         if times > 1:  # a looped model: the split has one node per decoder layer, run once
             raise ValueError(f"{name}: its forward runs decoder layer {i} ({type(layers[i]).__name__}) {times} times "
@@ -138,7 +139,13 @@ def _check_causal(name, model, probe, expected):
     other matrix shapes into other logits.)"""
     half = probe.shape[1] // 2
     other = torch.cat([probe[:, :half], probe[:, half:].roll(1, dims=0).roll(1, dims=1)], dim=1)  # probe ids only
-    if not close(model(input_ids=other, use_cache=False).logits[:, :half], expected[:, :half]):
+    was_training = model.training
+    model.eval()  # as the probe ran (dropout would look like reading later tokens)
+    try:
+        logits = model(input_ids=other, use_cache=False).logits
+    finally:
+        model.train(was_training)
+    if not close(logits[:, :half], expected[:, :half]):
         raise ValueError(f"{name}: its logits at a token depend on later tokens (other tokens after the first {half} "
                          f"of a probe give other logits before them); kvwire runs causal language models")
 
@@ -171,7 +178,7 @@ def _rerun(name, backbone, head, probe, expected, refused):
     prelude = backbone.prelude
     with torch.no_grad():
         shape = tuple(prelude(probe).shape[2:])
-    if int(probe.max()) >= rerun.IDS_LIMIT:
+    if head.weight.shape[0] > rerun.IDS_LIMIT:  # ids are kept in the float32 cache
         raise refused
     prelude.uses_timeline, prelude.reruns = False, True
     for part in backbone.layers:

@@ -133,10 +133,9 @@ class Prelude(Layer):
         history (`kvwire.models.generic.rerun`), its layers' arguments recorded for that window."""
         B, T = token_ids.shape
         cache = rerun.write(cache, token_ids[..., None], cache_index)
-        source, chunk, _ = shared(rerun.packing, cache_index, T, attention_mask)
+        source, chunk, real = shared(rerun.packing, cache_index, T, attention_mask)
         ids = rerun.window(cache, source)[..., 0].to(torch.long)
-        positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(B, -1)
-        hidden = rerun.chunk_of(self._record(ids, positions), chunk)
+        hidden = rerun.chunk_of(self._record(ids, shared(rerun.positions, real)), chunk)
         _tokens.set(token_ids)  # a `ReplayTail` runs on the chunk
         return hidden, cache
 
@@ -212,6 +211,7 @@ class DecoderLayer(InnerSites, Block):
         # [(k, argument)]: element k of the previous layer's returned tuple is this layer's argument
         # (a position after the hidden states, or a keyword): found by the build's probe
         self.carried = []
+        self.hands_on = False  # whether the next layer carries some of what this one returns
         self.inner_sites, self.points, self.width, self.heads_width = ("resid_pre",), {}, None, None
         self.rerun_shape = None  # (D,) where the layer reruns over its kept inputs (`kvwire.models.generic.rerun`)
 
@@ -292,7 +292,7 @@ class DecoderLayer(InnerSites, Block):
         if not isinstance(out, (tuple, list)):
             return out
         outputs = _outputs.get()
-        if outputs is not None:
+        if self.hands_on and outputs is not None:
             outputs[self.index] = out
         return out[0]
 
@@ -354,13 +354,11 @@ class DecoderLayer(InnerSites, Block):
         calls = _calls.get()
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
         slot = rerun.write(slot, x, cache_index, gate)  # each token's gate too: edits inside rerun with it
-        source, chunk, _ = shared(rerun.packing, cache_index, x.shape[1], attention_mask)
+        source, chunk, real = shared(rerun.packing, cache_index, x.shape[1], attention_mask)
         history = rerun.window(slot, source, x.shape[2:]).to(x.dtype)
-        B, M = source.shape
-        window_positions = torch.arange(M, device=x.device)[None].expand(B, M)
         args, kwargs = self.arguments(calls)
         gates = None if gate is None else rerun.gates(slot, source)
-        out = self._call(history, args, kwargs, window_positions, inputs, gates)
+        out = self._call(history, args, kwargs, shared(rerun.positions, real), inputs, gates)
         return rerun.chunk_of(out, chunk), slot
 
     def _with_state(self, x, gate, positions, inputs, slot, cache_index, attention_mask):

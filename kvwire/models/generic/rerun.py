@@ -49,6 +49,15 @@ def packing(cache_index, T, attention_mask):
     return source, chunk, columns[None] < count
 
 
+def positions(real):
+    """(B, M) int64: each packed column's position, its index; the pads after a row's real columns
+    repeat its last position (a position table or a scaled rotary never sees more than the row
+    holds)."""
+    M = real.shape[1]
+    last = real.sum(dim=1, keepdim=True).clamp(min=1) - 1
+    return torch.minimum(torch.arange(M, device=real.device)[None], last)
+
+
 def write(cache, columns, cache_index, gate=None):
     """The (kept, spare) cache pair with `columns` (B, T, ...) written at cache_index as a
     (B, 1, T, C) chunk, C the product of its trailing sizes, and the chunk's `gate` (B, T, 1) (a
