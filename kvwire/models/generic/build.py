@@ -83,8 +83,8 @@ def from_transformers(model):
     try:
         _find_states(name, model, backbone, probe)
         refused = None
-    except _Unfit:
-        raise
+    except _Unfit as e:  # not a matter of caches: refused as it is
+        raise ValueError(str(e)) from None
     except ValueError as e:  # no cache the pass can find: the layers may still rerun over their inputs
         refused = e
     with torch.no_grad():
@@ -258,10 +258,10 @@ def _find_states(name, model, backbone, probe):
                              f"transformers' attention interface sees, and the model's forward does not run with its "
                              f"decoder layers recorded ({type(e).__name__}: {e}); the generic path caches attention "
                              f"and the state of layers that keep it in transformers' Cache API") from e
-        if shape[:2] != tuple(probe.shape):  # CPM-Ant's learned prompt, prepended; XLNet's tokens first
+        if probe.shape[1] not in shape[:-1]:  # CPM-Ant's learned prompt, prepended inside its forward
             raise _Unfit(f"{name}: its decoder layers take hidden states of shape {shape} for {probe.shape[0]} rows "
-                         f"of {probe.shape[1]} tokens; the generic path runs layers on (rows, tokens, ...), one "
-                         f"position per token")
+                         f"of {probe.shape[1]} tokens (positions of its own added to the tokens); the generic path "
+                         f"caches one position per token")
         calls = recorded_calls()
         refused = {}  # index -> why, for layers that may still attend through the Cache API (`_find_hand`)
         for part in backbone.layers:
