@@ -280,18 +280,32 @@ def test_threads_bench_summary_gives_the_goal_ratios():
 
 
 def test_generic_sweep_rows_and_page(tmp_path, capsys):
-    """bench/generic_sweep.py on two types: a row each (llama passes, TrOCR's decoder, whose
-    positions come from its ids and the cache's length, is refused with kvwire's reason) and the
-    docs page with the counts."""
+    """bench/generic_sweep.py on three types: a row each (llama passes, GPT-1, whose layers take no
+    cache, passes rerunning with the reason, Dory, which runs its layers twice, is refused with
+    kvwire's reason) and the docs page with the counts."""
     import generic_sweep
 
     page = tmp_path / "generic-models.md"
-    rows = generic_sweep.main(["--types", "llama,trocr", "--write", str(page)])
-    assert [(t, result) for t, result, _ in rows] == [("llama", "pass"), ("trocr", "refused by kvwire")]
-    assert "cached decoding does not reproduce the model's own logits" in rows[1][2]
+    rows = generic_sweep.main(["--types", "llama,openai-gpt,dory", "--write", str(page)])
+    assert [(t, result) for t, result, _ in rows] == [("llama", "pass"), ("openai-gpt", "pass, rerunning"),
+                                                      ("dory", "refused by kvwire")]
+    assert "takes no `cache` argument" in rows[1][2] and "sites: resid_pre" in rows[1][2]
+    assert "runs decoder layer 0 (DoryDecoderLayer) 2 times" in rows[2][2]
     text = page.read_text()
-    assert "| tried | 2 |" in text and "| pass | 1 |" in text and "| `trocr` | refused by kvwire |" in text
-    assert "trocr" in capsys.readouterr().out
+    assert "| tried | 3 |" in text and "| pass | 1 |" in text and "| pass, rerunning | 1 |" in text
+    assert "| `dory` | refused by kvwire |" in text
+    assert "dory" in capsys.readouterr().out
+
+
+def test_generic_rerun_bench_times_both_and_agrees(capsys):
+    """bench/generic_rerun.py on a small llama: the cache and the rerun give the same tokens."""
+    import generic_rerun
+
+    generic_rerun.main(["--layers", "2", "--width", "128", "--new", "3", "--lengths", "24,40", "--threads", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("CPU: ")
+    rows = [line.split() for line in out[3:]]
+    assert [r[0] for r in rows] == ["24", "40"] and all(r[-1] == "True" for r in rows)
 
 
 def test_generic_speed_table(capsys):

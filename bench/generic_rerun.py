@@ -1,0 +1,88 @@
+"""What the generic path's last resort costs: a model whose layers rerun over their kept inputs
+against the same model with its key/value cache, in one run.
+
+    python bench/generic_rerun.py [--threads 2] [--layers 8] [--width 512] [--new 24] [--lengths 64,256,1024]
+
+A random llama (transformers' own config and modules: `--layers` layers `--width` wide, float32)
+through the generic path twice: with the key/value cache the pass finds, and made to rerun (the
+cache checks refused, as they are for a model no cache route fits). Each decodes `--new` tokens
+greedily at batch 1 from a 16-token prompt, with a cache of each of `--lengths` tokens (the rerun
+runs every layer over that many each step), best of two rounds. Prints ms a token, rerun / cache,
+and the CPU. The tokens of the two must agree (the rerun is exact).
+"""
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import header  # noqa: E402
+
+PROMPT = 16
+
+
+def model(layers, width, rerun):
+    import transformers
+
+    import kvwire as kw
+    from kvwire.models.generic import build
+
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=width, intermediate_size=width * 3,
+                                      num_hidden_layers=layers, num_attention_heads=width // 64,
+                                      num_key_value_heads=max(1, width // 256), max_position_embeddings=4096)
+    config._attn_implementation = "eager"
+    import torch
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).float().eval()
+    checks = build._check_all_cached
+    if rerun:
+        def refuse(name, *args):
+            raise ValueError(f"{name}: made to rerun by the benchmark")
+
+        build._check_all_cached = refuse
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return kw.from_hf(hf, generic=True)
+    finally:
+        build._check_all_cached = checks
+
+
+def decode_ms(lm, ids, new, length):
+    """(ms a generated token, tokens): the best of two rounds of `new` greedy tokens."""
+    best, tokens = float("inf"), None
+    for _ in range(2):
+        start = time.perf_counter()
+        out = lm.generate(ids, max_new_tokens=new, max_length=length, ignore_eos=True)
+        best = min(best, time.perf_counter() - start)
+        tokens = out[0].tolist()
+    return 1000 * best / new, tokens
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--new", type=int, default=24)
+    p.add_argument("--lengths", default="64,256,1024")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(header(args.threads))
+    cached, rerun = model(args.layers, args.width, False), model(args.layers, args.width, True)
+    assert cached.backbone.rerun_reason is None and rerun.backbone.rerun_reason is not None
+    ids = torch.randint(3, 4000, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    print(f"llama {args.layers} layers x {args.width}, float32, batch 1, {args.new} new tokens after {PROMPT}")
+    print(f"{'max_length':>10} {'cache ms/tok':>13} {'rerun ms/tok':>13} {'rerun / cache':>14} same tokens")
+    for length in (int(n) for n in args.lengths.split(",")):
+        a, tokens_a = decode_ms(cached, ids, args.new, length)
+        b, tokens_b = decode_ms(rerun, ids, args.new, length)
+        print(f"{length:>10} {a:>13.2f} {b:>13.2f} {b / a:>13.1f}x {tokens_a == tokens_b}")
+
+
+if __name__ == "__main__":
+    main()
