@@ -219,6 +219,8 @@ def _kind(reason):
     kind = re.sub(r"^(transformers' own forward fails: )?(kw\.from_hf: )?\w+: ", r"\1", reason)
     kind = re.sub(r"^\w+(ForCausalLM|LMHeadModel|ForConditionalGeneration|WithLMHead)\w*: ", "", kind)
     kind = re.sub(r"\((?:at )?[\w/.]+\.py:\d+\)", "", kind)  # where it was raised
+    kind = re.sub(r"; sites: .*$", "", kind)  # a rerunning type's sites, listed in its own row
+    kind = re.sub(r"\b\w+Attention\b", "its attention", kind)
     kind = re.sub(r"\(\w+\)", "(...)", kind)
     kind = re.sub(r"\d+(\.\d+)?", "N", kind)
     return kind.strip()
