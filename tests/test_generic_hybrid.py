@@ -3,6 +3,7 @@ beside its Mamba mixer, Zamba2's hybrid layers): the cache pass gives such a lay
 keys/values and its state. What the state must do (chunks, resets, pads, the engine, the prefix
 store, transformers' `generate`) is tested with the other state slots in `test_generic_state`."""
 import copy
+import re
 
 import pytest
 import torch
@@ -118,9 +119,16 @@ def test_a_hybrid_prompt_prefilled_in_chunks_leaves_the_keys_values_of_one_call(
                 torch.testing.assert_close(x, y, atol=1e-4 * max(1.0, x.abs().max().item()), rtol=1e-4)
 
 
-def test_a_hybrid_layer_whose_mixer_takes_no_padding_mask_is_refused(monkeypatch):
+def test_a_hybrid_layer_whose_mixer_takes_no_padding_mask_reruns_saying_why(monkeypatch):
+    """A hybrid layer's state slot needs its mixer to take the padding mask: without one the slot is
+    refused saying so, and the layers rerun over their kept inputs, left-padded rows still alone."""
     monkeypatch.setattr(state_slots, "mixer_takes_mask", lambda mixer: False)
-    with pytest.raises(ValueError, match=r"FalconH1ForCausalLM: decoder layer 0 \(FalconH1DecoderLayer\) keeps "
-                                         r"attention keys/values and recurrent state \(conv, recurrent\), but the "
-                                         r"mixer keeping the state \(FalconH1Mixer\) takes no `attention_mask`"):
-        kw.from_hf(copy.deepcopy(tiny_model("falcon_h1")), generic=True)
+    with pytest.warns(UserWarning, match="rerun"):
+        lm = kw.from_hf(copy.deepcopy(tiny_model("falcon_h1")), generic=True)
+    assert re.search(r"FalconH1ForCausalLM: decoder layer 0 \(FalconH1DecoderLayer\) keeps attention keys/values "
+                     r"and recurrent state \(conv, recurrent\), but the mixer keeping the state \(FalconH1Mixer\) "
+                     r"takes no `attention_mask`", lm.backbone.rerun_reason)
+    rows = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 9)]
+    batch = lm.generate(rows, max_new_tokens=6, ignore_eos=True)
+    for i, row in enumerate(rows):
+        assert batch[i].tolist() == lm.generate(row, max_new_tokens=6, ignore_eos=True).tolist(), i

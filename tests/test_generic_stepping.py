@@ -4,6 +4,7 @@ must then do on real models (chunks, pads, the engine, the prefix store, transfo
 is tested in `test_generic_state` on Mamba and FalconMamba."""
 import copy
 import inspect
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 import kvwire as kw
 from kvwire.models.generic import stepping
 
-from .generic_configs import tiny_model
+from .generic_configs import greedy_disagreements, hf_logits, prompt, tiny_model
 
 
 class ForgetfulSum(nn.Module):
@@ -70,12 +71,18 @@ def test_a_chunk_steps_when_a_row_continues_a_state():
     assert not stepping.continues(torch.tensor([0.0, 0.0]), 1)  # the mixer's own one-token step
 
 
-def test_a_model_whose_chunks_stay_wrong_token_by_token_is_refused(monkeypatch):
+def test_a_model_whose_chunks_stay_wrong_token_by_token_reruns_saying_why(monkeypatch):
+    """Without its one-token steps Mamba's chunked prefill stays wrong: its state slot is refused
+    saying so, and its layers rerun over their kept inputs instead, still equal to transformers'."""
     pytest.importorskip("transformers")
     monkeypatch.setattr(stepping, "install", lambda mixer: None)
-    with pytest.raises(ValueError, match=r"^MambaForCausalLM: a prompt prefilled in chunks does not reproduce the "
-                                         r"model's own logits \(first at position 6 of a 12-token probe prefilled "
-                                         r"in calls of 6 and 6 tokens, also with its state-keeping mixers "
-                                         r"continuing one token at a time\); its layers do not carry their state "
-                                         r"across calls of several tokens, and kvwire prefills prompts in chunks$"):
-        kw.from_hf(copy.deepcopy(tiny_model("mamba")), generic=True)
+    hf = tiny_model("mamba")
+    with pytest.warns(UserWarning, match="rerun"):
+        lm = kw.from_hf(copy.deepcopy(hf), generic=True)
+    assert re.match(r"^MambaForCausalLM: a prompt prefilled in chunks does not reproduce the model's own logits "
+                    r"\(first at position 6 of a 12-token probe prefilled in calls of 6 and 6 tokens, also with its "
+                    r"state-keeping mixers continuing one token at a time\); its layers do not carry their state "
+                    r"across calls of several tokens, and kvwire prefills prompts in chunks$", lm.backbone.rerun_reason)
+    ids = prompt(2, 9, seed=3)
+    tokens = torch.stack(lm.generate(ids, max_new_tokens=8, ignore_eos=True))
+    assert greedy_disagreements(lambda x: hf_logits(hf, x), ids, tokens) == []

@@ -113,7 +113,9 @@ class Scheduled(Layer):
         # once per call for every layer of this name: the graph passes them the same input tensors
         on = shared(schedule_mask, positions, inputs[f"{name}_start"], inputs[f"{name}_end"], scale)
         on = on if gate is None else on * gate
-        if x.dim() > 3:  # several residual streams (B, T, streams, D): each acted on as a token of its own
+        # several residual streams (B, T, streams, D): each acted on as a token of its own (a static
+        # shape: no branch in a traced or exported graph; fx's symbolic trace sees (B, T, D) layers)
+        if not isinstance(x, torch.fx.Proxy) and x.dim() > 3:
             B, T = x.shape[:2]
             streams = x[0, 0].numel() // x.shape[-1]
             flat = self.act(x.reshape(B, T * streams, x.shape[-1]), on.repeat_interleave(streams, dim=1), inputs)
