@@ -53,7 +53,7 @@ SMALL = {
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "o_lora_rank"), 32),
     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     # sparse-attention indexers
-    **dict.fromkeys(("index_n_heads", "indexer_n_heads", "index_num_heads"), 2),
+    **dict.fromkeys(("index_n_heads", "indexer_n_heads", "index_num_heads"), 8),  # few ReLU-score ties
     **dict.fromkeys(("index_head_dim", "indexer_head_dim"), 16),
     "index_topk": 4,  # fewer keys than a probe has: the indexer's choice matters
     # linear attention / gated delta-nets

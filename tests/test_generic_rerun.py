@@ -103,21 +103,6 @@ def test_packing_puts_each_rows_real_tokens_first_in_order(data):
                 assert source[b, chunk[b, t]] == start + t
 
 
-def test_sparse_attention_sees_only_the_keys_its_indexer_picks():
-    """DeepSeek V3.2's indexer picks 4 keys per query (the tiny config's index_topk): kvwire's
-    logits follow that choice, and, its cache not keeping the indexer's keys, its layers rerun."""
-    original = tiny_model("deepseek_v32")
-    hf = copy.deepcopy(original)
-    with pytest.warns(UserWarning, match="rerun over their kept inputs"):
-        lm = kw.from_hf(original, generic=True)
-    assert "indexer selects" in lm.backbone.rerun_reason
-    ids = prompt(2, 11, seed=1)
-    with torch.no_grad():
-        torch.testing.assert_close(lm(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
-    tokens = torch.stack(lm.generate(ids, max_new_tokens=8, ignore_eos=True))
-    assert greedy_disagreements(lambda x: hf_logits(hf, x), ids, tokens) == []
-
-
 def test_a_rerunning_model_exports_to_onnx_and_runs_transformers_tokens(tmp_path):
     """The rerun's packing (cumulative sums, a scatter, gathers) is static-shape: GPT-1, cached by
     its layers' inputs, exports and generates transformers' tokens in ONNX Runtime."""
@@ -155,12 +140,11 @@ def test_a_conversations_next_turn_reuses_the_kept_inputs(model):
     torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(alone.logprobs[0]), atol=1e-4, rtol=1e-4)
 
 
-def test_a_gated_edit_inside_rerunning_blocks_keeps_each_tokens_gate():
+def test_a_gated_edit_inside_rerunning_blocks_keeps_each_tokens_gate(monkeypatch):
     """A vector added at attn_out of a rerunning block (its attention calls still name its sites),
     gated by a probe at block 1: each token's gate is kept beside its inputs, so the edit reruns over
     the history as it was gated, and cached greedy equals the steered model's own rollout."""
-    with pytest.warns(UserWarning, match="rerun"):
-        lm = kw.from_hf(tiny_model("deepseek_v32"), generic=True)
+    lm = _made_to_rerun(monkeypatch, "llama")
     block = lm.backbone.layers[2]
     assert "attn_out" in block.inner_sites
     g = torch.Generator().manual_seed(7)
@@ -178,16 +162,21 @@ def test_a_window_past_the_position_table_keeps_each_rows_positions(monkeypatch)
     """GPT-2's learned positions stop at n_positions. Made to rerun, it runs an engine whose
     max_length is longer: the pad columns of each window take the row's last position, not their
     column's, so no position past the row's is looked up, and rows equal each alone."""
+    lm = _made_to_rerun(monkeypatch, "gpt2")
+    original = lm.backbone.prelude.base
+    rows_joining_a_batch(lm, (6, 9), (5, 4), max_length=original.config.n_positions + 20, prefill_chunk=4, seed=9)
+
+
+def _made_to_rerun(monkeypatch, model_type):
+    """The generic model of a tiny `model_type` whose cache checks are made to refuse it: it reruns."""
     from kvwire.models.generic import build
 
     def refuse(name, *args):
         raise ValueError(f"{name}: made to rerun")
 
     monkeypatch.setattr(build, "_check_all_cached", refuse)
-    original = tiny_model("gpt2")
     with pytest.warns(UserWarning, match="rerun"):
-        lm = kw.from_hf(original, generic=True)
-    rows_joining_a_batch(lm, (6, 9), (5, 4), max_length=original.config.n_positions + 20, prefill_chunk=4, seed=9)
+        return kw.from_hf(tiny_model(model_type), generic=True)
 
 
 @pytest.mark.parametrize("make", [

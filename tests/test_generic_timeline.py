@@ -77,3 +77,27 @@ def test_an_alibi_model_exports_to_onnx_and_runs_transformers_tokens(tmp_path):
     ids = prompt(1, 9, 6)
     got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist()
     assert got[-12:] == rollout(lambda x: hf_logits(hf, x), ids, 12)[0].tolist()
+
+
+def test_sparse_attention_keeps_its_indexers_keys_beside_its_own():
+    """DeepSeek V3.2's indexer picks 4 keys per query (the tiny config's index_topk) from every past
+    token's indexer key, kept through the Cache API's `update_indexer`: each layer holds them in a
+    slot beside its compressed keys, in the timeline's columns. Logits, cached greedy, left-padded
+    rows and the engine's rows at per-row cache indices equal transformers'."""
+    from .generic_configs import greedy_disagreements
+
+    original = tiny_model("deepseek_v32")
+    hf = copy.deepcopy(original)
+    lm = kw.from_hf(original, generic=True)
+    assert lm.backbone.rerun_reason is None
+    assert all(list(part.cache_parts) == ["attention", "indexer"] for part in lm.backbone.layers)
+    ids = prompt(2, 11, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    tokens = torch.stack(lm.generate(ids, max_new_tokens=8, ignore_eos=True))
+    assert greedy_disagreements(lambda x: hf_logits(hf, x), ids, tokens) == []
+    rows = [prompt(1, n, seed=n)[0] for n in (4, 9)]
+    batch = lm.generate(rows, max_new_tokens=6, ignore_eos=True)
+    for i, row in enumerate(rows):
+        assert batch[i].tolist() == lm.generate(row, max_new_tokens=6, ignore_eos=True).tolist(), i
+    rows_joining_a_batch(lm, (6, 9, 4), (8, 5, 7), max_length=L, prefill_chunk=2, seed=5, head_start=4)

@@ -331,7 +331,8 @@ def _find_hand(name, model, backbone, probe, refused, count):
                 hooks.append(module.register_forward_pre_hook(lambda m, a: stack.append(m)))
                 hooks.append(module.register_forward_hook(lambda m, a, o: None if stack.pop() else None))
     cache = state_slots.probe_cache(count)
-    update = cache.update
+    update, update_indexer = cache.update, cache.update_indexer
+    indexers = {i: [] for i in refused}  # layer -> the key sizes of its indexer's `update_indexer` calls
 
     def watched(key, value, layer_idx, *args, **kwargs):
         where = owner.get(id(stack[-1])) if stack else None
@@ -339,7 +340,13 @@ def _find_hand(name, model, backbone, probe, refused, count):
             seen[where[0]].append((where[1], key.shape, value.shape))
         return update(key, value, layer_idx, *args, **kwargs)
 
-    cache.update = watched
+    def watched_indexer(key, layer_idx, *args, **kwargs):
+        where = owner.get(id(stack[-1])) if stack else None
+        if where is not None:
+            indexers[where[0]].append(key.shape[-1])
+        return update_indexer(key, layer_idx, *args, **kwargs)
+
+    cache.update, cache.update_indexer = watched, watched_indexer
     positions = torch.arange(probe.shape[1], device=probe.device)[None].expand(probe.shape[0], -1)
     try:
         with torch.no_grad():
@@ -356,7 +363,10 @@ def _find_hand(name, model, backbone, probe, refused, count):
         if len(updates) != 1:
             raise ValueError(refused[part.index])
         path, key, value = updates[0]
-        part.calls = [AttentionCall(path, key[1], key[-1], value[-1], through_cache=True)]
+        if len(indexers[part.index]) > 1:
+            raise ValueError(refused[part.index])
+        part.calls = [AttentionCall(path, key[1], key[-1], value[-1], through_cache=True,
+                                    indexer_size=indexers[part.index][0] if indexers[part.index] else None)]
     prelude.uses_timeline, prelude.cache_layers = True, count
 
 

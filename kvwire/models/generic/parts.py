@@ -178,6 +178,7 @@ class AttentionCall:
     window: int = None
     plain_math: bool = False
     through_cache: bool = False
+    indexer_size: int = None  # a sparse-attention indexer's key size, where it keeps keys in the Cache API too
 
     def cache_spec(self, batch_size, max_length):
         """(key shape, value shape): (B, key heads, slots, size), slots the window - 1 of a sliding
@@ -309,10 +310,13 @@ class DecoderLayer(InnerSites, Block):
     def cache_parts(self):
         """{"attention": this layer, "attention2": its second call's cache, ..., "state": its state
         slot} for a layer keeping more than one cache, else None (one rerunning keeps its inputs)."""
-        if self.rerun_shape is not None or len(self.calls) + (self.states is not None) < 2:
+        indexer = bool(self.calls) and self.calls[0].indexer_size is not None
+        if self.rerun_shape is not None or len(self.calls) + (self.states is not None) + indexer < 2:
             return None
         parts = {"attention": self}
         parts.update({f"attention{k + 1}": _AttentionPart(self, k) for k in range(1, len(self.calls))})
+        if indexer:
+            parts["indexer"] = _IndexerPart(self)
         if self.states is not None:
             parts["state"] = _StatePart(self)
         return parts
@@ -326,12 +330,13 @@ class DecoderLayer(InnerSites, Block):
         if self.attention is None:
             return self._with_state(x, gate, positions, inputs, cache, cache_index, attention_mask)
         if self.calls[0].through_cache:
-            with timeline.handing(timeline.Handing(cache, cache_index)) as state:
+            pair, indexer = (cache, None) if self.cache_parts is None else cache
+            with timeline.handing(timeline.Handing(pair, cache_index, indexer)) as state:
                 out = self._run(x, positions, inputs, gate)
             if state.calls != 1:
                 raise RuntimeError(f"decoder layer {self.index} wrote {state.calls} key/value pairs to its cache in one "
                                    f"step; the build's probe saw one")
-            return out, state.cache
+            return (out, state.cache) if indexer is None else (out, (state.cache, state.indexer))
         parts = [cache] if self.cache_parts is None else list(cache)  # the caches in `cache_parts` order
         slot = parts.pop() if self.states is not None else None
         states = [seam.Attending(self.block.get_submodule(call.path), call.window, pair, cache_index, attention_mask,
@@ -398,6 +403,18 @@ class _AttentionPart(nn.Module):
 
     def cache_spec(self, batch_size, max_length, dtype):
         return self.layer.calls[self.k].cache_spec(batch_size, max_length)
+
+
+class _IndexerPart(nn.Module):
+    """The indexer key slot of a decoder layer whose sparse attention scores every past token
+    (DeepSeek V3.2's DSA): (B, 1, max_length, indexer key size), beside its keys and values."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer  # a submodule here only: parameters() finds the layer's device
+
+    def cache_spec(self, batch_size, max_length, dtype):
+        return (batch_size, 1, max_length, self.layer.calls[0].indexer_size), (batch_size, 1, max_length, 1)
 
 
 class _StatePart(nn.Module):

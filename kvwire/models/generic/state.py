@@ -28,6 +28,7 @@ Which states a layer keeps, their shapes and dtypes are found by running it once
 probe with transformers' own lazily initialised cache layers: nothing here is keyed by family.
 """
 import contextvars
+import functools
 import inspect
 import math
 from contextlib import contextmanager
@@ -60,11 +61,28 @@ class State:
 
 
 def probe_cache(layers):
-    """A transformers cache of `layers` lazily initialised cache layers that take both keys/values
-    and linear-attention states (the build's probe reads which of them a decoder layer fills)."""
-    from transformers.cache_utils import Cache, LinearAttentionAndFullAttentionLayer
+    """A transformers cache of `layers` lazily initialised cache layers that take keys/values,
+    linear-attention states and a sparse-attention indexer's keys (the build's probe reads which of
+    them a decoder layer fills)."""
+    from transformers.cache_utils import Cache
 
-    return Cache(layers=[LinearAttentionAndFullAttentionLayer() for _ in range(layers)])
+    return Cache(layers=[_probe_layer_class()() for _ in range(layers)])
+
+
+@functools.cache
+def _probe_layer_class():
+    """transformers' layer for keys/values and linear-attention states, taking indexer keys too."""
+    from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+
+    class ProbeLayer(LinearAttentionAndFullAttentionLayer):
+        indexer_keys = None
+
+        def update_indexer(self, key_states, *args, **kwargs):
+            held = self.indexer_keys
+            self.indexer_keys = key_states if held is None else torch.cat([held, key_states], dim=1)
+            return self.indexer_keys
+
+    return ProbeLayer
 
 
 def wrote_keys(cache):

@@ -43,10 +43,12 @@ _shift = contextvars.ContextVar("kvwire_generic_timeline_shift", default=0)
 @dataclass
 class Handing:
     """One cached call of a layer that attends through the Cache API: its cache pair (B, H, S, d),
-    the call's cache_index () or (B,), and how many `update` calls it made."""
+    the call's cache_index () or (B,), its sparse-attention indexer's key slot pair ((B, 1, S, k),
+    or None), and how many `update` calls it made."""
 
     cache: tuple
     cache_index: torch.Tensor
+    indexer: tuple = None
     calls: int = 0
 
 
@@ -123,6 +125,9 @@ def _layer_class():
         def get_mask_sizes(self, query_length):
             return self.slots + query_length, 0
 
+        def update_indexer(self, key_states, *args, **kwargs):
+            return _update_indexer(key_states)
+
         def get_seq_length(self):
             # the columns before the chunk; a layer's own call may see it shifted (`shifted`)
             return self.slots + (_shift.get() if _active.get() is not None else 0)
@@ -131,6 +136,28 @@ def _layer_class():
             return self.slots
 
     return TimelineLayer
+
+
+def _in_columns(cache, cache_index):
+    """A slot (B, H, S, d) in the timeline's column order (module docstring)."""
+    B, H, slots, d = cache.shape
+    index, _ = aligned(cache_index, slots)
+    if per_row(cache_index):
+        return cache.gather(2, index[:, None, :, None].expand(B, H, slots, d))
+    return cache.index_select(2, index)
+
+
+def _update_indexer(key):
+    """A sparse-attention indexer's keys in column order, then the chunk's (B, S + T, k); the chunk
+    (B, T, k) is written into the active layer's indexer slot."""
+    state = _active.get()
+    if state is None or state.indexer is None:
+        raise RuntimeError("a decoder layer wrote indexer keys to kvwire's timeline cache, which holds none for it "
+                           "(the build's probe saw none)")
+    old = _in_columns(state.indexer[0], state.cache_index)[:, 0]
+    state.indexer = write_chunk(state.indexer, key.float()[:, None], key.new_zeros(key.shape[:2] + (1,)).float()[:, None],
+                                state.cache_index)
+    return torch.cat([old.to(key.dtype), key], dim=1)
 
 
 def _update(key, value):
@@ -145,13 +172,7 @@ def _update(key, value):
         raise RuntimeError("a decoder layer wrote keys and values to the cache twice in one call; the generic path "
                            "keeps one pair per layer that attends through the Cache API")
     k_cache, v_cache = state.cache
-    B, H, slots, _ = k_cache.shape
-    index, _ = aligned(state.cache_index, slots)
-    if per_row(state.cache_index):
-        keys = k_cache.gather(2, index[:, None, :, None].expand(B, H, slots, k_cache.shape[-1]))
-        values = v_cache.gather(2, index[:, None, :, None].expand(B, H, slots, v_cache.shape[-1]))
-    else:
-        keys, values = k_cache.index_select(2, index), v_cache.index_select(2, index)
+    keys, values = _in_columns(k_cache, state.cache_index), _in_columns(v_cache, state.cache_index)
     keys = torch.cat([keys.to(key.dtype), key], dim=2)
     values = torch.cat([values.to(value.dtype), value], dim=2)
     state.cache = write_chunk(state.cache, key.float(), value.float(), state.cache_index)
