@@ -94,6 +94,7 @@ OVERRIDES = {
                 local_attention_window_len=WINDOW,
                 **{name: dict(hidden_size_global=WIDTH) for name in ("encoder_config", "decoder_config")}),
     "codegen": dict(rotary_dim=8),  # rotary over part of each head
+    "kolibri1_1": dict(index_num_heads=2),  # at most the query heads a key head serves
     "gptj": dict(rotary_dim=8),
     # transformers' default attention config has no rope_theta and no clip_qkv, which DBRX's attention reads
     "dbrx": dict(attn_config=dict(kv_n_heads=KV_HEADS, rope_theta=10000.0, clip_qkv=8.0),
