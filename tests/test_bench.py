@@ -301,11 +301,12 @@ def test_generic_rerun_bench_times_both_and_agrees(capsys):
     """bench/generic_rerun.py on a small llama: the cache and the rerun give the same tokens."""
     import generic_rerun
 
-    generic_rerun.main(["--layers", "2", "--width", "128", "--new", "3", "--lengths", "24,40", "--threads", "1"])
+    generic_rerun.main(["--layers", "2", "--width", "128", "--new", "3", "--prompts", "4,9", "--max-length", "40",
+                        "--threads", "1"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("CPU: ")
     rows = [line.split() for line in out[3:]]
-    assert [r[0] for r in rows] == ["24", "40"] and all(r[-1] == "True" for r in rows)
+    assert [r[0] for r in rows] == ["4", "9"] and all(r[-1] == "True" for r in rows)
 
 
 def test_generic_speed_table(capsys):

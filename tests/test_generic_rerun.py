@@ -91,16 +91,20 @@ def test_packing_puts_each_rows_real_tokens_first_in_order(data):
     mask = torch.tensor([[data.draw(st.booleans()) for _ in range(M)] for _ in range(B)])
     cache_index = torch.tensor(starts) if rows else torch.tensor(starts[0])
     source, chunk, real = rerun.packing(cache_index, T, mask)
+    counts = [sum(1 for c in range(M) if mask[b, c] and c < starts[b if rows else 0] + T) for b in range(B)]
+    W = max(max(counts), 1)  # run eagerly, the window ends at the longest row's last real token
+    assert source.shape == real.shape == (B, W)
     for b in range(B):
         start = starts[b if rows else 0]
         kept = [c for c in range(M) if mask[b, c] and c < start + T]
         n = len(kept)
         assert source[b, :n].tolist() == kept
-        assert sorted(source[b].tolist()) == list(range(M))  # a permutation: every column read once
-        assert real[b].tolist() == [j < n for j in range(M)]
+        assert len(set(source[b].tolist())) == W  # no column read twice
+        assert real[b].tolist() == [j < n for j in range(W)]
         for t in range(T):
             if mask[b, start + t]:
                 assert source[b, chunk[b, t]] == start + t
+            assert 0 <= chunk[b, t] < W
 
 
 def test_a_rerunning_model_exports_to_onnx_and_runs_transformers_tokens(tmp_path):

@@ -17,14 +17,16 @@ the chunk's outputs are gathered back. Edits at `layers.N` and at the sites insi
 to the whole history again, as the uncached forward of the edited model does.
 
 It is exact and keeps the contract (static shapes, per-row positions, no data-dependent control
-flow) but it is not a key/value cache: every call runs each layer over max_length tokens, so a
-decode step costs a prefill of the window. The build uses it only where the cache pass does not
-fit, and says so (`GenericBackbone.rerun_reason`).
+flow) but it is not a key/value cache: every call runs each layer over the window, so a decode
+step costs a prefill of it. Compiled or exported, the window is max_length; run eagerly, it ends at
+the longest row's last token (one read of that count a call). The build uses it only where the
+cache pass does not fit, and says so (`GenericBackbone.rerun_reason`).
 """
 import math
 
 import torch
 
+from ...kernels.tracing import is_exporting
 from ...layers.attention import write_chunk
 from ...layers.masks import per_row
 
@@ -32,10 +34,11 @@ IDS_LIMIT = 1 << 24  # token ids live in the float32 cache: exact below 2**24
 
 
 def packing(cache_index, T, attention_mask):
-    """(source, chunk, real) of one cached call over a window of max_length = M columns:
-    source (B, M) int64 the cache column each packed column reads (a row's real columns up to the
-    chunk's end, in order, then the rest); chunk (B, T) the packed column of each chunk token;
-    real (B, M) bool, the packed columns holding a real token."""
+    """(source, chunk, real) of one cached call over a window of W columns: source (B, W) int64
+    the cache column each packed column reads (a row's real columns up to the chunk's end, in
+    order, then the rest); chunk (B, T) the packed column of each chunk token; real (B, W) bool,
+    the packed columns holding a real token. W is max_length in a compiled or exported graph, and
+    run eagerly the longest row's count of real tokens (the rest is pads no real token reads)."""
     B, M = attention_mask.shape
     device = attention_mask.device
     columns = torch.arange(M, device=device)
@@ -46,7 +49,13 @@ def packing(cache_index, T, attention_mask):
     place = torch.where(valid, valid.cumsum(dim=1) - 1, count + (~valid).cumsum(dim=1) - 1)
     source = torch.zeros_like(place).scatter(1, place, columns[None].expand(B, M))
     chunk = place.gather(1, (start + torch.arange(T, device=device)[None]).expand(B, T))
-    return source, chunk, columns[None] < count
+    real = columns[None] < count
+    if not (torch.compiler.is_compiling() or is_exporting()):
+        # run eagerly, the window ends at the longest row's last real token, not at max_length (a
+        # compiled or exported graph keeps the static max_length); a pad of the chunk reads any column
+        width = max(int(count.max()), 1)
+        source, real, chunk = source[:, :width], real[:, :width], chunk.clamp(max=width - 1)
+    return source, chunk, real
 
 
 def positions(real):
@@ -77,7 +86,7 @@ def window(cache, source, shape=None):
     """(B, M, *shape): the kept half of a cache pair (B, 1, M, C) in packed column order, each
     column's C numbers in `shape` (default (C,))."""
     kept = cache[0][:, 0]
-    packed = kept.gather(1, source[..., None].expand(kept.shape))
+    packed = kept.gather(1, source[..., None].expand(source.shape + kept.shape[-1:]))
     return packed if shape is None else packed.reshape(packed.shape[:2] + tuple(shape))
 
 
