@@ -182,7 +182,7 @@ def page(rows, version):
         "transformers' uncached argmax rollout. A type marked \"pass, rerunning\" passes the same checks",
         "without a key/value cache: the cache pass did not fit it (the reason is given), so each decoder",
         "layer keeps its inputs and reruns over each row's history every step (exact, but a decode step",
-        "costs a prefill of max_length tokens: `kvwire.models.generic.rerun`). Encoder-decoder types and encoders whose causal-LM",
+        "costs a prefill of the history: `kvwire.models.generic.rerun`). Encoder-decoder types and encoders whose causal-LM",
         "head runs them as decoders (BERT, RoBERTa, ...) are not listed, nor these:",
         "",
         *[f"- `{t}`: {why}" for t, why in sorted(EXCLUDED.items())],
