@@ -32,11 +32,16 @@ def from_transformers(model):
     transformers' Cache API returns them (ALiBi, position biases by key column) keep their keys and
     values in a slot the cache's `update` fills (`kvwire.models.generic.timeline`).
 
-    Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention, a
-    decoder layer whose attention transformers' interface never sees and that keeps no state in
-    the Cache API, one keeping both keys/values and state whose mixer takes no padding mask, a
-    forward the split does not reproduce, cached decoding or a prompt prefilled in two chunks that
-    does not reproduce it (`kvwire.models.generic.checks`).
+    Where no cache fits (a layer whose attention transformers' interface never sees and that keeps
+    no state in the Cache API, state kept elsewhere, cached decoding or a prompt prefilled in two
+    chunks that does not reproduce the model: `kvwire.models.generic.checks`), every decoder layer
+    reruns over the inputs it keeps (`kvwire.models.generic.rerun`), with a warning and the reason
+    in `backbone.rerun_reason`.
+
+    Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention,
+    logits that read later tokens, layers run more than once or on hidden states without an axis
+    of the tokens, a forward the split does not reproduce, and a model the rerun does not
+    reproduce either (the cache pass's reason).
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     name = type(model).__name__
@@ -191,7 +196,7 @@ def _rerun(name, backbone, head, probe, expected, refused):
         raise refused from None
     backbone.rerun_reason = str(refused)
     warnings.warn(f"{name}: kvwire's cache pass does not fit this model ({refused}); its decoder layers rerun over "
-                  f"their kept inputs instead: exact, but each step runs every layer over max_length tokens",
+                  f"their kept inputs instead: exact, but each step runs every layer over the whole history",
                   stacklevel=3)
 
 
