@@ -330,12 +330,13 @@ class DecoderLayer(InnerSites, Block):
         if self.attention is None:
             return self._with_state(x, gate, positions, inputs, cache, cache_index, attention_mask)
         if self.calls[0].through_cache:
-            pair, indexer = (cache, None) if self.cache_parts is None else cache
+            pair, indexer = (cache, None) if self.calls[0].indexer_size is None else cache
             with timeline.handing(timeline.Handing(pair, cache_index, indexer)) as state:
                 out = self._run(x, positions, inputs, gate)
-            if state.calls != 1:
-                raise RuntimeError(f"decoder layer {self.index} wrote {state.calls} key/value pairs to its cache in one "
-                                   f"step; the build's probe saw one")
+            if state.calls != 1 or state.indexer_calls != (indexer is not None):
+                raise RuntimeError(f"decoder layer {self.index} wrote {state.calls} key/value pairs and "
+                                   f"{state.indexer_calls} indexer keys to its cache in one step; the build's probe saw "
+                                   f"one{' of each' if indexer is not None else ' pair'}")
             return (out, state.cache) if indexer is None else (out, (state.cache, state.indexer))
         parts = [cache] if self.cache_parts is None else list(cache)  # the caches in `cache_parts` order
         slot = parts.pop() if self.states is not None else None

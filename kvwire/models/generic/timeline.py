@@ -44,12 +44,13 @@ _shift = contextvars.ContextVar("kvwire_generic_timeline_shift", default=0)
 class Handing:
     """One cached call of a layer that attends through the Cache API: its cache pair (B, H, S, d),
     the call's cache_index () or (B,), its sparse-attention indexer's key slot pair ((B, 1, S, k),
-    or None), and how many `update` calls it made."""
+    or None), and how many `update` and `update_indexer` calls it made."""
 
     cache: tuple
     cache_index: torch.Tensor
     indexer: tuple = None
     calls: int = 0
+    indexer_calls: int = 0
 
 
 @contextmanager
@@ -154,6 +155,7 @@ def _update_indexer(key):
     if state is None or state.indexer is None:
         raise RuntimeError("a decoder layer wrote indexer keys to kvwire's timeline cache, which holds none for it "
                            "(the build's probe saw none)")
+    state.indexer_calls += 1
     old = _in_columns(state.indexer[0], state.cache_index)[:, 0]
     state.indexer = write_chunk(state.indexer, key.float()[:, None], key.new_zeros(key.shape[:2] + (1,)).float()[:, None],
                                 state.cache_index)
