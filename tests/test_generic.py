@@ -325,14 +325,19 @@ def test_what_a_layer_hands_the_next_beside_its_hidden_states_is_carried():
 
 def test_decoder_layers_held_below_the_base_model_are_found():
     """GIT's text layers are `encoder.layer` of its base model, beside an image encoder's list of
-    as many layers: the build takes the list nearest the base model, and text generation equals
-    transformers'."""
+    as many layers: the build takes the list nearest the base model. Its forward widens a 2D
+    padding mask by an image's tokens once the cache holds some, so its timeline mask goes in
+    finished (4D); text generation equals transformers', left-padded rows each alone."""
     _present("git")
-    with pytest.warns(UserWarning, match="rerun"):
-        hf, lm = _generic("git")
+    hf, lm = _generic("git")
     assert lm.backbone.prelude.layers_name == "encoder.layer"
+    assert lm.backbone.rerun_reason is None and lm.backbone.prelude.finished_mask
     ids = prompt(1, 7, 9)
     assert lm.generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()[-8:] == rollout(hf, ids, 8)[0].tolist()
+    rows = [prompt(1, n, seed=n)[0] for n in (4, 9)]
+    batch = lm.generate(rows, max_new_tokens=6, ignore_eos=True)
+    for i, row in enumerate(rows):
+        assert batch[i].tolist() == lm.generate(row, max_new_tokens=6, ignore_eos=True).tolist(), i
 
 
 def test_attention_across_a_tokens_layers_is_not_attention_across_tokens():

@@ -162,6 +162,9 @@ def _check_all_cached(name, model, backbone, head, probe, expected):
     try:
         _check_cached(name, backbone, head, probe, expected)
     except ValueError as e:
+        if backbone.prelude.uses_timeline and not isinstance(e, _PastLength):
+            _check_finished_mask(name, backbone, head, probe, expected, e)
+            return
         if backbone.prelude.uses_timeline or any(part.states is not None for part in backbone.layers):
             raise
         calls = [part.calls for part in backbone.layers]
@@ -176,6 +179,18 @@ def _check_all_cached(name, model, backbone, head, probe, expected):
             raise (ValueError(str(again)) if isinstance(again, _PastLength) else e) from None
 
 
+def _check_finished_mask(name, backbone, head, probe, expected, failed):
+    """The cached checks again with the timeline's mask handed to the forward finished (4D), for a
+    forward that does more with a 2D padding mask than mask by it (GIT widens it by an image's
+    tokens once the cache holds some); else `failed` raised, the 2D mask kept."""
+    backbone.prelude.finished_mask = True
+    try:
+        _check_cached(name, backbone, head, probe, expected)
+    except ValueError:
+        backbone.prelude.finished_mask = False
+        raise failed from None
+
+
 def _rerun(name, backbone, head, probe, expected, refused):
     """Make every decoder layer rerun over its kept inputs (`kvwire.models.generic.rerun`), the
     cache pass having `refused` the model; checked as any cache is. Raises `refused` where the
@@ -185,7 +200,7 @@ def _rerun(name, backbone, head, probe, expected, refused):
         shape = tuple(prelude(probe).shape[2:])
     if head.weight.shape[0] > rerun.IDS_LIMIT:  # ids are kept in the float32 cache
         raise refused
-    prelude.uses_timeline, prelude.reruns = False, True
+    prelude.uses_timeline, prelude.finished_mask, prelude.reruns = False, False, True
     for part in backbone.layers:
         if not isinstance(part, UncalledLayer):
             part.states, part.rerun_shape = None, shape  # its attention calls stay: they name its sites

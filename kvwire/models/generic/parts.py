@@ -115,6 +115,16 @@ class Prelude(Layer):
         positions = torch.arange(T, device=token_ids.device)[None].expand(B, T)
         return self._record(token_ids, positions)
 
+    # set by the build where the forward does more with the timeline's 2D padding mask than mask by it
+    # (GIT widens it by an image's tokens once the cache holds some): the forward gets it finished
+    # (4D, `timeline.finished_mask`), which transformers' mask functions pass on as they find it
+    finished_mask = False
+
+    @property
+    def stem_dtype(self):
+        """The dtype of the base model's weights (a finished mask's)."""
+        return next(self.base.parameters()).dtype
+
     # set by the build where the cache pass does not fit the model (`kvwire.models.generic.rerun`):
     # cached calls keep the token ids and run the forward over each row's whole history
     reruns = False
@@ -148,8 +158,10 @@ class Prelude(Layer):
         if self.uses_timeline and cache_index is not None:
             # the forward as transformers runs it with a cache: masks and biases over the timeline's
             # columns (`kvwire.models.generic.timeline`), the cache handed to the layers that update it
-            kwargs = {"use_cache": True, "attention_mask": timeline.padding_mask(cache_index, token_ids.shape[1],
-                                                                                 attention_mask),
+            mask = timeline.padding_mask(cache_index, token_ids.shape[1], attention_mask)
+            if self.finished_mask:
+                mask = timeline.finished_mask(mask, token_ids.shape[1], self.stem_dtype)
+            kwargs = {"use_cache": True, "attention_mask": mask,
                       self.cache_name: timeline.timeline_cache(self.cache_layers, attention_mask.shape[1])}
         layers = swap_layers(self.base, self.layers_name, self.recorders)
         try:

@@ -96,6 +96,18 @@ def padding_mask(cache_index, T, attention_mask):
     return torch.cat([old, new], dim=1).to(torch.long)
 
 
+def finished_mask(padding, T, dtype):
+    """The additive mask (B, 1, T, S + T) transformers' eager mask function makes of `padding`
+    (`padding_mask`'s, over the columns of the module docstring): query t sees the valid columns up
+    to its own, S + t; 0 where seen, the dtype's smallest value elsewhere."""
+    B, columns = padding.shape
+    c = torch.arange(columns, device=padding.device)
+    t = torch.arange(T, device=padding.device)
+    seen = (padding != 0)[:, None, :] & (c[None, :] <= columns - T + t[:, None])[None]
+    return torch.zeros((B, 1, T, columns), dtype=dtype, device=padding.device).masked_fill(
+        ~seen[:, None], torch.finfo(dtype).min)
+
+
 def timeline_cache(layers, slots):
     """A transformers `Cache` of `layers` layers, each reporting `slots` past tokens (the mask sizes
     of the module docstring's columns), whose `update` goes to the layer being called (`handing`)."""
