@@ -322,16 +322,22 @@ class DecoderLayer(InnerSites, Block):
     def cache_parts(self):
         """{"attention": this layer, "attention2": its second call's cache, ..., "state": its state
         slot} for a layer keeping more than one cache, else None (one rerunning keeps its inputs)."""
-        indexer = bool(self.calls) and self.calls[0].indexer_size is not None
-        if self.rerun_shape is not None or len(self.calls) + (self.states is not None) + indexer < 2:
+        if self.rerun_shape is not None or self._slots < 2:
             return None
         parts = {"attention": self}
         parts.update({f"attention{k + 1}": _AttentionPart(self, k) for k in range(1, len(self.calls))})
-        if indexer:
+        if self.calls[0].indexer_size is not None:
             parts["indexer"] = _IndexerPart(self)
         if self.states is not None:
             parts["state"] = _StatePart(self)
         return parts
+
+    @property
+    def _slots(self):
+        """How many cache slots the layer's calls and state keep (a plain count: `cache_parts` builds
+        modules, too much for every step)."""
+        indexer = bool(self.calls) and self.calls[0].indexer_size is not None
+        return len(self.calls) + (self.states is not None) + indexer
 
     def forward_cached(self, x, gate=None, *, positions, cache_index=None, attention_mask=None, cache=None,
                        **inputs):
@@ -350,7 +356,7 @@ class DecoderLayer(InnerSites, Block):
                                    f"{state.indexer_calls} indexer keys to its cache in one step; the build's probe saw "
                                    f"one{' of each' if indexer is not None else ' pair'}")
             return (out, state.cache) if indexer is None else (out, (state.cache, state.indexer))
-        parts = [cache] if self.cache_parts is None else list(cache)  # the caches in `cache_parts` order
+        parts = [cache] if self._slots < 2 else list(cache)  # the caches in `cache_parts` order
         slot = parts.pop() if self.states is not None else None
         states = [seam.Attending(self.block.get_submodule(call.path), call.window, pair, cache_index, attention_mask,
                                  call.plain_math) for call, pair in zip(self.calls, parts)]
