@@ -58,3 +58,23 @@ def test_exporting_leaves_the_live_model_real_tensors_while_it_traces(trace):
     else:
         traces.export_static(prog, prog.example_inputs(1, 2))
     assert seen and all(t is nn.Parameter for t in seen), seen
+
+
+def test_a_forward_set_on_an_instance_runs_on_the_twin():
+    """A pass that wraps one module's forward (a bound method in its __dict__): the shell's twin
+    calls the wrapper bound to itself, so what the wrapped code sets lands on the twin."""
+    import types
+
+    model = _Tied()
+
+    def forward(self, x):
+        self.seen = x  # a plain attribute the module's own code sets (state some mixers keep so)
+        return type(self).forward(self, x)
+
+    model.inner.forward = types.MethodType(forward, model.inner)
+    twin = shell(model)
+    x = torch.randn(3, 4)
+    assert torch.equal(twin(x), model(x))
+    model.inner.seen = None
+    twin(x + 1)
+    assert model.inner.seen is None and twin.inner.seen is not None

@@ -6,6 +6,8 @@ model meanwhile (a server lending a steering slot writes its vector into a buffe
 one: its write is lost without an error. Tracing a shell swaps the shell's entries; the model's own
 modules keep their real tensors throughout.
 """
+import types
+
 from torch import nn
 
 
@@ -38,6 +40,9 @@ def shell(module):
         for name, value in state.items():  # every hook table (a trace may register hooks)
             if "hooks" in name and isinstance(value, dict):
                 state[name] = type(value)(value)
+            elif isinstance(value, types.MethodType) and value.__self__ is m:
+                # a method set on the instance (a forward wrapped by a pass) runs on the twin, not on m
+                state[name] = types.MethodType(value.__func__, twin)
         object.__setattr__(twin, "__dict__", state)
         return twin
 
