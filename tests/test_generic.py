@@ -202,7 +202,8 @@ def test_the_dense_experts_form_equals_transformers_own(model_type):
     assert float(want.abs().max()) > 1e-3
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "mamba2"])  # MoE (dense form); Mamba-2 (static chunk scans)
+@pytest.mark.parametrize("model_type", ["mixtral", "mamba2", "recurrent_gemma"])  # MoE (dense form); Mamba-2
+# (static chunk scans); RecurrentGemma (state in module attributes, stepped token by token)
 def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, tmp_path):
     """ExecuTorch takes one static entry point per chunk length: transformers' chunked scans, whose
     loop count follows the chunk's length, export there (not into ONNX's one dynamic graph)."""

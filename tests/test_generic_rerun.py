@@ -1,6 +1,6 @@
 """Models whose cache the pass cannot find, run by rerunning each decoder layer over the inputs it
 keeps (`kvwire.models.generic.rerun`): a layer with no cache at all (GPT-1), a recurrent layer
-keeping its state in a cache of its own (RWKV), state in module attributes (RecurrentGemma). Each
+keeping its state in a cache of its own (RWKV). Each
 must equal transformers' uncached forward, alone, left-padded, and in the engine at per-row cache
 indices."""
 import copy
@@ -20,7 +20,6 @@ transformers = pytest.importorskip("transformers")
 TYPES = {  # type -> what the cache pass says of it
     "openai-gpt": "takes no `cache` argument",
     "rwkv": "takes no `cache` argument",
-    "recurrent_gemma": "cached decoding does not reproduce the model's own logits",
 }
 L = 32
 

@@ -21,9 +21,10 @@ from .generic_configs import PROMPT_IDS, prompt, rows_joining_a_batch, tiny_mode
 
 transformers = pytest.importorskip("transformers")
 
-TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2", "mamba", "falcon_mamba"]
-# where transformers' scan of several tokens starts from zero whatever state it is handed
-ONE_TOKEN_AT_A_TIME = {"mamba", "falcon_mamba"}
+TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2", "mamba", "falcon_mamba", "recurrent_gemma"]
+# where transformers' scan of several tokens starts from zero whatever state it is handed, or the
+# state is kept in module attributes (RecurrentGemma: `kvwire.models.generic.held`)
+ONE_TOKEN_AT_A_TIME = {"mamba", "falcon_mamba", "recurrent_gemma"}
 L = 48  # cache timeline of the direct calls
 ATOL = 1e-4
 

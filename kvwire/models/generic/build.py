@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...layers.linear import Linear, WeightPack
-from . import rerun, seam, state as state_slots, timeline
+from . import held, rerun, seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
                     recorded_calls, takes, with_arguments)
@@ -329,6 +329,8 @@ def _find_states(name, model, backbone, probe):
             if states:
                 part.states = state_slots.StateCache(states, count)
                 part.__dict__["mixer"] = mixer[0] if mixer else None  # not a submodule: block holds it
+            elif takes(part.block, "use_cache", kwargs):
+                _find_held(part, hidden, args, kwargs, probe.shape[0])
             # else a layer with nothing to cache (a feed-forward block): the cached check below has the last word
     if refused:
         _find_hand(name, model, backbone, probe, refused, count)
@@ -388,6 +390,20 @@ def _find_hand(name, model, backbone, probe, refused, count):
         part.calls = [AttentionCall(path, key[1], key[-1], value[-1], through_cache=True,
                                     indexer_size=indexers[part.index][0] if indexers[part.index] else None)]
     prelude.uses_timeline, prelude.cache_layers = True, count
+
+
+def _find_held(part, hidden, args, kwargs, batch_size):
+    """Give a decoder layer whose mixer keeps its state in attributes of its modules, outside the
+    Cache API (RecurrentGemma's RG-LRU and convolution), a state slot for them
+    (`kvwire.models.generic.held`), found by its probe call with `use_cache=True`."""
+    args, kwargs = with_arguments(part.block, args, kwargs, {"use_cache": True})
+    try:
+        found = held.find(part.block, lambda: part.block(hidden, *args, **kwargs), batch_size)
+    except Exception:  # noqa: BLE001 - a layer that does not run with use_cache: nothing found, the checks decide
+        return
+    if found:
+        part.states = held.HeldStates(found, held.mixer_path(found))
+        held.install(part.block.get_submodule(part.states.mixer))
 
 
 def _both(name, part, layer, states, mixer, count):

@@ -20,7 +20,7 @@ from torch import nn
 from ...layers.base import Block, Layer
 from ...layers.inner import InnerSites
 from ...layers.shared import shared
-from . import rerun, seam, sites, state as state_slots, stepping, timeline
+from . import held, rerun, seam, sites, state as state_slots, stepping, timeline
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 # the token ids of the running prelude call: a `ReplayTail` replays the forward on them
@@ -389,8 +389,10 @@ class DecoderLayer(InnerSites, Block):
         """(out, next state slot): the layer's own mixer continues its state; the chunk's padding
         mask keeps pads out of it. A mixer whose multi-token call ignores a previous state goes
         token by token in a chunk that continues one (`kvwire.models.generic.stepping`)."""
+        if isinstance(self.states, held.HeldStates):
+            return self._with_held(x, gate, positions, inputs, slot, cache_index, attention_mask)
         real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
-        steps = self.states.steps and stepping.continues(fresh, x.shape[1])
+        steps = self.states.steps and stepping.continues(fresh, x.shape[1], self.mixer)
         opened = self.states.open(slot, 1.0 - fresh, steps)
         if self.attention is None:
             out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
@@ -398,6 +400,15 @@ class DecoderLayer(InnerSites, Block):
             with state_slots.padding(self.mixer, real.to(torch.long)):
                 out = self._run(x, positions, inputs, gate, {"cache": opened})
         return out, self.states.close(opened, slot)
+
+    def _with_held(self, x, gate, positions, inputs, slot, cache_index, attention_mask):
+        """(out, next state slot) of a layer whose mixer keeps its state in its modules' attributes
+        (`kvwire.models.generic.held`): the slot in them for the call, which runs with use_cache."""
+        real, _ = state_slots.fresh_rows(positions, cache_index, attention_mask)
+        starts = real * (positions == 0).to(torch.float32)
+        with self.states.holding(self.block, slot, real, starts) as left:
+            out = self._run(x, positions, inputs, gate, {"use_cache": True})
+        return out, left[0]
 
 
 class UncalledLayer(DecoderLayer):
@@ -561,6 +572,12 @@ class Head(Layer):
     def forward(self, hidden):
         if self.plain:
             return self.output(hidden)
+        if torch.compiler.is_compiling():  # dynamo replays the swap of the base's forward wrongly: run eager
+            return self._eager_through_model(hidden)
+        return self._through_model(hidden)
+
+    def _through_model(self, hidden):
+        """The model's forward on `hidden` in place of its base model's output."""
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         made = self.output_class if self.output_class is not None and hasattr(self.output_class,
@@ -575,6 +592,10 @@ class Head(Layer):
         finally:
             del base.forward
         return logits[:, 0] if rows else logits
+
+    @torch.compiler.disable
+    def _eager_through_model(self, hidden):
+        return self._through_model(hidden)
 
 
 class GenericBackbone(nn.Module):

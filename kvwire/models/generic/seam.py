@@ -53,7 +53,7 @@ class _Step:
 
     def next_for(self, module):
         """The state of the next expected call when `module` makes it (counted), else None."""
-        if self.calls < len(self.states) and _unproxied(self.states[self.calls].module) is _unproxied(module):
+        if self.calls < len(self.states) and unproxied(self.states[self.calls].module) is unproxied(module):
             self.calls += 1
             return self.states[self.calls - 1]
         return None
@@ -177,7 +177,7 @@ def mask_window(mask, T):
     return None
 
 
-def _unproxied(module):
+def unproxied(module):
     """The module itself where torch.export's non-strict tracer hands out a stand-in for it (an
     attribute proxy, for a module the traced tree reaches by more than one path)."""
     return module.get_base() if isinstance(module, _AttrProxy) else module

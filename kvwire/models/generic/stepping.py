@@ -25,21 +25,29 @@ MARK = "_kvwire_one_token_at_a_time"  # on a transformers Cache: its stepping mi
 INSTALLED = "_kvwire_stepping"  # on a mixer whose forward `install` wrapped
 
 
-def continues(fresh, tokens):
+def continues(fresh, tokens, mixer=None):
     """Whether a cached call of `tokens` tokens per row must step its mixers: more than one token,
     and a row not starting afresh (`fresh` (B,) float32, 1 where the row's first real token is in
     the chunk). A traced call cannot look at its rows: it steps every chunk of several tokens.
 
     Raises RuntimeError in an export whose chunk length is dynamic: the steps unroll, so an
     exported program would hold one length only (`lm.compile()`'s prompt chunks then run eager)."""
-    if isinstance(tokens, torch.SymInt) and is_exporting():
-        raise RuntimeError("a state-keeping mixer that continues a state one token at a time unrolls its steps: "
-                           "a prompt chunk of dynamic length cannot be exported")
+    refuse_dynamic_steps(tokens, mixer)
     if tokens == 1:
         return False  # the mixer's own one-token step
     if torch.compiler.is_compiling() or is_exporting():
         return True
     return bool((fresh < 1).any())
+
+
+def refuse_dynamic_steps(tokens, mixer=None):
+    """Raise RuntimeError naming `mixer` (the module stepping) in an export whose chunk length
+    `tokens` is dynamic: the steps unroll."""
+    if isinstance(tokens, torch.SymInt) and is_exporting():
+        who = "" if mixer is None else f" ({type(mixer).__name__})"
+        raise RuntimeError(f"a state-keeping mixer{who} that continues a state one token at a time unrolls its "
+                           f"steps: a prompt chunk of dynamic length cannot be exported (export fixed chunk "
+                           f"lengths instead: ExecuTorch or Core ML with prefill_length)")
 
 
 def install(mixer):
@@ -65,15 +73,21 @@ def _one_at_a_time(own, args, kwargs):
     joined along the tokens."""
     hidden = args[0] if args else kwargs["hidden_states"]
     B, T = hidden.shape[:2]
-    outs = [own(*(_token(a, B, T, t) for a in args), **{k: _token(v, B, T, t) for k, v in kwargs.items()})
+    outs = [own(*(at_token(a, B, T, t) for a in args), **{k: at_token(v, B, T, t) for k, v in kwargs.items()})
             for t in range(T)]
+    return joined(outs)
+
+
+def joined(outs):
+    """The outputs of T one-token calls joined along the tokens (a tuple's non-tensors: the last's)."""
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs, dim=1)
     return type(outs[0])(torch.cat(parts, dim=1) if isinstance(parts[0], torch.Tensor) else parts[-1]
                          for parts in zip(*outs))
 
 
-def _token(value, B, T, t):
+def at_token(value, B, T, t):
+    """`value` at token t where it is per token ((B | 1, T, ...)), else as it is."""
     per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] in (1, B) \
         and value.shape[1] == T
     return value[:, t:t + 1] if per_token else value

@@ -1,0 +1,80 @@
+"""State a token mixer keeps in attributes of its own modules, outside transformers' Cache API
+(`kvwire.models.generic.held`): found by the build, kept in a state slot, the modules left as found.
+What the slot must do on a real model (chunks, pads, the engine, the prefix store, transformers'
+`generate`) is tested in `test_generic_state` on RecurrentGemma."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import kvwire as kw
+from kvwire.models.generic import held
+
+from .generic_configs import PROMPT_IDS, tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+
+class _Sum(nn.Module):
+    def forward(self, x, use_cache=False):
+        self.total = (self.total if self.total is not None else 0) + x.sum(1) if use_cache else None
+        return x
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = nn.Sequential()
+        self.mixer.add_module("inner", _Sum())
+        self.mixer.inner.total = None
+        self.mixer.kept = torch.ones(3)  # a tensor set at build time: not state
+        self.mixer.inner.register_buffer("scale", torch.ones(2))  # a buffer: not state
+
+    def forward(self, x, use_cache=False):
+        self.mixer.last = x[:, -1] if use_cache else None
+        return self.mixer.inner(x, use_cache)
+
+
+def test_the_tensors_a_call_leaves_in_attributes_are_found_and_put_back():
+    layer = _Layer()
+    x = torch.randn(2, 5, 4)
+    found = held.find(layer, lambda: layer(x, use_cache=True), batch_size=2)
+    assert [(h.path, h.name, h.shape) for h in found] == [("mixer", "last", (4,)), ("mixer.inner", "total", (4,))]
+    assert held.mixer_path(found) == "mixer"
+    assert not hasattr(layer.mixer, "last") and layer.mixer.inner.total is None  # as found
+    assert held.find(layer, lambda: layer(x), batch_size=2) == []  # without use_cache nothing is kept
+
+
+def test_a_recurrent_gemma_layer_keeps_its_attributes_in_a_state_slot_and_leaves_them_as_found():
+    original = tiny_model("recurrent_gemma")
+    hf = copy.deepcopy(original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rerun warning: the layers keep their state
+        lm = kw.from_hf(original, generic=True)
+    assert lm.backbone.rerun_reason is None
+    kinds = {type(part.states).__name__ for part in lm.backbone.layers if part.states is not None}
+    assert kinds == {"HeldStates"}
+    blocks = [m for m in original.modules() if type(m).__name__ == "RecurrentGemmaRecurrentBlock"]
+    found = [(b.conv1d_state, b.rg_lru.recurrent_states) for b in blocks]  # what transformers' own calls left
+    ids = torch.randint(*PROMPT_IDS, (2, 7), generator=torch.Generator().manual_seed(1))
+    lm.generate(ids, max_new_tokens=5, ignore_eos=True)
+    assert blocks and all(b.conv1d_state is c and b.rg_lru.recurrent_states is r for b, (c, r) in zip(blocks, found))
+    with torch.no_grad():  # transformers' own forward, uncached, on the modules kvwire ran
+        torch.testing.assert_close(original(ids, use_cache=False).logits, hf(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_compiled_steps_carry_state_kept_in_attributes(ahead):
+    """`lm.compile()`: the exported step (ahead) or torch.compile (dynamo, whose graph breaks remake
+    bound methods) steps the mixer as eager does; RecurrentGemma's soft-capped head compiles too."""
+    lm = kw.from_hf(tiny_model("recurrent_gemma"), generic=True)
+    assert not lm.head.plain
+    rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
+    eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=8, ignore_eos=True)]
+    torch._dynamo.reset()
+    lm.compile(bucket=32, ahead=ahead)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="kvwire: the decode step cannot")  # it compiles, not eager
+        assert [t.tolist() for t in lm.generate(rows, max_new_tokens=8, ignore_eos=True)] == eager
