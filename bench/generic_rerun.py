@@ -10,6 +10,10 @@ cache checks refused, as they are for a model no cache route fits). Each decodes
 greedily at batch 1 after a prompt of each of `--prompts` tokens, in an engine whose cache holds
 `--max-length` (run eagerly, the rerun's window is the row's history, not max_length), best of
 two rounds. Prints ms a decoded token, rerun / cache, and the CPU. The tokens of the two must agree (the rerun is exact).
+
+With `--llama4`, also a random Llama 4 text model at `bench/generic_mid.py`'s sizes (8 layers x
+512, NoPE every fourth layer): only its NoPE layers rerunning (the build's choice: they read one
+past length for the batch) against every layer made to rerun.
 """
 import argparse
 import os
@@ -48,6 +52,23 @@ def model(layers, width, rerun):
         build._check_all_cached = checks
 
 
+def llama4(everything):
+    """Llama 4 at generic_mid's sizes through the generic path: its NoPE layers rerunning, or all."""
+    import kvwire as kw
+    from generic_mid import mid_model
+    from kvwire.models.generic import build
+
+    some = build._rerun_some
+    if everything:
+        build._rerun_some = lambda *args: False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return kw.from_hf(mid_model("llama4_text"), generic=True)
+    finally:
+        build._rerun_some = some
+
+
 def decode_ms(lm, ids, new, length):
     """(ms a decoded token, tokens): an engine of `length` positions (the rerun's window) prefills
     `ids` then decodes `new` tokens; the time from the first token to the last, best of two rounds."""
@@ -74,6 +95,7 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=24)
     p.add_argument("--prompts", default="16,256,1024")
     p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--llama4", action="store_true", help="also Llama 4: its NoPE layers rerunning against all")
     args = p.parse_args(argv)
     import torch
 
@@ -88,6 +110,18 @@ def main(argv=None):
         ids = torch.randint(3, 4000, (1, n), generator=torch.Generator().manual_seed(n))
         a, tokens_a = decode_ms(cached, ids, args.new, args.max_length)
         b, tokens_b = decode_ms(rerun, ids, args.new, args.max_length)
+        print(f"{n:>10} {a:>13.2f} {b:>13.2f} {b / a:>13.1f}x {tokens_a == tokens_b}")
+    if not args.llama4:
+        return
+    some, every = llama4(False), llama4(True)
+    count = len(every.backbone.layers)
+    print(f"llama4_text {count} layers x 512, float32, batch 1: layers {some.backbone.rerun_layers} rerunning "
+          f"against all {count}")
+    print(f"{'prompt':>10} {'some ms/tok':>13} {'all ms/tok':>13} {'all / some':>14} same tokens")
+    for n in (int(n) for n in args.prompts.split(",")):
+        ids = torch.randint(3, 4000, (1, n), generator=torch.Generator().manual_seed(n))
+        a, tokens_a = decode_ms(some, ids, args.new, args.max_length)
+        b, tokens_b = decode_ms(every, ids, args.new, args.max_length)
         print(f"{n:>10} {a:>13.2f} {b:>13.2f} {b / a:>13.1f}x {tokens_a == tokens_b}")
 
 

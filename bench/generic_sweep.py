@@ -25,10 +25,10 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PASS, RERUN, REFUSED, HF_FAILS, CONFIG_FAILS, WRONG, ERROR, DIED = (
-    "pass", "pass, rerunning", "refused by kvwire", "transformers' own forward fails", "no tiny config", "differs",
-    "kvwire error", "no answer")
-ORDER = (PASS, RERUN, REFUSED, WRONG, ERROR, DIED, HF_FAILS, CONFIG_FAILS)
+PASS, PARTLY, RERUN, REFUSED, HF_FAILS, CONFIG_FAILS, WRONG, ERROR, DIED = (
+    "pass", "pass, partly rerunning", "pass, rerunning", "refused by kvwire", "transformers' own forward fails",
+    "no tiny config", "differs", "kvwire error", "no answer")
+ORDER = (PASS, PARTLY, RERUN, REFUSED, WRONG, ERROR, DIED, HF_FAILS, CONFIG_FAILS)
 STEPS = 12
 TOLERANCE = 1e-4
 
@@ -70,8 +70,9 @@ def check(model_type):
         row, step, chosen, best, gap = bad[0]
         return WRONG, (f"cached greedy differs from the uncached rollout at {len(bad)} of {tokens.numel()} steps "
                        f"(first: row {row} step {step}, {chosen} where transformers picks {best}, {gap:.3g} below)")
-    if lm.backbone.rerun_reason is not None:  # no cache the pass finds: its layers rerun over their inputs
-        return RERUN, f"{_one_line(ValueError(lm.backbone.rerun_reason))}; {_sites(lm, ids)}"
+    if lm.backbone.rerun_reason is not None:  # no cache the pass finds: (some of) its layers rerun over their inputs
+        partly = len(lm.backbone.rerun_layers) < len(lm.backbone.layers)
+        return PARTLY if partly else RERUN, f"{_one_line(ValueError(lm.backbone.rerun_reason))}; {_sites(lm, ids)}"
     return PASS, _sites(lm, ids)
 
 
@@ -184,7 +185,9 @@ def page(rows, version):
         "transformers' uncached argmax rollout. A type marked \"pass, rerunning\" passes the same checks",
         "without a key/value cache: the cache pass did not fit it (the reason is given), so each decoder",
         "layer keeps its inputs and reruns over each row's history every step (exact, but a decode step",
-        "costs a prefill of the history: `kvwire.models.generic.rerun`). Encoder-decoder types and encoders whose causal-LM",
+        "costs a prefill of the history: `kvwire.models.generic.rerun`); one marked \"pass, partly",
+        "rerunning\" reruns only the layers the reason names, the others keeping their caches.",
+        "Encoder-decoder types and encoders whose causal-LM",
         "head runs them as decoders (BERT, RoBERTa, ...) are not listed, nor these:",
         "",
         *[f"- `{t}`: {why}" for t, why in sorted(EXCLUDED.items())],
@@ -202,7 +205,7 @@ def page(rows, version):
               "| result | reason | types |", "|---|---|---|"]
     for (result, kind), types in sorted(groups.items(), key=lambda g: (ORDER.index(g[0][0]), -len(g[1]), g[0][1])):
         lines.append(f"| {result} | {kind.replace('|', '/')} | {', '.join(f'`{t}`' for t in sorted(types))} |")
-    sited = [r for r in rows if r[1] in (PASS, RERUN)]
+    sited = [r for r in rows if r[1] in (PASS, PARTLY, RERUN)]
     full = sum("attn_out" in r[2] and "resid_mid" in r[2] and "mlp_out" in r[2] and "attn_heads" in r[2]
                and "differs" not in r[2] for r in sited)
     lines += ["", f"Sites inside the blocks of the {len(sited)} that pass (steering, `kvwire.models.generic.sites`): "

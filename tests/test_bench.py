@@ -280,19 +280,21 @@ def test_threads_bench_summary_gives_the_goal_ratios():
 
 
 def test_generic_sweep_rows_and_page(tmp_path, capsys):
-    """bench/generic_sweep.py on three types: a row each (llama passes, GPT-1, whose layers take no
-    cache, passes rerunning with the reason, Dory, which runs its layers twice, is refused with
-    kvwire's reason) and the docs page with the counts."""
+    """bench/generic_sweep.py on four types: a row each (llama passes, Llama 4 passes with its NoPE
+    layer rerunning, GPT-1, whose layers take no cache, passes rerunning with the reason, Dory,
+    which runs its layers twice, is refused with kvwire's reason) and the docs page with the counts."""
     import generic_sweep
 
     page = tmp_path / "generic-models.md"
-    rows = generic_sweep.main(["--types", "llama,openai-gpt,dory", "--write", str(page)])
-    assert [(t, result) for t, result, _ in rows] == [("llama", "pass"), ("openai-gpt", "pass, rerunning"),
-                                                      ("dory", "refused by kvwire")]
-    assert "takes no `cache` argument" in rows[1][2] and "sites: resid_pre" in rows[1][2]
-    assert "runs decoder layer 0 (DoryDecoderLayer) 2 times" in rows[2][2]
+    rows = generic_sweep.main(["--types", "llama,llama4_text,openai-gpt,dory", "--write", str(page)])
+    assert [(t, result) for t, result, _ in rows] == [("llama", "pass"), ("llama4_text", "pass, partly rerunning"),
+                                                      ("openai-gpt", "pass, rerunning"), ("dory", "refused by kvwire")]
+    assert "decoder layers [3] rerun over their kept inputs" in rows[1][2]
+    assert "takes no `cache` argument" in rows[2][2] and "sites: resid_pre" in rows[2][2]
+    assert "runs decoder layer 0 (DoryDecoderLayer) 2 times" in rows[3][2]
     text = page.read_text()
-    assert "| tried | 3 |" in text and "| pass | 1 |" in text and "| pass, rerunning | 1 |" in text
+    assert "| tried | 4 |" in text and "| pass | 1 |" in text and "| pass, rerunning | 1 |" in text
+    assert "| pass, partly rerunning | 1 |" in text
     assert "| `dory` | refused by kvwire |" in text
     assert "dory" in capsys.readouterr().out
 

@@ -1,6 +1,7 @@
 """Models whose cache the pass cannot find, run by rerunning each decoder layer over the inputs it
 keeps (`kvwire.models.generic.rerun`): a layer with no cache at all (GPT-1), a recurrent layer
-keeping its state in a cache of its own (RWKV). Each
+keeping its state in a cache of its own (RWKV); and only the layers that read one past length for
+the batch (Llama 4's temperature-tuned NoPE layers), the others keeping their caches. Each
 must equal transformers' uncached forward, alone, left-padded, and in the engine at per-row cache
 indices."""
 import copy
@@ -20,7 +21,9 @@ transformers = pytest.importorskip("transformers")
 TYPES = {  # type -> what the cache pass says of it
     "openai-gpt": "takes no `cache` argument",
     "rwkv": "takes no `cache` argument",
+    "llama4_text": "one number for the batch",
 }
+PARTLY = {"llama4_text": [3]}  # type -> the layers that rerun where the others keep their caches
 L = 32
 
 
@@ -34,10 +37,13 @@ def model(request):
 
 
 def test_the_build_says_why_the_layers_rerun(model):
-    assert TYPES[model.type] in model.lm.backbone.rerun_reason
+    backbone = model.lm.backbone
+    assert TYPES[model.type] in backbone.rerun_reason
+    assert backbone.rerun_layers == PARTLY.get(model.type, list(range(len(backbone.layers))))
     width = model.lm.head.weight.shape[1]
-    for part in model.lm.backbone.layers:
-        assert part.cache_spec(2, L, torch.float32) == ((2, 1, L, width), (2, 1, L, 1))  # (B, 1, L, D)
+    for part in backbone.layers:
+        kept = part.cache_spec(2, L, torch.float32) == ((2, 1, L, width), (2, 1, L, 1))  # (B, 1, L, D)
+        assert kept == (part.index in backbone.rerun_layers), part.index
     assert model.lm.backbone.prelude.cache_spec(2, L, torch.float32) == ((2, 1, L, 1), (2, 1, L, 1))
 
 

@@ -36,7 +36,8 @@ def from_transformers(model):
     no state in the Cache API, state kept elsewhere, cached decoding or a prompt prefilled in two
     chunks that does not reproduce the model: `kvwire.models.generic.checks`), every decoder layer
     reruns over the inputs it keeps (`kvwire.models.generic.rerun`), with a warning and the reason
-    in `backbone.rerun_reason`.
+    in `backbone.rerun_reason`; where the only misfit is some layers reading one past length for the
+    batch (Llama 4's NoPE layers), only those rerun (`backbone.rerun_layers`).
 
     Raises ValueError naming what does not fit: an encoder-decoder, bidirectional attention,
     logits that read later tokens, layers run more than once or on hidden states without an axis
@@ -168,15 +169,50 @@ def _check_all_cached(name, model, backbone, head, probe, expected):
         if backbone.prelude.uses_timeline or any(part.states is not None for part in backbone.layers):
             raise
         calls = [part.calls for part in backbone.layers]
+        readers = set()
         try:
-            _find_hand(name, model, backbone, probe, {p.index: str(e) for p in backbone.layers if p.calls},
-                       _cache_layer_count(model, backbone))
+            readers = _find_hand(name, model, backbone, probe, {p.index: str(e) for p in backbone.layers if p.calls},
+                                 _cache_layer_count(model, backbone))
             _check_cached(name, backbone, head, probe, expected)
         except ValueError as again:
+            if isinstance(again, _PastLength) and _rerun_some(name, backbone, head, probe, expected, readers, again):
+                return
             for part, kept in zip(backbone.layers, calls):
                 part.calls = kept
             backbone.prelude.uses_timeline = False
             raise (ValueError(str(again)) if isinstance(again, _PastLength) else e) from None
+
+
+def _rerun_some(name, backbone, head, probe, expected, layers, why):
+    """Make only decoder layers `layers` (those asking transformers' cache for its past length: one
+    number for the batch, `why`) rerun over their kept inputs, the others keeping the caches the
+    timeline gives them; checked as any cache is. False, everything as it was, where that does not
+    reproduce the model, where every layer would rerun or where layers hand each other tensors."""
+    prelude = backbone.prelude
+    parts = [part for part in backbone.layers if part.index in layers]
+    if not parts or len(parts) == len(backbone.layers) or any(part.carried for part in backbone.layers) \
+            or head.weight.shape[0] > rerun.IDS_LIMIT:
+        return False
+    with torch.no_grad():
+        shape = tuple(prelude(probe).shape[2:])
+    prelude.reruns = prelude.partly = True
+    for part in parts:
+        part.rerun_shape = shape  # its attention calls stay: they name its sites
+    try:
+        _check_cached(name, backbone, head, probe, expected)
+    except ValueError:
+        prelude.reruns = prelude.partly = False
+        for part in parts:
+            part.rerun_shape = None
+        return False
+    backbone.rerun_layers = [part.index for part in parts]
+    backbone.rerun_reason = f"{why}; decoder layers {backbone.rerun_layers} rerun over their kept inputs, the " \
+                            f"others keep their caches"
+    warnings.warn(f"{name}: decoder layers {backbone.rerun_layers} of {len(backbone.layers)} compute with one past "
+                  f"length for the batch, which kvwire's per-row cache cannot give them; they rerun over their "
+                  f"kept inputs (exact, but each step runs them over the whole history), the others keep their "
+                  f"caches", stacklevel=4)
+    return True
 
 
 def _check_finished_mask(name, backbone, head, probe, expected, failed):
@@ -210,6 +246,7 @@ def _rerun(name, backbone, head, probe, expected, refused):
     except ValueError:
         raise refused from None
     backbone.rerun_reason = str(refused)
+    backbone.rerun_layers = [part.index for part in backbone.layers if part.rerun_shape is not None]
     warnings.warn(f"{name}: kvwire's cache pass does not fit this model ({refused}); its decoder layers rerun over "
                   f"their kept inputs instead: exact, but each step runs every layer over the whole history",
                   stacklevel=3)
@@ -341,7 +378,8 @@ def _find_hand(name, model, backbone, probe, refused, count):
     by one of their modules over what transformers' Cache API returns it (Bloom, MPT, GPT-Neo):
     the model's forward runs once with a cache, and a layer that hands exactly one key/value pair
     to `update`, nothing else, gets an attention call `through_cache` (its keys and values in a
-    cache slot, `kvwire.models.generic.timeline`). Any other refused layer raises its reason."""
+    cache slot, `kvwire.models.generic.timeline`). Any other refused layer raises its reason.
+    Returns the refused layers that ask the cache for its past length (`_rerun_some`)."""
     prelude = backbone.prelude
     base = prelude.base
     owner, stack, seen = {}, [], {i: [] for i in refused}
@@ -368,7 +406,15 @@ def _find_hand(name, model, backbone, probe, refused, count):
             indexers[where[0]].append(key.shape[-1])
         return update_indexer(key, layer_idx, *args, **kwargs)
 
-    cache.update, cache.update_indexer = watched, watched_indexer
+    seq_length, readers = cache.get_seq_length, set()
+
+    def watched_length(*args, **kwargs):
+        where = owner.get(id(stack[-1])) if stack else None
+        if where is not None:  # a layer asking for the past length (not the forward's mask code)
+            readers.add(where[0])
+        return seq_length(*args, **kwargs)
+
+    cache.update, cache.update_indexer, cache.get_seq_length = watched, watched_indexer, watched_length
     positions = torch.arange(probe.shape[1], device=probe.device)[None].expand(probe.shape[0], -1)
     try:
         with torch.no_grad():
@@ -390,6 +436,7 @@ def _find_hand(name, model, backbone, probe, refused, count):
         part.calls = [AttentionCall(path, key[1], key[-1], value[-1], through_cache=True,
                                     indexer_size=indexers[part.index][0] if indexers[part.index] else None)]
     prelude.uses_timeline, prelude.cache_layers = True, count
+    return readers
 
 
 def _find_held(part, hidden, args, kwargs, batch_size):

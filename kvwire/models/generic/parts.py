@@ -28,6 +28,9 @@ _tokens = contextvars.ContextVar("kvwire_generic_token_ids", default=None)
 # {index: the tuple decoder layer `index` returned} in the running call: what a layer hands the next
 # one beside its hidden states (Zaya's router states), read by layers with `carried` arguments
 _outputs = contextvars.ContextVar("kvwire_generic_layer_outputs", default=None)
+# the arguments the prelude recorded for a rerun's packed window (`kvwire.models.generic.rerun`):
+# the same store as `_calls` where every layer reruns, another where some keep their caches
+_window_calls = contextvars.ContextVar("kvwire_generic_window_calls", default=None)
 
 
 class _Recorder(nn.Module):
@@ -128,6 +131,9 @@ class Prelude(Layer):
     # set by the build where the cache pass does not fit the model (`kvwire.models.generic.rerun`):
     # cached calls keep the token ids and run the forward over each row's whole history
     reruns = False
+    # set by the build where only some layers rerun: the forward runs over the chunk too, for the
+    # arguments of the layers keeping their caches
+    partly = False
 
     def cache_spec(self, batch_size, max_length, dtype):
         """The token ids' slot of a model whose layers rerun over their inputs, else None."""
@@ -135,17 +141,21 @@ class Prelude(Layer):
 
     def forward_cached(self, token_ids, *, positions, cache_index=None, attention_mask=None, cache=None):
         if self.reruns:
-            return self._rerun(token_ids, cache_index, attention_mask, cache)
+            return self._rerun(token_ids, positions, cache_index, attention_mask, cache)
         return self._record(token_ids, positions, cache_index, attention_mask)
 
-    def _rerun(self, token_ids, cache_index, attention_mask, cache):
+    def _rerun(self, token_ids, positions, cache_index, attention_mask, cache):
         """(the chunk's hidden states (B, T, D), next ids slot): the forward over each row's packed
-        history (`kvwire.models.generic.rerun`), its layers' arguments recorded for that window."""
+        history (`kvwire.models.generic.rerun`), its layers' arguments recorded for that window;
+        where some layers keep their caches (`partly`), over the chunk too, for theirs."""
         B, T = token_ids.shape
         cache = rerun.write(cache, token_ids[..., None], cache_index)
         source, chunk, real = shared(rerun.packing, cache_index, T, attention_mask)
         ids = rerun.window(cache, source)[..., 0].to(torch.long)
         hidden = rerun.chunk_of(self._record(ids, shared(rerun.positions, real)), chunk)
+        _window_calls.set(_calls.get())
+        if self.partly:
+            return self._record(token_ids, positions, cache_index, attention_mask), cache
         _tokens.set(token_ids)  # a `ReplayTail` runs on the chunk
         return hidden, cache
 
@@ -375,7 +385,7 @@ class DecoderLayer(InnerSites, Block):
         """(out, next slot) of a layer rerunning over its inputs (`kvwire.models.generic.rerun`): the
         chunk, through "resid_pre", joins the inputs the layer keeps, and the layer runs over each
         row's packed history with the arguments the prelude recorded for it."""
-        calls = _calls.get()
+        calls = _window_calls.get()
         x = self.edit_at("resid_pre", x, positions, inputs, gate)
         slot = rerun.write(slot, x, cache_index, gate)  # each token's gate too: edits inside rerun with it
         source, chunk, real = shared(rerun.packing, cache_index, x.shape[1], attention_mask)
@@ -609,6 +619,7 @@ class GenericBackbone(nn.Module):
         super().__init__()
         self.prelude, self.layers, self.tail, self.stem = prelude, nn.ModuleList(layers), tail, nn.ModuleDict(stem)
         self.rerun_reason = None  # why the cache pass did not fit, where the layers rerun (`rerun`)
+        self.rerun_layers = []  # the indices of the decoder layers that rerun (all, or those the cache cannot serve)
 
     def forward(self, token_ids):
         x = self.prelude(token_ids)
