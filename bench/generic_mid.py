@@ -1,6 +1,8 @@
 """The generic path on mid-size random models of families kvwire has no native decoder for: a Mamba-2
 hybrid (Bamba: Mamba-2 layers with attention every other layer) and a mixture of experts
-(Qwen3-MoE), each 8 layers x 512 wide, against transformers' own `generate` on the same weights.
+(Qwen3-MoE), each 8 layers x 512 wide, against transformers' own `generate` on the same weights;
+`--types recurrent_gemma` adds RecurrentGemma (RG-LRU state kept in module attributes, local
+attention every third layer).
 
     python bench/generic_mid.py [--types bamba,qwen3_moe] [--threads 2] [--new 64] [--rounds 3]
 
@@ -27,7 +29,8 @@ MID = {"hidden_size": WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads":
        "num_key_value_heads": KV_HEADS, "head_dim": HEAD, "intermediate_size": 2 * WIDTH,
        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH // 2,
        "mamba_n_heads": HEADS, "mamba_d_head": HEAD, "mamba_expand": 1, "mamba_d_state": 64,
-       "mamba_n_groups": 1, "mamba_chunk_size": 64, "vocab_size": 32000, "max_position_embeddings": 8192}
+       "mamba_n_groups": 1, "mamba_chunk_size": 64, "vocab_size": 32000, "max_position_embeddings": 8192,
+       "lru_width": WIDTH, "attention_window_size": 2048}
 
 
 def mid_model(model_type):
