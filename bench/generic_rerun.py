@@ -105,25 +105,27 @@ def main(argv=None):
     assert cached.backbone.rerun_reason is None and rerun.backbone.rerun_reason is not None
     print(f"llama {args.layers} layers x {args.width}, float32, batch 1, {args.new} new tokens, "
           f"max_length {args.max_length}")
-    print(f"{'prompt':>10} {'cache ms/tok':>13} {'rerun ms/tok':>13} {'rerun / cache':>14} same tokens")
-    for n in (int(n) for n in args.prompts.split(",")):
-        ids = torch.randint(3, 4000, (1, n), generator=torch.Generator().manual_seed(n))
-        a, tokens_a = decode_ms(cached, ids, args.new, args.max_length)
-        b, tokens_b = decode_ms(rerun, ids, args.new, args.max_length)
-        print(f"{n:>10} {a:>13.2f} {b:>13.2f} {b / a:>13.1f}x {tokens_a == tokens_b}")
+    compare(cached, rerun, ("cache", "rerun"), args)
     if not args.llama4:
         return
     some, every = llama4(False), llama4(True)
     count = len(every.backbone.layers)
     print(f"llama4_text {count} layers x 512, float32, batch 1: layers {some.backbone.rerun_layers} rerunning "
           f"against all {count}")
-    print(f"{'prompt':>10} {'some ms/tok':>13} {'all ms/tok':>13} {'all / some':>14} same tokens")
+    compare(some, every, ("some", "all"), args)
+
+
+def compare(first, second, names, args):
+    """A row per prompt length: ms a decoded token of each model, second / first, same tokens."""
+    import torch
+
+    a_name, b_name = names
+    print(f"{'prompt':>10} {a_name + ' ms/tok':>13} {b_name + ' ms/tok':>13} {b_name + ' / ' + a_name:>14} same tokens")
     for n in (int(n) for n in args.prompts.split(",")):
         ids = torch.randint(3, 4000, (1, n), generator=torch.Generator().manual_seed(n))
-        a, tokens_a = decode_ms(some, ids, args.new, args.max_length)
-        b, tokens_b = decode_ms(every, ids, args.new, args.max_length)
+        a, tokens_a = decode_ms(first, ids, args.new, args.max_length)
+        b, tokens_b = decode_ms(second, ids, args.new, args.max_length)
         print(f"{n:>10} {a:>13.2f} {b:>13.2f} {b / a:>13.1f}x {tokens_a == tokens_b}")
-
 
 if __name__ == "__main__":
     main()
