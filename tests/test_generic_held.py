@@ -78,3 +78,21 @@ def test_compiled_steps_carry_state_kept_in_attributes(ahead):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="kvwire: the decode step cannot")  # it compiles, not eager
         assert [t.tolist() for t in lm.generate(rows, max_new_tokens=8, ignore_eos=True)] == eager
+
+
+def test_a_model_cast_to_bfloat16_keeps_its_accumulator_in_float32():
+    """The build tells the states that follow the model's dtype (the convolution's) from those kept in
+    float32 whatever it is (the RG-LRU's accumulator) by a float64 probe: cast after the build, the
+    model gives transformers' own bfloat16 tokens."""
+    original = tiny_model("recurrent_gemma")
+    hf = copy.deepcopy(original).to(torch.bfloat16)
+    lm = kw.from_hf(original, generic=True)
+    held_states = lm.backbone.layers[0].states.states
+    assert {h.name: h.follows for h in held_states} == {"conv1d_state": True, "recurrent_states": False}
+    lm = lm.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    for row in (torch.randint(*PROMPT_IDS, (n,), generator=g) for n in (9, 5)):
+        with torch.no_grad():
+            theirs = hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long), max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(row):]
+        assert lm.generate(row, max_new_tokens=8, ignore_eos=True).tolist() == theirs.tolist()

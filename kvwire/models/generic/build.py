@@ -5,10 +5,12 @@ what runs after the layers and how logits are made are all found by running the 
 forward on a short probe and watching which modules it calls. The result is checked against the
 model's own logits on that probe, so a model the split does not fit is refused, not run wrong.
 """
+import functools
 import warnings
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ...layers.linear import Linear, WeightPack
 from . import held, rerun, seam, state as state_slots, timeline
@@ -449,6 +451,9 @@ def _find_held(part, hidden, args, kwargs, batch_size):
     except Exception:  # noqa: BLE001 - a layer that does not run with use_cache: nothing found, the checks decide
         return
     if found:
+        double = functools.partial(tree_map, lambda v: v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
+        found = held.with_followers(part.block, lambda twin: twin(*double((hidden, *args)), **double(kwargs)),
+                                    batch_size, found)
         part.states = held.HeldStates(found, held.mixer_path(found))
         held.install(part.block.get_submodule(part.states.mixer))
 

@@ -25,6 +25,8 @@ and the loop unrolls (an export with a dynamic chunk length is refused, as
 `kvwire.models.generic.stepping` refuses one).
 """
 import contextvars
+import copy
+import dataclasses
 import inspect
 import math
 import types
@@ -50,6 +52,7 @@ class Held:
     name: str
     shape: tuple
     dtype: torch.dtype
+    follows: bool = False  # its dtype is the hidden states' (a cast model's), not fixed (a float32 accumulator)
     kind = "recurrent"  # the half of the state slot it is kept in (`kvwire.models.generic.state.spec`)
 
     @property
@@ -82,6 +85,19 @@ def find(block, call, batch_size):
     return held
 
 
+def with_followers(block, call64, batch_size, held):
+    """`held` with `follows` set where the attribute takes the hidden states' dtype: found by
+    `call64(twin)`, the probe call of a float64 copy `twin` of `block` (an attribute left in float64
+    follows the model; one left in float32 is an accumulator kept so whatever the model's dtype).
+    Unchanged where the float64 call fails."""
+    twin = copy.deepcopy(block).double()
+    try:
+        dtypes = {(h.path, h.name): h.dtype for h in find(twin, lambda: call64(twin), batch_size)}
+    except Exception:  # noqa: BLE001 - a layer that does not run in float64: dtypes stay as found
+        return held
+    return [dataclasses.replace(h, follows=dtypes.get((h.path, h.name)) == torch.float64) for h in held]
+
+
 def mixer_path(held):
     """The path of the innermost module holding every attribute in `held` ("" the layer itself)."""
     parts = [h.path.split(".") if h.path else [] for h in held]
@@ -103,11 +119,12 @@ class HeldStates:
         self.states, self.mixer = list(held), mixer
 
     @contextmanager
-    def holding(self, block, slot, real, starts):
+    def holding(self, block, slot, real, starts, dtype):
         """Inside: `block`'s attributes hold `slot`'s states and its mixer (`install`ed) steps as the
         module docstring says; `real` (B, T) float32 1 for real tokens, `starts` (B, T) float32 1 at
-        each row's first real token. Yields a list whose one item, after the block, is the slot the
-        call leaves (written in place in eager calls)."""
+        each row's first real token, `dtype` the hidden states' (that of the states that follow it).
+        Yields a list whose one item, after the block, is the slot the call leaves (written in place
+        in eager calls)."""
         B, T = real.shape
         mixer = seam.unproxied(block.get_submodule(self.mixer))
         steps = _steps(real, starts, mixer)  # before any attribute is set: it may refuse the call
@@ -117,7 +134,7 @@ class HeldStates:
         before = [getattr(m, h.name) for m, h in zip(owners, self.states)]
         flat, at = slot[1].view(B, -1), 0
         for m, h in zip(owners, self.states):
-            setattr(m, h.name, flat[:, at:at + h.size].reshape(B, *h.shape).to(h.dtype))
+            setattr(m, h.name, flat[:, at:at + h.size].reshape(B, *h.shape).to(dtype if h.follows else h.dtype))
             at += h.size
         token = _plan.set(_Plan(mixer, list(zip(owners, self.states)), starts, steps))
         left = []

@@ -416,7 +416,7 @@ class DecoderLayer(InnerSites, Block):
         (`kvwire.models.generic.held`): the slot in them for the call, which runs with use_cache."""
         real, _ = state_slots.fresh_rows(positions, cache_index, attention_mask)
         starts = real * (positions == 0).to(torch.float32)
-        with self.states.holding(self.block, slot, real, starts) as left:
+        with self.states.holding(self.block, slot, real, starts, x.dtype) as left:
             out = self._run(x, positions, inputs, gate, {"use_cache": True})
         return out, left[0]
 
