@@ -125,23 +125,22 @@ class HeldStates:
         each row's first real token, `dtype` the hidden states' (that of the states that follow it).
         Yields a list whose one item, after the block, is the slot the call leaves (written in place
         in eager calls)."""
-        B, T = real.shape
+        B = real.shape[0]
         mixer = seam.unproxied(block.get_submodule(self.mixer))
         steps = _steps(real, starts, mixer)  # before any attribute is set: it may refuse the call
         # the modules themselves: torch.export's tracer may hand out stand-ins for them, and the
         # mixer's code reads its attributes on the module
         owners = [seam.unproxied(block.get_submodule(h.path)) for h in self.states]
         before = [getattr(m, h.name) for m, h in zip(owners, self.states)]
-        flat, at = slot[1].view(B, -1), 0
-        for m, h in zip(owners, self.states):
-            setattr(m, h.name, flat[:, at:at + h.size].reshape(B, *h.shape).to(dtype if h.follows else h.dtype))
-            at += h.size
-        token = _plan.set(_Plan(mixer, list(zip(owners, self.states)), starts, steps))
-        left = []
+        token, left = _plan.set(_Plan(mixer, list(zip(owners, self.states)), starts, steps)), []
         try:
+            flat, at = slot[1].view(B, -1), 0
+            for m, h in zip(owners, self.states):
+                setattr(m, h.name, flat[:, at:at + h.size].reshape(B, *h.shape).to(dtype if h.follows else h.dtype))
+                at += h.size
             yield left
             left.append(self._close(owners, slot, B))
-        finally:
+        finally:  # the attributes as they were, whatever happened
             _plan.reset(token)
             for m, h, value in zip(owners, self.states, before):
                 setattr(m, h.name, value)
@@ -206,6 +205,7 @@ def reset_starting_rows(plan, t):
 
 
 def _one_at_a_time(own, mixer, args, kwargs, plan):
+    """own(mixer, *args, **kwargs) as T calls of one token, rows starting at a token reset first."""
     hidden = args[0] if args else kwargs["hidden_states"]
     B, T = hidden.shape[:2]
     outs = []
