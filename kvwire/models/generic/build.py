@@ -5,7 +5,6 @@ what runs after the layers and how logits are made are all found by running the 
 forward on a short probe and watching which modules it calls. The result is checked against the
 model's own logits on that probe, so a model the split does not fit is refused, not run wrong.
 """
-import functools
 import warnings
 
 import torch
@@ -353,6 +352,10 @@ def _find_states(name, model, backbone, probe):
                 for h in hooks:
                     h.remove()
             states = state_slots.found_states(cache)
+            if states:
+                other = _in_dtype(hidden, args, kwargs)
+                states = state_slots.with_followers(
+                    part.block, lambda twin, fresh, dtype: other(twin, {"cache": fresh}, dtype), count, states)
             if part.attention is not None:
                 if states:
                     _both(name, part, layer, states, mixer[0] if mixer else None, count)
@@ -441,6 +444,19 @@ def _find_hand(name, model, backbone, probe, refused, count):
     return readers
 
 
+def _in_dtype(hidden, args, kwargs):
+    """call(twin, given, dtype): a copy `twin` of a decoder layer in `dtype` called as the probe
+    recorded the layer's call (floating tensors in `dtype`), the arguments `given` ({name: value}) in
+    place."""
+    def cast(tree, dtype):
+        return tree_map(lambda v: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v, tree)
+
+    def call(twin, given, dtype):
+        args_, kwargs_ = with_arguments(twin, args, kwargs, given)
+        return twin(*cast((hidden, *args_), dtype), **cast(kwargs_, dtype))
+    return call
+
+
 def _find_held(part, hidden, args, kwargs, batch_size):
     """Give a decoder layer whose mixer keeps its state in attributes of its modules, outside the
     Cache API (RecurrentGemma's RG-LRU and convolution), a state slot for them
@@ -451,8 +467,8 @@ def _find_held(part, hidden, args, kwargs, batch_size):
     except Exception:  # noqa: BLE001 - a layer that does not run with use_cache: nothing found, the checks decide
         return
     if found:
-        double = functools.partial(tree_map, lambda v: v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
-        found = held.with_followers(part.block, lambda twin: twin(*double((hidden, *args)), **double(kwargs)),
+        other = _in_dtype(hidden, args, kwargs)
+        found = held.with_followers(part.block, lambda twin, dtype: other(twin, {"use_cache": True}, dtype),
                                     batch_size, found)
         part.states = held.HeldStates(found, held.mixer_path(found))
         held.install(part.block.get_submodule(part.states.mixer))

@@ -38,6 +38,7 @@ import torch
 from ...kernels.tracing import is_exporting
 from ...layers.attention import functional_cache_writes
 from . import seam, stepping
+from .state import PROBE_DTYPES
 
 _plan = contextvars.ContextVar("kvwire_generic_held_plan", default=None)
 INSTALLED = "_kvwire_held_steps"  # on a mixer whose forward `install` wrapped
@@ -85,17 +86,20 @@ def find(block, call, batch_size):
     return held
 
 
-def with_followers(block, call64, batch_size, held):
+def with_followers(block, call, batch_size, held):
     """`held` with `follows` set where the attribute takes the hidden states' dtype: found by
-    `call64(twin)`, the probe call of a float64 copy `twin` of `block` (an attribute left in float64
-    follows the model; one left in float32 is an accumulator kept so whatever the model's dtype).
-    Unchanged where the float64 call fails."""
-    twin = copy.deepcopy(block).double()
-    try:
-        dtypes = {(h.path, h.name): h.dtype for h in find(twin, lambda: call64(twin), batch_size)}
-    except Exception:  # noqa: BLE001 - a layer that does not run in float64: dtypes stay as found
-        return held
-    return [dataclasses.replace(h, follows=dtypes.get((h.path, h.name)) == torch.float64) for h in held]
+    `call(twin, dtype)`, the probe call of a copy `twin` of `block` in another dtype (float64, else
+    bfloat16 where an op takes no float64): an attribute left in that dtype follows the model; one
+    left in float32 is an accumulator kept so whatever the model's dtype. Unchanged where neither
+    call runs."""
+    for dtype in PROBE_DTYPES:
+        twin = copy.deepcopy(block).to(dtype)
+        try:
+            dtypes = {(h.path, h.name): h.dtype for h in find(twin, lambda: call(twin, dtype), batch_size)}
+        except Exception:  # noqa: BLE001 - a layer that does not run in this dtype: the next, or as found
+            continue
+        return [dataclasses.replace(h, follows=dtypes.get((h.path, h.name)) == dtype) for h in held]
+    return held
 
 
 def mixer_path(held):

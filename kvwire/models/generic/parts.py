@@ -403,7 +403,7 @@ class DecoderLayer(InnerSites, Block):
             return self._with_held(x, gate, positions, inputs, slot, cache_index, attention_mask)
         real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
         steps = self.states.steps and stepping.continues(fresh, x.shape[1], self.mixer)
-        opened = self.states.open(slot, 1.0 - fresh, steps)
+        opened = self.states.open(slot, 1.0 - fresh, steps, x.dtype)
         if self.attention is None:
             out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
         else:  # the layer's attention_mask is its attention's: the mixer takes the padding mask itself

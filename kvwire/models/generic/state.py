@@ -28,6 +28,8 @@ Which states a layer keeps, their shapes and dtypes are found by running it once
 probe with transformers' own lazily initialised cache layers: nothing here is keyed by family.
 """
 import contextvars
+import copy
+import dataclasses
 import functools
 import inspect
 import math
@@ -41,19 +43,22 @@ from ...layers.masks import per_row
 from . import stepping
 
 _padding = contextvars.ContextVar("kvwire_generic_mixer_padding", default=None)
+PROBE_DTYPES = (torch.float64, torch.bfloat16)  # a dtype other than the probe's float32, to see which states follow it
 HOOKED = "_kvwire_padding_hook"  # attribute marking a mixer that has its hook (installed once)
 
 
 @dataclass(frozen=True)
 class State:
     """One tensor a layer keeps: cache layer `layer`, state `index`, `kind` "conv" or "recurrent",
-    its shape without the batch dimension and its dtype."""
+    its shape without the batch dimension and its dtype (the hidden states' where it `follows`
+    them: a model cast after the build hands it in its own dtype)."""
 
     layer: int
     index: int
     kind: str
     shape: tuple
     dtype: torch.dtype
+    follows: bool = False
 
     @property
     def size(self):
@@ -104,6 +109,23 @@ def found_states(cache):
     return states
 
 
+def with_followers(block, call, layers, states):
+    """`states` with `follows` set where the state takes the hidden states' dtype: found by
+    `call(twin, cache, dtype)`, the layer's probe call on a copy `twin` of `block` in another dtype
+    (float64, else bfloat16 where an op takes no float64) with a fresh `probe_cache(layers)`: a
+    state left in that dtype follows the model; one left in float32 is kept so whatever its dtype.
+    Unchanged where neither call runs."""
+    for dtype in PROBE_DTYPES:
+        twin, cache = copy.deepcopy(block).to(dtype), probe_cache(layers)
+        try:
+            call(twin, cache, dtype)
+        except Exception:  # noqa: BLE001 - a layer that does not run in this dtype: the next, or as found
+            continue
+        dtypes = {(s.layer, s.index, s.kind): s.dtype for s in found_states(cache)}
+        return [dataclasses.replace(s, follows=dtypes.get((s.layer, s.index, s.kind)) == dtype) for s in states]
+    return states
+
+
 def spec(states, batch_size):
     """The state slot's pair of shapes: (B, 1, 1, conv sizes) and (B, 1, 1, recurrent sizes), each
     at least one wide (a layer without recurrent states keeps an unused column)."""
@@ -131,9 +153,10 @@ class StateCache:
         # build's chunked check; `kvwire.models.generic.stepping`)
         self.steps = False
 
-    def open(self, slot, keep, steps=False):
-        """A transformers `Cache` over `slot` (the pair), rows scaled by `keep` (B,) (0: start afresh);
-        with `steps`, marked for the layer's mixer to go token by token."""
+    def open(self, slot, keep, steps=False, dtype=None):
+        """A transformers `Cache` over `slot` (the pair), rows scaled by `keep` (B,) (0: start afresh),
+        the states that follow the model in `dtype` (the hidden states'); with `steps`, marked for
+        the layer's mixer to go token by token."""
         from transformers.cache_utils import Cache, DummyLayer
 
         B = slot[0].shape[0]
@@ -141,7 +164,8 @@ class StateCache:
         at = {"conv": 0, "recurrent": 0}
         views = {}
         for s in self.states:
-            part = flat[s.kind][:, at[s.kind]:at[s.kind] + s.size].reshape(B, *s.shape).to(s.dtype)
+            part = flat[s.kind][:, at[s.kind]:at[s.kind] + s.size].reshape(B, *s.shape)
+            part = part.to(dtype if s.follows and dtype is not None else s.dtype)
             at[s.kind] += s.size
             views.setdefault(s.layer, []).append((s, part))
         layers = [_view_layer(views[i]) if i in views else _passing(DummyLayer()) for i in range(self.layers)]
