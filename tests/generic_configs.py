@@ -266,6 +266,22 @@ def rollout(logits_of, ids, steps):
 TIE = 1e-5
 
 
+def cast_tokens_agree(lm, hf, dtype, lengths, n=8, seed=3):
+    """Whether `lm` cast to `dtype` after its build greedily decodes what transformers' own `generate`
+    of `hf` (the same weights, cast too) does, for random rows of `lengths`."""
+    import torch
+
+    lm, hf = lm.to(dtype), hf.to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    for row in (torch.randint(*PROMPT_IDS, (length,), generator=g) for length in lengths):
+        with torch.no_grad():
+            theirs = hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long), max_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(row):]
+        if lm.generate(row, max_new_tokens=n, ignore_eos=True).tolist() != theirs.tolist():
+            return False
+    return True
+
+
 def greedy_disagreements(logits_of, ids, tokens):
     """Where cached greedy `tokens` (B, N) are not the uncached argmax, teacher-forced: [(row,
     step, chosen, best, gap)] for every step whose chosen token is more than TIE below the best

@@ -12,7 +12,7 @@ from torch import nn
 import kvwire as kw
 from kvwire.models.generic import held
 
-from .generic_configs import PROMPT_IDS, tiny_model
+from .generic_configs import PROMPT_IDS, cast_tokens_agree, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,14 +85,8 @@ def test_a_model_cast_to_bfloat16_keeps_its_accumulator_in_float32():
     float32 whatever it is (the RG-LRU's accumulator) by a float64 probe: cast after the build, the
     model gives transformers' own bfloat16 tokens."""
     original = tiny_model("recurrent_gemma")
-    hf = copy.deepcopy(original).to(torch.bfloat16)
+    hf = copy.deepcopy(original)
     lm = kw.from_hf(original, generic=True)
     held_states = lm.backbone.layers[0].states.states
     assert {h.name: h.follows for h in held_states} == {"conv1d_state": True, "recurrent_states": False}
-    lm = lm.to(torch.bfloat16)
-    g = torch.Generator().manual_seed(3)
-    for row in (torch.randint(*PROMPT_IDS, (n,), generator=g) for n in (9, 5)):
-        with torch.no_grad():
-            theirs = hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long), max_new_tokens=8,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(row):]
-        assert lm.generate(row, max_new_tokens=8, ignore_eos=True).tolist() == theirs.tolist()
+    assert cast_tokens_agree(lm, hf, torch.bfloat16, (9, 5))

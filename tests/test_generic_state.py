@@ -17,7 +17,7 @@ import torch
 import kvwire as kw
 from kvwire.generate import Engine, PrefixStore
 
-from .generic_configs import PROMPT_IDS, prompt, rows_joining_a_batch, tiny_model
+from .generic_configs import PROMPT_IDS, cast_tokens_agree, prompt, rows_joining_a_batch, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -256,14 +256,8 @@ def test_a_model_cast_to_bfloat16_after_the_build_hands_its_states_in_its_dtype(
     to bfloat16 after the build, the model gives transformers' own bfloat16 tokens (a state kept in
     the probe's float32 broke its bfloat16 convolution)."""
     original = tiny_model("lfm2")
-    hf = copy.deepcopy(original).to(torch.bfloat16)
+    hf = copy.deepcopy(original)
     lm = kw.from_hf(original, generic=True)
     stateful = [part for part in lm.backbone.layers if part.states is not None]
     assert stateful and all(s.follows for part in stateful for s in part.states.states)
-    lm = lm.to(torch.bfloat16)
-    g = torch.Generator().manual_seed(3)
-    for row in (torch.randint(*PROMPT_IDS, (n,), generator=g) for n in (9, 5)):
-        with torch.no_grad():
-            theirs = hf.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long), max_new_tokens=8,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(row):]
-        assert lm.generate(row, max_new_tokens=8, ignore_eos=True).tolist() == theirs.tolist()
+    assert cast_tokens_agree(lm, hf, torch.bfloat16, (9, 5))
