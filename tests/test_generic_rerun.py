@@ -209,25 +209,3 @@ def test_only_what_a_next_layer_carries_is_kept(model):
     model.lm.generate(prompt(1, 5, seed=1), max_new_tokens=2, ignore_eos=True)
     assert not any(part.hands_on for part in model.lm.backbone.layers)
     assert parts._outputs.get() in (None, {})
-
-
-def test_positions_made_from_the_cache_length_come_from_the_history_and_the_layers_keep_their_caches():
-    """TrOCR's forward makes its position embeddings from the past length transformers' cache
-    reports (one number for the batch): the prelude runs over each row's packed history for the
-    chunk's hidden states, and every decoder layer keeps its key/value cache."""
-    original = tiny_model("trocr")
-    hf = copy.deepcopy(original)
-    lm = kw.from_hf(original, generic=True)
-    backbone = lm.backbone
-    assert backbone.prelude.embeds_from_history and backbone.rerun_layers == [] and backbone.rerun_reason is None
-    width = lm.head.weight.shape[1]
-    assert all(part.cache_spec(2, L, torch.float32)[0] != (2, 1, L, width) for part in backbone.layers)
-    ids = prompt(2, 9, seed=2)
-    tokens = torch.stack(lm.generate(ids, max_new_tokens=10, ignore_eos=True))
-    assert greedy_disagreements(lambda x: hf_logits(hf, x), ids, tokens) == []
-    g = torch.Generator().manual_seed(3)
-    rows = [torch.randint(3, 100, (n,), generator=g) for n in (4, 11, 7)]
-    batch = lm.generate(rows, max_new_tokens=8, ignore_eos=True)
-    for i, row in enumerate(rows):
-        assert batch[i].tolist() == lm.generate(row, max_new_tokens=8, ignore_eos=True).tolist(), i
-    rows_joining_a_batch(lm, (6, 9, 4), (8, 5, 7), max_length=L, prefill_chunk=2, seed=5, head_start=4)

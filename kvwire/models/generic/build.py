@@ -158,16 +158,6 @@ def _check_causal(name, model, probe, expected):
 
 
 def _check_all_cached(name, model, backbone, head, probe, expected):
-    """The cached checks of each cache route (`_check_routes`); where every route fails, once more
-    with the chunk's hidden states taken from the history (`_rerun_prelude`), else the routes' reason."""
-    try:
-        _check_routes(name, model, backbone, head, probe, expected)
-    except ValueError:
-        if not _rerun_prelude(name, backbone, head, probe, expected):
-            raise
-
-
-def _check_routes(name, model, backbone, head, probe, expected):
     """The cached checks; where they fail on attention whose module does more with its keys than
     hand them to the interface (a mask or scale computed from the cache's length or contents), the
     checks again with those layers through the Cache API (`_find_hand`)."""
@@ -223,24 +213,6 @@ def _rerun_some(name, backbone, head, probe, expected, layers, why):
                   f"length for the batch, which kvwire's per-row cache cannot give them; they rerun over their "
                   f"kept inputs (exact, but each step runs them over the whole history), the others keep their "
                   f"caches", stacklevel=4)
-    return True
-
-
-def _rerun_prelude(name, backbone, head, probe, expected):
-    """Keep every decoder layer's cache but take the chunk's hidden states from the forward over
-    each row's packed history (the prelude keeping the token ids, `kvwire.models.generic.rerun`):
-    for a forward that computes positions from the past length transformers' cache reports (TrOCR's
-    position embeddings; one number for the batch), which the history gives per row. Checked as any
-    cache is; False, the prelude as it was, where it does not reproduce the model."""
-    prelude = backbone.prelude
-    if any(part.carried for part in backbone.layers) or head.weight.shape[0] > rerun.IDS_LIMIT:
-        return False
-    prelude.reruns = prelude.partly = prelude.embeds_from_history = True
-    try:
-        _check_cached(name, backbone, head, probe, expected)
-    except ValueError:
-        prelude.reruns = prelude.partly = prelude.embeds_from_history = False
-        return False
     return True
 
 

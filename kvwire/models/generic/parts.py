@@ -134,9 +134,6 @@ class Prelude(Layer):
     # set by the build where only some layers rerun: the forward runs over the chunk too, for the
     # arguments of the layers keeping their caches
     partly = False
-    # set by the build where the forward computes positions from the past length transformers' cache
-    # reports (one number for the batch): the chunk's hidden states come from the packed history
-    embeds_from_history = False
 
     def cache_spec(self, batch_size, max_length, dtype):
         """The token ids' slot of a model whose layers rerun over their inputs, else None."""
@@ -158,8 +155,7 @@ class Prelude(Layer):
         hidden = rerun.chunk_of(self._record(ids, shared(rerun.positions, real)), chunk)
         _window_calls.set(_calls.get())
         if self.partly:
-            own = self._record(token_ids, positions, cache_index, attention_mask)
-            return (hidden if self.embeds_from_history else own), cache
+            return self._record(token_ids, positions, cache_index, attention_mask), cache
         _tokens.set(token_ids)  # a `ReplayTail` runs on the chunk
         return hidden, cache
 
