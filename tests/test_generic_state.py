@@ -251,13 +251,16 @@ def test_compiled_decode_steps_carry_the_state():
     assert [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)] == eager
 
 
-def test_a_model_cast_to_bfloat16_after_the_build_hands_its_states_in_its_dtype():
-    """LFM2's convolution state follows the model's dtype (told by a probe in another dtype): cast
-    to bfloat16 after the build, the model gives transformers' own bfloat16 tokens (a state kept in
-    the probe's float32 broke its bfloat16 convolution)."""
-    original = tiny_model("lfm2")
+@pytest.mark.parametrize("model_type, follows", [("lfm2", {"conv": True}),
+                                                  ("mamba", {"conv": True, "recurrent": False})])
+def test_a_model_cast_to_bfloat16_after_the_build_hands_its_states_in_its_dtype(model_type, follows):
+    """Which states follow the model's dtype (LFM2's and Mamba's convolutions) and which stay float32
+    (Mamba's scan state) is told by probing in bfloat16: cast after the build, the model gives
+    transformers' own bfloat16 tokens (states kept in the probe's float32 broke the bfloat16
+    convolution; Mamba's residual, float32 between its layers, reaches its head cast)."""
+    original = tiny_model(model_type)
     hf = copy.deepcopy(original)
     lm = kw.from_hf(original, generic=True)
     stateful = [part for part in lm.backbone.layers if part.states is not None]
-    assert stateful and all(s.follows for part in stateful for s in part.states.states)
+    assert stateful and all({s.kind: s.follows for s in part.states.states} == follows for part in stateful)
     assert cast_tokens_agree(lm, hf, torch.bfloat16, (9, 5))

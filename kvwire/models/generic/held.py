@@ -53,7 +53,7 @@ class Held:
     name: str
     shape: tuple
     dtype: torch.dtype
-    follows: bool = False  # its dtype is the hidden states' (a cast model's), not fixed (a float32 accumulator)
+    follows: bool = False  # its dtype is the model weights' (a cast model's), not fixed (a float32 accumulator)
     kind = "recurrent"  # the half of the state slot it is kept in (`kvwire.models.generic.state.spec`)
 
     @property
@@ -88,13 +88,13 @@ def find(block, call, batch_size):
 
 def with_followers(block, call, batch_size, held):
     """`held` with `follows` set where the attribute takes the hidden states' dtype: found by
-    `call(twin, dtype)`, the probe call of a copy `twin` of `block` in another dtype (float64, else
-    bfloat16 where an op takes no float64): an attribute left in that dtype follows the model; one
-    left in float32 is an accumulator kept so whatever the model's dtype. Unchanged where neither
-    call runs."""
+    `call(twin, dtype)`, the probe call of a copy `twin` of `block` in another dtype
+    (`kvwire.models.generic.state.PROBE_DTYPES`): an attribute left in that dtype follows the model;
+    one left in float32 is an accumulator kept so whatever the model's dtype. Unchanged where no
+    such call runs."""
     for dtype in PROBE_DTYPES:
-        twin = copy.deepcopy(block).to(dtype)
         try:
+            twin = copy.deepcopy(block).to(dtype)
             dtypes = {(h.path, h.name): h.dtype for h in find(twin, lambda: call(twin, dtype), batch_size)}
         except Exception:  # noqa: BLE001 - a layer that does not run in this dtype: the next, or as found
             continue
@@ -126,7 +126,7 @@ class HeldStates:
     def holding(self, block, slot, real, starts, dtype):
         """Inside: `block`'s attributes hold `slot`'s states and its mixer (`install`ed) steps as the
         module docstring says; `real` (B, T) float32 1 for real tokens, `starts` (B, T) float32 1 at
-        each row's first real token, `dtype` the hidden states' (that of the states that follow it).
+        each row's first real token, `dtype` the layer weights' (that of the states that follow it).
         Yields a list whose one item, after the block, is the slot the call leaves (written in place
         in eager calls)."""
         B = real.shape[0]

@@ -270,6 +270,12 @@ class DecoderLayer(InnerSites, Block):
         return self.heads_width if site == "attn_heads" else self.width
 
     @property
+    def weights_dtype(self):
+        """The dtype of the layer's floating weights: that of the states that follow the model (the
+        hidden states between layers may be another: Mamba keeps its residual in float32)."""
+        return next((p.dtype for p in self.block.parameters() if p.is_floating_point()), torch.float32)
+
+    @property
     def head_size(self):
         """Columns per head at "attn_heads": the first attention call's value size."""
         return self.calls[0].value_size if self.calls else None
@@ -403,7 +409,7 @@ class DecoderLayer(InnerSites, Block):
             return self._with_held(x, gate, positions, inputs, slot, cache_index, attention_mask)
         real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
         steps = self.states.steps and stepping.continues(fresh, x.shape[1], self.mixer)
-        opened = self.states.open(slot, 1.0 - fresh, steps, x.dtype)
+        opened = self.states.open(slot, 1.0 - fresh, steps, self.weights_dtype)
         if self.attention is None:
             out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
         else:  # the layer's attention_mask is its attention's: the mixer takes the padding mask itself
@@ -416,7 +422,7 @@ class DecoderLayer(InnerSites, Block):
         (`kvwire.models.generic.held`): the slot in them for the call, which runs with use_cache."""
         real, _ = state_slots.fresh_rows(positions, cache_index, attention_mask)
         starts = real * (positions == 0).to(torch.float32)
-        with self.states.holding(self.block, slot, real, starts, x.dtype) as left:
+        with self.states.holding(self.block, slot, real, starts, self.weights_dtype) as left:
             out = self._run(x, positions, inputs, gate, {"use_cache": True})
         return out, left[0]
 
@@ -580,8 +586,8 @@ class Head(Layer):
         return self.output.weight
 
     def forward(self, hidden):
-        if self.plain:
-            return self.output(hidden)
+        if self.plain:  # in the weights' dtype, as transformers' heads cast (Mamba keeps its residual in float32)
+            return self.output(hidden.to(self.output.weight.dtype))
         if torch.compiler.is_compiling():  # dynamo replays the swap of the base's forward wrongly: run eager
             return self._eager_through_model(hidden)
         return self._through_model(hidden)

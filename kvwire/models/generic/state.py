@@ -43,14 +43,17 @@ from ...layers.masks import per_row
 from . import stepping
 
 _padding = contextvars.ContextVar("kvwire_generic_mixer_padding", default=None)
-PROBE_DTYPES = (torch.float64, torch.bfloat16)  # a dtype other than the probe's float32, to see which states follow it
+# a dtype other than the probe's float32, to see which states follow the model's: bfloat16 first,
+# the dtype a cast model runs in (in float64 a scan's float32 accumulator can be promoted, so it
+# would look as if it followed), float64 where a layer has an op without bfloat16
+PROBE_DTYPES = (torch.bfloat16, torch.float64)
 HOOKED = "_kvwire_padding_hook"  # attribute marking a mixer that has its hook (installed once)
 
 
 @dataclass(frozen=True)
 class State:
     """One tensor a layer keeps: cache layer `layer`, state `index`, `kind` "conv" or "recurrent",
-    its shape without the batch dimension and its dtype (the hidden states' where it `follows`
+    its shape without the batch dimension and its dtype (the model weights' where it `follows`
     them: a model cast after the build hands it in its own dtype)."""
 
     layer: int
@@ -112,12 +115,12 @@ def found_states(cache):
 def with_followers(block, call, layers, states):
     """`states` with `follows` set where the state takes the hidden states' dtype: found by
     `call(twin, cache, dtype)`, the layer's probe call on a copy `twin` of `block` in another dtype
-    (float64, else bfloat16 where an op takes no float64) with a fresh `probe_cache(layers)`: a
-    state left in that dtype follows the model; one left in float32 is kept so whatever its dtype.
-    Unchanged where neither call runs."""
+    (`PROBE_DTYPES`) with a fresh `probe_cache(layers)`: a state left in that dtype follows the
+    model; one left in float32 is kept so whatever its dtype. Unchanged where no such call runs."""
     for dtype in PROBE_DTYPES:
-        twin, cache = copy.deepcopy(block).to(dtype), probe_cache(layers)
+        cache = probe_cache(layers)
         try:
+            twin = copy.deepcopy(block).to(dtype)
             call(twin, cache, dtype)
         except Exception:  # noqa: BLE001 - a layer that does not run in this dtype: the next, or as found
             continue
@@ -155,8 +158,8 @@ class StateCache:
 
     def open(self, slot, keep, steps=False, dtype=None):
         """A transformers `Cache` over `slot` (the pair), rows scaled by `keep` (B,) (0: start afresh),
-        the states that follow the model in `dtype` (the hidden states'); with `steps`, marked for
-        the layer's mixer to go token by token."""
+        the states that follow the model in `dtype` (its weights'); with `steps`, marked for the
+        layer's mixer to go token by token."""
         from transformers.cache_utils import Cache, DummyLayer
 
         B = slot[0].shape[0]
