@@ -353,9 +353,7 @@ def _find_states(name, model, backbone, probe):
                     h.remove()
             states = state_slots.found_states(cache)
             if states:
-                other = _in_dtype(hidden, args, kwargs)
-                states = state_slots.with_followers(
-                    part.block, lambda twin, fresh, dtype: other(twin, {"cache": fresh}, dtype), count, states)
+                states = state_slots.with_followers(part.block, states, _left_states(hidden, args, kwargs, count))
             if part.attention is not None:
                 if states:
                     _both(name, part, layer, states, mixer[0] if mixer else None, count)
@@ -457,6 +455,18 @@ def _in_dtype(hidden, args, kwargs):
     return call
 
 
+def _left_states(hidden, args, kwargs, count):
+    """left(twin, dtype): {key: dtype} of the Cache-API states a call of the layer copy `twin` (in
+    `dtype`) leaves in a fresh probe cache (`kvwire.models.generic.state.with_followers`)."""
+    other = _in_dtype(hidden, args, kwargs)
+
+    def left(twin, dtype):
+        cache = state_slots.probe_cache(count)
+        other(twin, {"cache": cache}, dtype)
+        return {s.key: s.dtype for s in state_slots.found_states(cache)}
+    return left
+
+
 def _find_held(part, hidden, args, kwargs, batch_size):
     """Give a decoder layer whose mixer keeps its state in attributes of its modules, outside the
     Cache API (RecurrentGemma's RG-LRU and convolution), a state slot for them
@@ -468,8 +478,12 @@ def _find_held(part, hidden, args, kwargs, batch_size):
         return
     if found:
         other = _in_dtype(hidden, args, kwargs)
-        found = held.with_followers(part.block, lambda twin, dtype: other(twin, {"use_cache": True}, dtype),
-                                    batch_size, found)
+
+        def left(twin, dtype):
+            found_there = held.find(twin, lambda: other(twin, {"use_cache": True}, dtype), batch_size)
+            return {h.key: h.dtype for h in found_there}
+
+        found = state_slots.with_followers(part.block, found, left)
         part.states = held.HeldStates(found, held.mixer_path(found))
         held.install(part.block.get_submodule(part.states.mixer))
 

@@ -25,8 +25,7 @@ and the loop unrolls (an export with a dynamic chunk length is refused, as
 `kvwire.models.generic.stepping` refuses one).
 """
 import contextvars
-import copy
-import dataclasses
+import functools
 import inspect
 import math
 import types
@@ -38,7 +37,6 @@ import torch
 from ...kernels.tracing import is_exporting
 from ...layers.attention import functional_cache_writes
 from . import seam, stepping
-from .state import PROBE_DTYPES
 
 _plan = contextvars.ContextVar("kvwire_generic_held_plan", default=None)
 INSTALLED = "_kvwire_held_steps"  # on a mixer whose forward `install` wrapped
@@ -59,6 +57,11 @@ class Held:
     @property
     def size(self):
         return math.prod(self.shape)
+
+    @property
+    def key(self):
+        """What names it among the states a call leaves (`kvwire.models.generic.state.with_followers`)."""
+        return self.path, self.name
 
 
 def attributes(block):
@@ -83,22 +86,6 @@ def find(block, call, batch_size):
     held = [Held(path, name, tuple(value.shape[1:]), value.dtype) for (path, name), value in sorted(after.items())
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size
             and value is not before.get((path, name))]
-    return held
-
-
-def with_followers(block, call, batch_size, held):
-    """`held` with `follows` set where the attribute takes the hidden states' dtype: found by
-    `call(twin, dtype)`, the probe call of a copy `twin` of `block` in another dtype
-    (`kvwire.models.generic.state.PROBE_DTYPES`): an attribute left in that dtype follows the model;
-    one left in float32 is an accumulator kept so whatever the model's dtype. Unchanged where no
-    such call runs."""
-    for dtype in PROBE_DTYPES:
-        try:
-            twin = copy.deepcopy(block).to(dtype)
-            dtypes = {(h.path, h.name): h.dtype for h in find(twin, lambda: call(twin, dtype), batch_size)}
-        except Exception:  # noqa: BLE001 - a layer that does not run in this dtype: the next, or as found
-            continue
-        return [dataclasses.replace(h, follows=dtypes.get((h.path, h.name)) == dtype) for h in held]
     return held
 
 
@@ -193,7 +180,8 @@ def install(mixer):
         if not plan.steps:  # every row starts afresh in its first column: the mixer's own call from zeros
             reset_starting_rows(plan, 0)
             return own_forward(self, *args, **kwargs)
-        return _one_at_a_time(own_forward, self, args, kwargs, plan)
+        return stepping.one_at_a_time(functools.partial(own_forward, self), args, kwargs,
+                                      before=functools.partial(reset_starting_rows, plan))
 
     forward.__signature__ = inspect.signature(type(mixer).forward)
     mixer.forward = types.MethodType(forward, mixer)
@@ -206,18 +194,6 @@ def reset_starting_rows(plan, t):
         value = getattr(module, h.name)
         keep = (1.0 - plan.starts[:, t]).view(-1, *([1] * len(h.shape))).to(value.dtype)
         setattr(module, h.name, value * keep)
-
-
-def _one_at_a_time(own, mixer, args, kwargs, plan):
-    """own(mixer, *args, **kwargs) as T calls of one token, rows starting at a token reset first."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    B, T = hidden.shape[:2]
-    outs = []
-    for t in range(T):
-        reset_starting_rows(plan, t)
-        outs.append(own(mixer, *(stepping.at_token(a, B, T, t) for a in args),
-                        **{k: stepping.at_token(v, B, T, t) for k, v in kwargs.items()}))
-    return stepping.joined(outs)
 
 
 def _put_back(block, before, after):

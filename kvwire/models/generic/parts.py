@@ -152,12 +152,12 @@ class Prelude(Layer):
         cache = rerun.write(cache, token_ids[..., None], cache_index)
         source, chunk, real = shared(rerun.packing, cache_index, T, attention_mask)
         ids = rerun.window(cache, source)[..., 0].to(torch.long)
-        hidden = rerun.chunk_of(self._record(ids, shared(rerun.positions, real)), chunk)
+        window = self._record(ids, shared(rerun.positions, real))
         _window_calls.set(_calls.get())
-        if self.partly:
+        if self.partly:  # the cached layers' arguments, and the chunk's hidden states, from its own call
             return self._record(token_ids, positions, cache_index, attention_mask), cache
         _tokens.set(token_ids)  # a `ReplayTail` runs on the chunk
-        return hidden, cache
+        return rerun.chunk_of(window, chunk), cache
 
     def _record(self, token_ids, positions, cache_index=None, attention_mask=None):
         store = [None] * len(self.recorders)

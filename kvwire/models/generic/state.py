@@ -67,6 +67,11 @@ class State:
     def size(self):
         return math.prod(self.shape)
 
+    @property
+    def key(self):
+        """What names it among the states a call leaves (`with_followers`)."""
+        return self.layer, self.index, self.kind
+
 
 def probe_cache(layers):
     """A transformers cache of `layers` lazily initialised cache layers that take keys/values,
@@ -112,20 +117,19 @@ def found_states(cache):
     return states
 
 
-def with_followers(block, call, layers, states):
-    """`states` with `follows` set where the state takes the hidden states' dtype: found by
-    `call(twin, cache, dtype)`, the layer's probe call on a copy `twin` of `block` in another dtype
-    (`PROBE_DTYPES`) with a fresh `probe_cache(layers)`: a state left in that dtype follows the
-    model; one left in float32 is kept so whatever its dtype. Unchanged where no such call runs."""
+def with_followers(block, states, left):
+    """`states` (`State`s, or `kvwire.models.generic.held.Held`s) with `follows` set where the state
+    takes the model's dtype: `left(twin, dtype)` runs the layer's probe call on `twin`, a copy of
+    `block` in another dtype (`PROBE_DTYPES`), and gives {key: dtype} of the states it left. A state
+    left in that dtype follows the model; one left in float32 is kept so whatever its dtype.
+    Unchanged where no such call runs."""
     for dtype in PROBE_DTYPES:
-        cache = probe_cache(layers)
         try:
             twin = copy.deepcopy(block).to(dtype)
-            call(twin, cache, dtype)
+            dtypes = left(twin, dtype)
         except Exception:  # noqa: BLE001 - a layer that does not run in this dtype: the next, or as found
             continue
-        dtypes = {(s.layer, s.index, s.kind): s.dtype for s in found_states(cache)}
-        return [dataclasses.replace(s, follows=dtypes.get((s.layer, s.index, s.kind)) == dtype) for s in states]
+        return [dataclasses.replace(s, follows=dtypes.get(s.key) == dtype) for s in states]
     return states
 
 

@@ -60,25 +60,29 @@ def install(mixer):
         own = type(self).forward.__get__(self)
         if not any(getattr(value, MARK, False) for value in (*args, *kwargs.values())):
             return own(*args, **kwargs)
-        return _one_at_a_time(own, args, kwargs)
+        return one_at_a_time(own, args, kwargs)
 
     forward.__signature__ = inspect.signature(type(mixer).forward)
     mixer.forward = types.MethodType(forward, mixer)
     setattr(mixer, INSTALLED, True)
 
 
-def _one_at_a_time(own, args, kwargs):
+def one_at_a_time(own, args, kwargs, before=None):
     """own(*args, **kwargs) as T calls of one token: every tensor argument of shape (B | 1, T, ...)
     (the hidden states, the padding mask, other per-token inputs) sliced at each token, the outputs
-    joined along the tokens."""
+    joined along the tokens; `before(t)`, where given, runs before token t's call."""
     hidden = args[0] if args else kwargs["hidden_states"]
     B, T = hidden.shape[:2]
-    outs = [own(*(at_token(a, B, T, t) for a in args), **{k: at_token(v, B, T, t) for k, v in kwargs.items()})
-            for t in range(T)]
-    return joined(outs)
+    outs = []
+    for t in range(T):
+        if before is not None:
+            before(t)
+        outs.append(own(*(_at_token(a, B, T, t) for a in args),
+                        **{k: _at_token(v, B, T, t) for k, v in kwargs.items()}))
+    return _joined(outs)
 
 
-def joined(outs):
+def _joined(outs):
     """The outputs of T one-token calls joined along the tokens (a tuple's non-tensors: the last's)."""
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs, dim=1)
@@ -86,7 +90,7 @@ def joined(outs):
                          for parts in zip(*outs))
 
 
-def at_token(value, B, T, t):
+def _at_token(value, B, T, t):
     """`value` at token t where it is per token ((B | 1, T, ...)), else as it is."""
     per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] in (1, B) \
         and value.shape[1] == T
