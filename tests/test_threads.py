@@ -83,6 +83,36 @@ def test_readings_come_every_so_often_and_retry_after_a_short_window():
     assert t.for_step() == 2
 
 
+def test_load_seen_while_the_engine_was_idle_is_not_acted_on():
+    # another program ran and stopped between two of our requests: the window spanning the pause
+    # says nothing about the steps to come, so a fresh one decides
+    t, load, clock = governed(0.0)
+    assert t.for_step() == 2
+    t.stepped()
+    clock.now += 3.0
+    load.others = 1.8  # what the machine did during the pause
+    reads = load.reads
+    assert t.for_step() == 2 and load.reads == reads + 1  # the window restarted, nothing decided
+    clock.now += 0.02
+    assert t.for_step() == 2 and load.reads == reads + 1  # the fresh window is read after SHORTEST
+    load.others, clock.now = 0.0, clock.now + 0.04
+    assert t.for_step() == 2 and t.changes == 0
+
+    # a program still running after the pause is seen on the fresh window
+    t.stepped()
+    clock.now += 2.0
+    load.others = 0.9
+    assert t.for_step() == 2
+    clock.now += 0.06
+    assert t.for_step() == 1 and t.changes == 1
+
+    # steps in a row read the window as before, however long each is
+    clock.now += 0.6  # one long step (a big prompt chunk)
+    t.stepped()
+    load.others = 0.0
+    assert t.for_step() == 2 and t.changes == 2
+
+
 def stat_lines(per_cpu):
     """/proc/stat text: per_cpu {n: (user, nice, system, idle, iowait, irq, softirq, steal, guest)}."""
     total = [sum(v[i] for v in per_cpu.values()) for i in range(9)]

@@ -248,6 +248,8 @@ class Engine:
         free = self.threads.for_step() if self.threads is not None and not self.idle else None
         with pool(free):
             self._step(free)
+        if free is not None:
+            self.threads.stepped()
 
     def _step(self, free):
         if self.jobs:

@@ -106,7 +106,10 @@ class Threads:
         clock: the clock `every` is measured on.
 
     `for_step()` gives the count to run the next step on; `engine.Engine` sets the pool to it around
-    each step. `changes` counts how often the count changed.
+    each step and calls `stepped()` after it. A window that spans more than `every` seconds without
+    steps (the engine idle between requests, while another program ran and stopped) tells what the
+    machine did then, not what the next steps meet: it is dropped, and the count is decided on a
+    fresh window `SHORTEST` seconds later. `changes` counts how often the count changed.
 
     Example:
         >>> threads = Threads()
@@ -123,16 +126,24 @@ class Threads:
         self.cores = len(getattr(self.use, "cpus", None) or ()) or os.cpu_count() or 1
         self.n, self.others, self.changes = self.most, None, 0
         self.next_read = clock()
+        self.stepped_at = None  # when the last step ended (`stepped`)
         self.use.read()  # starts the first window
 
     def for_step(self):
         now = self.clock()
-        if now >= self.next_read:
+        if self.stepped_at is not None and now - self.stepped_at > self.every:
+            self.use.read()  # the window holds idle time: start a fresh one, decide on it shortly
+            self.next_read, self.stepped_at = now + SHORTEST, None
+        elif now >= self.next_read:
             others = self.use.read()
             if others is not None:  # else the window was too short: read again next step
                 self.next_read, self.others = now + self.every, others
                 self._decide(others)
         return self.n
+
+    def stepped(self):
+        """Mark the end of a step: a window reaching back past a longer pause is not read (`for_step`)."""
+        self.stepped_at = self.clock()
 
     def _decide(self, others):
         down = self._fit(math.ceil(others - DROP_AT))
