@@ -266,6 +266,34 @@ def test_the_slot_layer_equals_add_ablate_and_clamp_per_row():
     torch.fx.symbolic_trace(layer)  # no data-dependent Python control flow
 
 
+def test_the_slot_layers_are_skipped_eagerly_only_while_no_slot_is_lent(lm, monkeypatch):
+    from kvwire.serve.inline import InlineBank
+
+    bank = InlineBank(lm, slots=2)
+    happy = control_vectors(lm)["happy"]
+    layer = bank.layers[next(iter(happy.directions))]
+    x = torch.randn(2, 3, layer.directions.shape[1])
+    positions = torch.arange(3)[None].expand(2, -1)
+    inputs = layer.runtime_defaults(2)
+    acted = []
+    act = SlotSteer.act
+    monkeypatch.setattr(SlotSteer, "act", lambda self, *a: acted.append(self) or act(self, *a))
+    assert layer.forward_cached(x, positions=positions, **inputs) is x and not acted  # every slot free
+    slot = bank.acquire(Inline(dict(happy.directions), "add"))
+    assert all(not each.idle for each in bank.layers.values())
+    given = {**inputs, f"inline{slot}_strength": torch.tensor([1.0, 0.0])}
+    out = layer.forward_cached(x, positions=positions, **given)
+    assert acted == [layer] and not torch.equal(out[0], x[0]) and torch.equal(out[1], x[1])
+    # inert rows of a lent slot: the products give x itself, what the skip returns
+    assert torch.equal(layer.forward_cached(x, positions=positions, **inputs), x)
+    bank.release([slot])
+    assert all(each.idle for each in bank.layers.values())
+    assert layer.forward_cached(x, positions=positions, **inputs) is x and len(acted) == 2
+    traced = torch.fx.symbolic_trace(layer)  # a trace keeps the products while idle: inputs decide
+    assert any(n.op == "call_method" or n.op == "call_function" for n in traced.graph.nodes
+               if "matmul" in str(n.target))
+
+
 def test_a_clamps_digest_holds_its_operation_and_bounds(server):
     bank = server.app.state.served.inline
     directions = {1: torch.ones(32)}
