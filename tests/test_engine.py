@@ -167,6 +167,28 @@ def test_prefix_reuse_equals_a_full_prefill(family):
     assert store.hits == 1
 
 
+def test_a_sequence_cancelled_during_its_last_step_is_not_stored(monkeypatch):
+    # a server gives a request's inline slots back when its client leaves, on another thread, maybe
+    # in the middle of the step that ends the sequence: its keys/values are then not its key's
+    lm = tiny("llama")
+    store = PrefixStore(min_tokens=4)
+    engine = Engine(lm, max_batch=1, max_length=64, prefix_store=store)
+    prompt = prompts(1, seed=5, low=10, high=11)[0]
+    seq = engine.submit(prompt, 4)
+    decode = engine._decode
+
+    def leaving():
+        if len(seq.tokens) == 3:  # the step that samples its last token
+            seq.cancel()
+        return decode()
+    monkeypatch.setattr(engine, "_decode", leaving)
+    drive(engine, [seq])
+    assert seq.done and len(store) == 0
+    again = engine.submit(prompt, 4)
+    drive(engine, [again])
+    assert len(store) == 1  # one not cancelled is stored
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_prefix_hits_waiting_together_prefill_as_one_batch(family):
     """Prompts extending one stored sequence, submitted together, prefill in one batch where their

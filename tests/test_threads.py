@@ -35,9 +35,9 @@ class Clock:
         return self.now
 
 
-def governed(others, most=2, cpus=(0, 1)):
+def governed(others, most=2, cpus=(0, 1), cpu=None):
     load, clock = Load(others, cpus), Clock()
-    return Threads(most=most, every=0.5, use=load, clock=clock), load, clock
+    return Threads(most=most, every=0.5, use=load, clock=clock, cpu=cpu or Clock()), load, clock
 
 
 def test_the_pool_on_a_quiet_machine_one_thread_beside_a_busy_core():
@@ -111,6 +111,45 @@ def test_load_seen_while_the_engine_was_idle_is_not_acted_on():
     t.stepped()
     load.others = 0.0
     assert t.for_step() == 2 and t.changes == 2
+
+
+def test_a_pause_shorter_than_a_reading_interval_but_most_of_the_window_is_not_read():
+    t, load, clock = governed(0.0)
+    assert t.for_step() == 2  # reads: a window starts now
+    clock.now += 0.05
+    t.stepped()
+    clock.now += 0.45  # idle for 0.45 s of the 0.5 s window, while another program ran
+    load.others = 1.6
+    assert t.for_step() == 2 and t.changes == 0
+    load.others, clock.now = 0.0, clock.now + 0.06
+    assert t.for_step() == 2 and t.changes == 0
+
+
+def test_the_wait_before_the_first_step_is_not_read():
+    t, load, clock = governed(1.8)  # a program that ran while the server waited for its first request
+    clock.now += 600
+    assert t.for_step() == 2 and t.changes == 0
+    load.others, clock.now = 0.0, clock.now + 0.06
+    assert t.for_step() == 2 and t.changes == 0
+
+
+def test_a_pause_in_which_this_process_worked_is_read_and_a_window_restarts_once():
+    cpu = Clock()
+    t, load, clock = governed(0.0, cpu=cpu)
+    assert t.for_step() == 2
+    t.stepped()
+    clock.now += 2.0
+    cpu.now += 1.5  # a caller busy between streamed steps: its own work, not idle time
+    load.others = 0.9
+    assert t.for_step() == 1 and t.changes == 1  # read: a core taken by another process
+    t.stepped()
+    clock.now += 2.0  # idle now: restarted...
+    load.others = 0.0
+    reads = load.reads
+    assert t.for_step() == 1 and load.reads == reads + 1
+    t.stepped()
+    clock.now += 2.0  # ...and idle again before a reading: read this time
+    assert t.for_step() == 2 and load.reads == reads + 2 and t.changes == 2
 
 
 def stat_lines(per_cpu):
@@ -215,6 +254,7 @@ def test_the_engine_decodes_on_the_governed_count_and_gives_the_pool_back(two_th
     seq = engine.submit(prompt, 8)
     list(engine.run([seq]))
     assert seen and set(seen) == {1}
+    assert engine.threads.stepped_at is not None  # each step's end marked (what pauses are measured from)
     assert torch.get_num_threads() == 2  # outside a step, the pool as the caller left it
     assert seq.tokens == want.tokens
 

@@ -246,10 +246,12 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         free = self.threads.for_step() if self.threads is not None and not self.idle else None
-        with pool(free):
-            self._step(free)
-        if free is not None:
-            self.threads.stepped()
+        try:
+            with pool(free):
+                self._step(free)
+        finally:
+            if free is not None:
+                self.threads.stepped()
 
     def _step(self, free):
         if self.jobs:
@@ -565,7 +567,9 @@ class Engine:
         """A row reached its end (`fed`: its generated tokens that went through the graph): store
         its keys/values for reuse, free its row, finish it."""
         store = self.prefix_store
-        if store is not None and seq.reuse_prefix and self.per_row and seq.row is not None:
+        # not a cancelled one: its caller may have given back what its rows read (a server frees a
+        # request's inline slots when its client leaves), so its keys/values need not be its key's
+        if store is not None and seq.reuse_prefix and self.per_row and seq.row is not None and not seq._cancel:
             try:
                 store.store(self.cache, seq.row, self.pads[seq.row], seq.prompt + seq.tokens[:fed], seq.inputs_key)
             except Exception as e:  # noqa: BLE001 - storing is an optimisation: the sequence is done

@@ -103,47 +103,64 @@ class Threads:
         most: the largest count (default: torch's pool size now).
         every: seconds between readings of the machine's load (a reading costs ~50 us).
         use: a `CpuUse` (or any object whose `read()` gives other processes' busy cores or None).
-        clock: the clock `every` is measured on.
+        clock: the clock `every` is measured on. cpu: this process's CPU seconds (all threads).
 
     `for_step()` gives the count to run the next step on; `engine.Engine` sets the pool to it around
-    each step and calls `stepped()` after it. A window that spans more than `every` seconds without
-    steps (the engine idle between requests, while another program ran and stopped) tells what the
-    machine did then, not what the next steps meet: it is dropped, and the count is decided on a
-    fresh window `SHORTEST` seconds later. `changes` counts how often the count changed.
+    each step and calls `stepped()` after it. A window the engine sat idle for most of (between
+    requests, while another program ran and stopped; or before its first step) tells what the
+    machine did then, not what the next steps meet: it is restarted, and the count decided on a
+    fresh window `SHORTEST` seconds later. A pause in which this process worked (a caller busy
+    between streamed steps) is not idle, and a window is never restarted twice without a reading
+    between (a caller pausing at every step still gets decisions). `changes` counts how often the
+    count changed.
 
     Example:
         >>> threads = Threads()
         >>> with pool(threads.for_step()):
         ...     logits = step(ids)
+        >>> threads.stepped()
     """
 
-    def __init__(self, most=None, every=0.5, use=None, clock=time.monotonic):
+    def __init__(self, most=None, every=0.5, use=None, clock=time.monotonic, cpu=time.process_time):
         self.most = torch.get_num_threads() if most is None else most
         if isinstance(self.most, bool) or not isinstance(self.most, int) or self.most < 1:
             raise ValueError(f"most={most!r}; expected a positive int (threads of torch's CPU pool)")
-        self.every, self.clock = every, clock
+        self.every, self.clock, self.cpu = every, clock, cpu
         self.use = CpuUse() if use is None else use
         self.cores = len(getattr(self.use, "cpus", None) or ()) or os.cpu_count() or 1
         self.n, self.others, self.changes = self.most, None, 0
-        self.next_read = clock()
-        self.stepped_at = None  # when the last step ended (`stepped`)
+        self.window_at = self.next_read = clock()  # when the window being read began
+        self.stepped_at = self.stepped_cpu = None  # when the last step ended, and this process's CPU then
+        self.first, self.restarted = True, False
         self.use.read()  # starts the first window
 
     def for_step(self):
         now = self.clock()
-        if self.stepped_at is not None and now - self.stepped_at > self.every:
-            self.use.read()  # the window holds idle time: start a fresh one, decide on it shortly
-            self.next_read, self.stepped_at = now + SHORTEST, None
+        if self._paused(now):
+            self.use.read()  # restart the window: the count is decided on a fresh one shortly
+            self.window_at, self.next_read, self.restarted = now, now + SHORTEST, True
         elif now >= self.next_read:
             others = self.use.read()
             if others is not None:  # else the window was too short: read again next step
-                self.next_read, self.others = now + self.every, others
+                self.window_at, self.next_read, self.others, self.restarted = now, now + self.every, others, False
                 self._decide(others)
+        self.first = False
         return self.n
 
     def stepped(self):
-        """Mark the end of a step: a window reaching back past a longer pause is not read (`for_step`)."""
-        self.stepped_at = self.clock()
+        """Mark the end of a step (what `for_step` measures a pause from)."""
+        self.stepped_at, self.stepped_cpu = self.clock(), self.cpu()
+
+    def _paused(self, now):
+        """Whether the window since its start is mostly a pause of this process's steps: the wait
+        before the first step, or the time since the last one, idle (this process used under half a
+        core meanwhile) and longer than half the window."""
+        if self.restarted:
+            return False
+        if self.stepped_at is None:
+            return self.first and now - self.window_at > self.every
+        gap = now - self.stepped_at
+        return gap > max(SHORTEST, (now - self.window_at) / 2) and self.cpu() - self.stepped_cpu < gap / 2
 
     def _decide(self, others):
         down = self._fit(math.ceil(others - DROP_AT))

@@ -15,7 +15,8 @@ bounds.
 
 Why a bank and not per-row direction inputs: the graph's inputs and the engine's per-row values
 stay what they are, (B,) numbers; the cost is two small (B, T, K) x (K, D) products per covered
-block and step while any slot is lent (eager steps skip the layers while none is). The bank's directions are weights, so an exported graph has them fixed (and
+block and step while any slot is lent (eager steps skip the layers while none is; compiled and
+exported steps always compute them). The bank's directions are weights, so an exported graph has them fixed (and
 inert): inline vectors are a server feature.
 
 Several inline vectors at one block act on the same hidden state (side by side, not one after
@@ -61,14 +62,15 @@ class SlotSteer(Scheduled):
         self.register_buffer("directions", torch.zeros(slots, width, device=device))
         self.register_buffer("units", torch.zeros(slots, width, device=device))
         self.slots = slots
-        self.idle = False  # True while no slot is lent (`InlineBank` keeps it): every row's inputs inert
+        self.idle = False  # True while no slot is lent (`InlineBank` keeps it)
 
     def forward_cached(self, x, gate=None, *, positions, **inputs):
-        # while no slot is lent the layer is the identity (x + 0, projections clipped to themselves):
-        # eager calls skip its products, ~8% of a one-client decode step on SmolLM2; traced graphs
-        # keep them, their inputs decide
-        if self.idle and not (isinstance(x, torch.fx.Proxy) or torch.compiler.is_compiling() or
-                              torch.jit.is_tracing() or is_exporting()):
+        # while no slot is lent the rows that count read inert defaults and the layer is the identity
+        # (x + 0, projections clipped to themselves): eager calls skip its products, ~8% of a
+        # one-client decode step on SmolLM2; traced graphs keep them, their inputs decide (the
+        # tracing checks first: dynamo would otherwise guard on `idle` and compile twice)
+        if not (isinstance(x, torch.fx.Proxy) or torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or is_exporting()) and self.idle:
             return x
         return super().forward_cached(x, gate, positions=positions, **inputs)
 
@@ -195,7 +197,9 @@ class InlineBank:
             self._mark_idle()
 
     def _mark_idle(self):
-        """Tell the layers whether any slot is lent (under the lock; a row reads a slot only while lent)."""
+        """Tell the layers whether any slot is lent (under the lock). A slot is given back when its
+        request ends or its client leaves; a cancelled row the engine has not dropped yet may still
+        run a step on it, and the engine keeps no prefix of a cancelled sequence."""
         idle = all(d is None for d in self.digests)
         for layer in self.layers.values():
             layer.idle = idle
