@@ -16,8 +16,8 @@ bounds.
 Why a bank and not per-row direction inputs: the graph's inputs and the engine's per-row values
 stay what they are, (B,) numbers; the cost is two small (B, T, K) x (K, D) products per covered
 block and step while any slot is lent (eager steps skip the layers while none is; compiled and
-exported steps always compute them). The bank's directions are weights, so an exported graph has them fixed (and
-inert): inline vectors are a server feature.
+exported steps always compute them). The bank's directions are weights, so an exported graph has
+them fixed (and inert): inline vectors are a server feature.
 
 Several inline vectors at one block act on the same hidden state (side by side, not one after
 another); that equals applying them in turn when their directions are orthogonal. The wire
