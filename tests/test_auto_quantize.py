@@ -2,6 +2,7 @@
 ggml's kernels where ggml is installed and the weights are on the CPU; otherwise float weights,
 with a reason that says what would change it."""
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,6 +75,18 @@ def test_the_server_command_says_which_weights_it_chose(files, monkeypatch, caps
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(files / "q8.gguf"), "--quantize", "none"])
     assert seen["quantize"] == "none"
+
+
+def test_the_server_says_whether_its_steps_are_compiled(files, monkeypatch, capsys):
+    import kvwire.serve as serve_package
+    from kvwire.cli import main
+    from kvwire.cli import serve as serve_cli
+
+    monkeypatch.setattr(serve_cli, "load_model", lambda args, quantize: SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(serve_package, "create_app", lambda lm, name, **options: object())
+    monkeypatch.setattr(serve_package, "serve", lambda app, **kw: None)
+    main(["serve", "--model", str(files / "f32.gguf")])
+    assert "decode: eager steps; --compile decodes faster" in capsys.readouterr().err
 
 
 def test_the_server_leaves_a_core_to_its_event_loop(files, monkeypatch):

@@ -294,6 +294,20 @@ def test_the_slot_layers_are_skipped_eagerly_only_while_no_slot_is_lent(lm, monk
                if "matmul" in str(n.target))
 
 
+def test_the_slot_layers_defaults_are_inert_and_written_one_at_a_time():
+    from kvwire.steer.ops import LIMIT
+
+    layer = SlotSteer(3, 8)
+    defaults = layer.runtime_defaults(2)
+    assert set(defaults) == set(layer.runtime_inputs)
+    for k in range(3):
+        assert defaults[f"inline{k}_strength"].tolist() == [0.0, 0.0]
+        assert defaults[f"inline{k}_lo"].tolist() == [-LIMIT, -LIMIT] and defaults[f"inline{k}_hi"].tolist() == [LIMIT] * 2
+    defaults["inline1_strength"][1] = 2.0  # a row's value set in place, as the engine sets its rows'
+    assert [defaults[f"inline{k}_strength"].tolist() for k in range(3)] == [[0.0, 0.0], [0.0, 2.0], [0.0, 0.0]]
+    assert defaults["inline1_lo"].tolist() == [-LIMIT, -LIMIT]
+
+
 def test_a_clamps_digest_holds_its_operation_and_bounds(server):
     bank = server.app.state.served.inline
     directions = {1: torch.ones(32)}

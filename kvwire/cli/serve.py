@@ -135,6 +135,10 @@ def run(args):
         print(f"decode: compiled steps kept in {cache_root() / 'steps'}; a batch size or timeline length met "
               f"for the first time runs eager while a child process builds its step (a minute or two, once)",
               file=sys.stderr)
+    elif getattr(args, "runtime", "eager") == "eager" and lm.device.type == "cpu":
+        # not the default: a first day's builds (one per batch size and timeline length) keep the cores busy
+        print("decode: eager steps; --compile decodes faster once its steps are built (in child processes, a "
+              "minute or two per batch size and timeline length met, once; kept on disk)", file=sys.stderr)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}; SAE: {args.sae or 'none'}; "
           f"API keys: {len(keys) if keys else 'none, open to all'}); "
