@@ -303,6 +303,8 @@ def test_the_slot_layers_defaults_are_inert_and_written_one_at_a_time():
     for k in range(3):
         assert defaults[f"inline{k}_strength"].tolist() == [0.0, 0.0]
         assert defaults[f"inline{k}_lo"].tolist() == [-LIMIT, -LIMIT] and defaults[f"inline{k}_hi"].tolist() == [LIMIT] * 2
+    inline = [v for name, v in defaults.items() if name.startswith("inline")]
+    assert all(v.is_contiguous() and v.data_ptr() % 64 == 0 for v in inline)  # as compiled steps take them
     defaults["inline1_strength"][1] = 2.0  # a row's value set in place, as the engine sets its rows'
     assert [defaults[f"inline{k}_strength"].tolist() for k in range(3)] == [[0.0, 0.0], [0.0, 2.0], [0.0, 0.0]]
     assert defaults["inline1_lo"].tolist() == [-LIMIT, -LIMIT]
