@@ -127,5 +127,6 @@ def compare(first, second, names, args):
         b, tokens_b = decode_ms(second, ids, args.new, args.max_length)
         print(f"{n:>10} {a:>13.2f} {b:>13.2f} {b / a:>13.1f}x {tokens_a == tokens_b}")
 
+
 if __name__ == "__main__":
     main()
