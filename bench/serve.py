@@ -3,7 +3,7 @@ the preset's GGUF file on 127.0.0.1 with the same number of threads.
 
     python bench/serve.py [--model smollm2-135m-instruct] [--clients 1,4,16] [--max-tokens 32]
                           [--requests-per-client 2] [--threads 2] [--quantize gguf] [--skip-peer] [--quick]
-                          [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE] [--compile]
+                          [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE] [--[no-]compile]
                           [--warm] [--warm-minutes 40] [--chat-template FILE --peer-chat-format NAME]
 
 A model whose GGUF carries no chat template (the Gemma 3 preset) runs with one given to both servers:
@@ -31,8 +31,9 @@ ready) and stopped by this script:
 3. prefix reuse: a ~1,000-token user message (turn 1, 16 new tokens), then turn 2 = turn 1 + the
    reply + a short question; turn 2's TTFT vs that of the same conversation with another first word
    (nothing shared: a full prefill), and usage's cached_tokens.
-With --compile --warm, the loads of 1. to 3. first run untimed on kvwire's servers, then the bench
-waits until their child processes have built every compiled step met (their
+With compiled steps (the server's default for GGUF blocks, or --compile) and --warm, the loads of
+1. to 3. first run untimed on kvwire's servers, then the bench waits until their child processes
+have built every compiled step met (their
 `kvwire_compiled_steps_building` gauge), pass after pass until one builds nothing: the timed runs are
 then those of a server whose steps are all built. Without --warm, a fresh step folder shows a
 server that meets its shapes for the first time (served eager while they build).
@@ -99,6 +100,14 @@ def auto_weights(model):
     return auto_quantize(model)[0] or "float32"
 
 
+def compiled(args):
+    """Whether kvwire's servers decode on compiled steps: --compile / --no-compile, else the server's
+    default for the weights it picks (on for GGUF blocks)."""
+    from kvwire.cli.serve import compiled_choice
+
+    return compiled_choice(argparse.Namespace(compile=args.compile), args.quantize or auto_weights(args.model))[0]
+
+
 def servers_to_start(args, gguf, vector):
     """{label: (argv after python, ready path, env)}."""
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
@@ -107,7 +116,7 @@ def servers_to_start(args, gguf, vector):
     kvwire = ["-m", "kvwire.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "{port}",
               "--max-batch", str(batch), "--max-length", str(args.max_length), "--inline-slots", str(batch)]
     kvwire += ["--quantize", args.quantize] if args.quantize else []
-    kvwire += ["--compile"] if args.compile else []
+    kvwire += {True: ["--compile"], False: ["--no-compile"], None: []}[args.compile]
     kvwire += ["--chat-template", args.chat_template] if args.chat_template else []
     out = {"kvwire": (kvwire, "/health", threads),
            "kvwire +happy": (kvwire + ["--control-vector", f"happy={vector}"], "/health", threads)}
@@ -308,11 +317,12 @@ def parser():
                    "keeps busy, PASSIVE spares torch's threads from spinning at every op's barrier)")
     p.add_argument("--quantize", help="passed to kvwire serve (gguf, none, ...); default: the server's own (auto: the "
                    "GGUF's blocks on ggml's kernels where llama-cpp-python is installed)")
-    p.add_argument("--compile", action="store_true",
-                   help="kvwire serve --compile (compiled steps kept on disk, built by child processes while the "
-                   "shapes they serve run eager; see --warm)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="kvwire serve --compile / --no-compile (compiled steps kept on disk, built by child "
+                   "processes while the shapes they serve run eager; see --warm); default: the server's own (on "
+                   "for GGUF blocks)")
     p.add_argument("--warm", action="store_true",
-                   help="with --compile: before timing, run the whole load untimed on kvwire's servers, wait until "
+                   help="with compiled steps: before timing, run the whole load untimed on kvwire's servers, wait until "
                    "their compiled steps are built (their /metrics gauge), and again until a pass builds nothing")
     p.add_argument("--warm-minutes", type=float, default=40, help="--warm's budget (default %(default)s)")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
@@ -345,7 +355,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped below
     print(header(args.threads), flush=True)
     policy = f" (OMP_WAIT_POLICY={args.omp_wait_policy})" if args.omp_wait_policy else ""
-    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or auto_weights(args.model)}{policy}{' +compile' if args.compile else ''}, "
+    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or auto_weights(args.model)}{policy}{' +compile' if compiled(args) else ' eager steps'}, "
           f"llama.cpp the file's own blocks; {args.requests_per_client} requests per client, "
           f"max_tokens {args.max_tokens}, greedy, streamed; load average {os.getloadavg()[0]:.1f} at the start "
           f"(other work on the machine makes timings noisy)", flush=True)
@@ -360,7 +370,7 @@ def main(argv=None):
                 if label not in down:
                     run_load(s.url, s.model, 1, 1, 2)
                     run_load(s.url, s.model, max(args.clients), 1, 2, HALF if label == "kvwire +happy" else NONE)
-            if args.warm and args.compile:
+            if args.warm and compiled(args):
                 warm(servers, down, args)
             sizes = {label: prompt_tokens(s.url, s.model, PROMPTS[0]) for label, s in servers.items()
                      if label not in down}

@@ -77,16 +77,43 @@ def test_the_server_command_says_which_weights_it_chose(files, monkeypatch, caps
     assert seen["quantize"] == "none"
 
 
-def test_the_server_says_whether_its_steps_are_compiled(files, monkeypatch, capsys):
+def test_the_server_compiles_its_steps_by_default_for_gguf_blocks_only(files, monkeypatch, capsys):
+    """`kvwire serve`: compiled steps are the default where the weights are a GGUF file's blocks on
+    ggml's kernels (a batch-1 step there is mostly small ops), eager for float weights; --compile /
+    --no-compile decide otherwise, and start-up says which and why."""
     import kvwire.serve as serve_package
     from kvwire.cli import main
     from kvwire.cli import serve as serve_cli
 
-    monkeypatch.setattr(serve_cli, "load_model", lambda args, quantize: SimpleNamespace(device=torch.device("cpu")))
+    compiled = []
+
+    def fake_load(args, quantize):
+        compiled.append(args.compile)
+        return SimpleNamespace(device=torch.device("cpu"))
+
+    monkeypatch.setattr(serve_cli, "load_model", fake_load)
+    monkeypatch.setattr(serve_cli, "load_served", fake_load)
+    monkeypatch.setattr(load_module, "ggml_dirs", lambda: (None, None))
     monkeypatch.setattr(serve_package, "create_app", lambda lm, name, **options: object())
     monkeypatch.setattr(serve_package, "serve", lambda app, **kw: None)
     main(["serve", "--model", str(files / "f32.gguf")])
-    assert "decode: eager steps; --compile decodes faster" in capsys.readouterr().err
+    assert "decode: eager steps (default for float weights); --compile decodes faster" in capsys.readouterr().err
+    main(["serve", "--model", str(files / "q8.gguf")])
+    assert "decode: compiled steps (default for GGUF blocks; --no-compile for eager steps)" in capsys.readouterr().err
+    main(["serve", "--model", str(files / "q8.gguf"), "--no-compile"])
+    assert "decode: eager steps (--no-compile)" in capsys.readouterr().err
+    main(["serve", "--model", str(files / "q8.gguf"), "--quantize", "none"])
+    main(["serve", "--model", str(files / "f32.gguf"), "--compile"])
+    assert compiled == [False, True, False, False, True]
+
+
+def test_compiled_steps_by_default_never_apply_to_another_runtime():
+    from kvwire.cli import parser
+    from kvwire.cli.serve import compiled_choice
+
+    args = SimpleNamespace(**{**vars(parser().parse_args(["serve"])), "runtime": "onnx"})
+    assert compiled_choice(args, "gguf") == (False, "--runtime onnx runs its own program")
+    assert compiled_choice(parser().parse_args(["serve"]), "gguf")[0] is True
 
 
 def test_the_server_leaves_a_core_to_its_event_loop(files, monkeypatch):

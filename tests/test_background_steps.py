@@ -1,6 +1,7 @@
 """Compiled steps built in a child process (`kvwire.generate.background`): generation goes on eager
 while the child compiles, the package it writes gives eager's tokens and is kept for other models
 and processes, a failed child is said and leaves the step eager, and the child is handed no weights."""
+import os
 import subprocess
 import sys
 import threading
@@ -115,3 +116,21 @@ def test_the_child_refuses_a_wrong_command_line():
     out = subprocess.run([sys.executable, "-m", "kvwire.generate.background", "only-one"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "usage: python -m kvwire.generate.background PROGRAM PACKAGE RECORD" in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's; elsewhere the child only nices")
+def test_the_child_builds_on_idle_cpu_time_and_so_do_its_threads_and_compilers():
+    """The builder yields every core to the generating process: its threads and the compilers it
+    starts inherit SCHED_IDLE."""
+    code = ("import os, subprocess, sys, threading\n"
+            "from kvwire.generate.background import yield_cpu\n"
+            "yield_cpu()\n"
+            "seen = []\n"
+            "t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0))); t.start(); t.join()\n"
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'],\n"
+            "                       capture_output=True, text=True).stdout.strip()\n"
+            "print(os.sched_getscheduler(0), seen[0], child, os.nice(0))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    idle = str(os.SCHED_IDLE)
+    assert out.stdout.split() == [idle, idle, idle, "10"]

@@ -157,3 +157,18 @@ def test_soak_warm_up_ends_past_minute_two_and_a_hundred_requests():
     assert not steady and "at minute 15.0" in line
     line, steady = soak.verdict(stalled[:20], 30)  # interrupted at minute 10: half of what ran
     assert not steady and "at minute 5.0" in line
+
+
+def test_the_bench_passes_the_compile_choice_and_warms_what_the_server_compiles(monkeypatch):
+    import serve
+
+    monkeypatch.setattr(serve, "auto_weights", lambda model: "gguf")
+    argv = lambda args: serve.servers_to_start(args, "m.gguf", "happy.gguf")["kvwire"][0]  # noqa: E731
+    default, on, off = (serve.resolve(serve.parser().parse_args(["--skip-peer", *flag]), serve.parser())
+                        for flag in ([], ["--compile"], ["--no-compile"]))
+    assert "--compile" not in argv(default) and "--no-compile" not in argv(default) and serve.compiled(default)
+    assert "--compile" in argv(on) and serve.compiled(on)
+    assert "--no-compile" in argv(off) and not serve.compiled(off)
+    monkeypatch.setattr(serve, "auto_weights", lambda model: "float32")
+    assert not serve.compiled(default) and not serve.compiled(serve.resolve(serve.parser().parse_args(
+        ["--quantize", "none"]), serve.parser()))

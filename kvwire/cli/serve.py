@@ -14,11 +14,11 @@ def add(commands):
     model_options(s)
     chat_template_option(s)
     quantize_option(s, default="auto")  # a server batches: ggml's blocks beat float weights where they run
-    s.add_argument("--compile", action="store_true",
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compiled decode steps, kept on disk: each batch size (1, 2, 4, ...) and timeline length "
-                   "(256, 512, ...) the server meets is built once, ever, by a child process (a minute or two; requests "
-                   "run eager meanwhile, after a few seconds' export); "
-                   "later starts load them in about a second")
+                   "(256, 512, ...) the server meets is built once, ever, by a child process on idle CPU time (a "
+                   "minute or two; requests run eager meanwhile, after a few seconds' export); later starts load "
+                   "them in about a second (default: on for a GGUF file's blocks on ggml's kernels, off otherwise)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--control-vector", action="append", default=None, metavar="NAME=FILE",
@@ -121,6 +121,7 @@ def run(args):
                    decode_threads=args.decode_threads or max(1, torch.get_num_threads() - 1), sae_slots=args.sae_slots,
                    sae_per_request=args.sae_per_request, sae_site=args.sae_site, sae_layer=args.sae_layer,
                    analysis=args.analysis, analysis_limits=_analysis_limits(args))
+    args.compile, compiled_why = compiled_choice(args, args.quantize)
     if args.ray:  # each replica loads the model itself (and the SAE, from its folder); this process only starts them
         from functools import partial
 
@@ -132,18 +133,32 @@ def run(args):
     if args.compile:
         from ..kernels.switches import cache_root
 
-        print(f"decode: compiled steps kept in {cache_root() / 'steps'}; a batch size or timeline length met "
-              f"for the first time runs eager while a child process builds its step (a minute or two, once)",
-              file=sys.stderr)
+        print(f"decode: compiled steps ({compiled_why}), kept in {cache_root() / 'steps'}; a batch size or timeline "
+              f"length met for the first time runs eager while a child process builds its step on idle CPU time "
+              f"(a minute or two, once)", file=sys.stderr)
     elif getattr(args, "runtime", "eager") == "eager" and lm.device.type == "cpu":
-        # not the default: a first day's builds (one per batch size and timeline length) keep the cores busy
-        print("decode: eager steps; --compile decodes faster once its steps are built (in child processes, a "
-              "minute or two per batch size and timeline length met, once; kept on disk)", file=sys.stderr)
+        print(f"decode: eager steps ({compiled_why}); --compile decodes faster once its steps are built (in child "
+              f"processes, a minute or two per batch size and timeline length met, once; kept on disk)",
+              file=sys.stderr)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}; SAE: {args.sae or 'none'}; "
           f"API keys: {len(keys) if keys else 'none, open to all'}); "
           f"playground: http://{args.host}:{args.port}/", file=sys.stderr)
     serve(app, host=args.host, port=args.port)
+
+
+def compiled_choice(args, quantize):
+    """(compile?, why) for `kvwire serve`: --compile / --no-compile as given, else on where the weights
+    are a GGUF file's blocks on ggml's kernels (`quantize == "gguf"`) of an eager model. There a step
+    of batch 1 is mostly small ops, which compiled steps fuse (bench/serve.py: one client 0.75-0.92x
+    llama.cpp's server eager); float weights stay eager, as before."""
+    if args.compile is not None:
+        return args.compile, "--compile" if args.compile else "--no-compile"
+    if getattr(args, "runtime", "eager") != "eager":
+        return False, f"--runtime {args.runtime} runs its own program"
+    if quantize == "gguf":
+        return True, "default for GGUF blocks; --no-compile for eager steps"
+    return False, "default for float weights"
 
 
 def load_served(args, quantize):

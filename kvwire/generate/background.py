@@ -10,7 +10,7 @@ as meta tensors of the same shape, stride and dtype (a package holds no weights 
 them. Only the tensors whose values a compiler reads travel with them (`weightless`: those it
 writes into its code, and those a computation of model tensors alone reads, which it may fold);
 a package that took in a tensor sent as a shape only is refused when it is opened (`check_handed`).
-The child runs at a lower priority with one compile thread and writes the package and its record
+The child runs on idle CPU time (`yield_cpu`) with one compile thread and writes the package and its record
 as a build in the generating process does (`keep`). Builds run one at a time, in the order they
 were asked for; children still compiling when the parent exits are stopped (a package is written
 whole or not at all).
@@ -211,12 +211,25 @@ def _stop_children():
         proc.kill()
 
 
+def yield_cpu():
+    """Run this process (and the threads and compilers it starts after) on CPU time nothing else wants:
+    Linux's SCHED_IDLE where it may, else a nice of 10. The parent's generation goes first: a server
+    decoding on one core of two leaves the other to the build, and takes it back at once (a nice of
+    10 alone still takes ~10% of a core its threads share, stalling their barriers)."""
+    if hasattr(os, "nice"):
+        os.nice(10)
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # a sandbox that forbids it: the nice alone
+            pass
+
+
 def main(argv):
     """The child: compile the saved program into the package and its record."""
     if len(argv) != 3:
         raise SystemExit(f"usage: python -m kvwire.generate.background PROGRAM PACKAGE RECORD (got {argv})")
-    if hasattr(os, "nice"):
-        os.nice(10)  # the parent's generation goes first
+    yield_cpu()
     from ..layers.linear import allow_packs_in_compiled_graphs
     from .keep import keep
 
