@@ -411,3 +411,24 @@ def test_a_kept_package_naming_a_tensor_the_model_lacks_is_rebuilt_not_raised(tm
                         name.endswith("output.weight") else resolve(program, name))
     with pytest.warns(UserWarning, match="is not used: .*not the model's"):
         assert [t.tolist() for t in later.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)] == eager
+
+
+def test_a_model_with_an_embedding_scale_builds_its_step_ahead(tmp_path, monkeypatch):
+    """Gemma's sqrt(hidden) embedding scale: a tensor made in the embedding's forward was a constant
+    of the exported graph that is not the model's, so the step ran eager (with a warning) in every
+    process."""
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    lm = kw.from_hf(FAMILIES["gemma3"]())
+    assert lm.backbone.embed_tokens.scale is not None
+
+    def run():  # a tiny random Gemma repeats its token: its log-probs say what the caches held
+        return lm.generate(PROMPTS, max_new_tokens=10, ignore_eos=True, return_logprobs=True)
+
+    eager = run()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="kvwire:")  # "cannot be compiled ahead of time" fails here
+        lm.compile(bucket=32, prefill_tokens=0)
+        compiled = run()
+    assert isinstance(lm._decoder(), AheadDecode) and lm._decoder().built == 1
+    assert compiled.tokens == eager.tokens
+    torch.testing.assert_close(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs), rtol=0, atol=1e-5)

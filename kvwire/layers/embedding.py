@@ -4,6 +4,8 @@ from torch import nn
 
 from .base import Layer
 
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
 
 class TokenEmbedding(Layer):
     """Token ids (B, T) -> vectors (B, T, D), multiplied by `scale` (Gemma: sqrt(D)).
@@ -28,13 +30,27 @@ class TokenEmbedding(Layer):
         self.quantized = None
         _init_normal(self.weight, 0.02)
 
+    @property
+    def scale(self):
+        return self._scale
+
+    @scale.setter
+    def scale(self, value):
+        # rounded to each weight dtype once, as Python floats: a tensor made in forward would be a
+        # constant of exported graphs that is not the model's (a kept step cannot be handed it)
+        self._scale = value
+        self._scales = {} if value is None else {
+            dt: torch.tensor(value, dtype=dt, device="cpu").item() for dt in SCALE_DTYPES}
+
     def forward(self, token_ids):
         if self.quantized is not None:
             x = self.quantized.rows(token_ids).to(self.weight.dtype)
         else:
             x = nn.functional.embedding(token_ids, self.weight)
         if self.scale is not None:
-            x = x * torch.tensor(self.scale, dtype=self.weight.dtype, device=x.device)
+            rounded = self._scales.get(self.weight.dtype)
+            x = x * (rounded if rounded is not None else torch.tensor(self.scale, dtype=self.weight.dtype,
+                                                                      device=x.device))
         if self.float32_for_float16 and x.dtype == torch.float16:
             x = x.float()
         return x
