@@ -105,7 +105,8 @@ def compiled(args):
     default for the weights it picks (on for GGUF blocks)."""
     from kvwire.cli.serve import compiled_choice
 
-    return compiled_choice(argparse.Namespace(compile=args.compile), args.quantize or auto_weights(args.model))[0]
+    weights = auto_weights(args.model) if args.quantize in (None, "auto") else args.quantize  # as the server
+    return compiled_choice(argparse.Namespace(compile=args.compile), weights)[0]
 
 
 def servers_to_start(args, gguf, vector):
@@ -322,8 +323,8 @@ def parser():
                    "processes while the shapes they serve run eager; see --warm); default: the server's own (on "
                    "for GGUF blocks)")
     p.add_argument("--warm", action="store_true",
-                   help="with compiled steps: before timing, run the whole load untimed on kvwire's servers, wait until "
-                   "their compiled steps are built (their /metrics gauge), and again until a pass builds nothing")
+                   help="with compiled steps: before timing, run the whole load untimed on kvwire's servers, wait "
+                   "until their compiled steps are built (their /metrics gauge), and again until a pass builds nothing")
     p.add_argument("--warm-minutes", type=float, default=40, help="--warm's budget (default %(default)s)")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
     p.add_argument("--chat-template", default=None, metavar="FILE.jinja",
@@ -355,7 +356,9 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped below
     print(header(args.threads), flush=True)
     policy = f" (OMP_WAIT_POLICY={args.omp_wait_policy})" if args.omp_wait_policy else ""
-    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); kvwire {args.quantize or auto_weights(args.model)}{policy}{' +compile' if compiled(args) else ' eager steps'}, "
+    steps = " +compile" if compiled(args) else " eager steps"
+    print(f"model: {args.model} ({os.path.basename(gguf)}, {file_type}); "
+          f"kvwire {args.quantize or auto_weights(args.model)}{policy}{steps}, "
           f"llama.cpp the file's own blocks; {args.requests_per_client} requests per client, "
           f"max_tokens {args.max_tokens}, greedy, streamed; load average {os.getloadavg()[0]:.1f} at the start "
           f"(other work on the machine makes timings noisy)", flush=True)

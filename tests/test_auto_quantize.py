@@ -107,15 +107,6 @@ def test_the_server_compiles_its_steps_by_default_for_gguf_blocks_only(files, mo
     assert compiled == [False, True, False, False, True]
 
 
-def test_compiled_steps_by_default_never_apply_to_another_runtime():
-    from kvwire.cli import parser
-    from kvwire.cli.serve import compiled_choice
-
-    args = SimpleNamespace(**{**vars(parser().parse_args(["serve"])), "runtime": "onnx"})
-    assert compiled_choice(args, "gguf") == (False, "--runtime onnx runs its own program")
-    assert compiled_choice(parser().parse_args(["serve"]), "gguf")[0] is True
-
-
 def test_the_server_leaves_a_core_to_its_event_loop(files, monkeypatch):
     """`kvwire serve` decodes on one thread fewer than torch's pool (at least 1), unless told."""
     import kvwire.serve as serve_package

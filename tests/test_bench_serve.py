@@ -169,6 +169,8 @@ def test_the_bench_passes_the_compile_choice_and_warms_what_the_server_compiles(
     assert "--compile" not in argv(default) and "--no-compile" not in argv(default) and serve.compiled(default)
     assert "--compile" in argv(on) and serve.compiled(on)
     assert "--no-compile" in argv(off) and not serve.compiled(off)
+    auto = serve.resolve(serve.parser().parse_args(["--quantize", "auto"]), serve.parser())  # the server's pick
+    assert serve.compiled(auto)
     monkeypatch.setattr(serve, "auto_weights", lambda model: "float32")
     assert not serve.compiled(default) and not serve.compiled(serve.resolve(serve.parser().parse_args(
         ["--quantize", "none"]), serve.parser()))

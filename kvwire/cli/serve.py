@@ -122,6 +122,7 @@ def run(args):
                    sae_per_request=args.sae_per_request, sae_site=args.sae_site, sae_layer=args.sae_layer,
                    analysis=args.analysis, analysis_limits=_analysis_limits(args))
     args.compile, compiled_why = compiled_choice(args, args.quantize)
+    _say_steps(args, compiled_why)
     if args.ray:  # each replica loads the model itself (and the SAE, from its folder); this process only starts them
         from functools import partial
 
@@ -130,16 +131,6 @@ def run(args):
     lm = load_served(argparse.Namespace(**{**vars(args), "control_vector": None}), args.quantize)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(lm, args.model, sae=sae, **options)
-    if args.compile:
-        from ..kernels.switches import cache_root
-
-        print(f"decode: compiled steps ({compiled_why}), kept in {cache_root() / 'steps'}; a batch size or timeline "
-              f"length met for the first time runs eager while a child process builds its step on idle CPU time "
-              f"(a minute or two, once)", file=sys.stderr)
-    elif getattr(args, "runtime", "eager") == "eager" and lm.device.type == "cpu":
-        print(f"decode: eager steps ({compiled_why}); --compile decodes faster once its steps are built (in child "
-              f"processes, a minute or two per batch size and timeline length met, once; kept on disk)",
-              file=sys.stderr)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (control vectors: "
           f"{', '.join(vectors) or 'none'}; SAE: {args.sae or 'none'}; "
           f"API keys: {len(keys) if keys else 'none, open to all'}); "
@@ -147,15 +138,27 @@ def run(args):
     serve(app, host=args.host, port=args.port)
 
 
+def _say_steps(args, why):
+    """Start-up's line on decode steps: compiled (where kept) or eager, and why."""
+    if args.compile:
+        from ..kernels.switches import cache_root
+
+        print(f"decode: compiled steps ({why}), kept in {cache_root() / 'steps'}; a batch size or timeline "
+              f"length met for the first time runs eager while a child process builds its step on idle CPU time "
+              f"(a minute or two, once)", file=sys.stderr)
+    else:
+        print(f"decode: eager steps ({why}); --compile decodes faster once its steps are built (in child "
+              f"processes, a minute or two per batch size and timeline length met, once; kept on disk)",
+              file=sys.stderr)
+
+
 def compiled_choice(args, quantize):
     """(compile?, why) for `kvwire serve`: --compile / --no-compile as given, else on where the weights
-    are a GGUF file's blocks on ggml's kernels (`quantize == "gguf"`) of an eager model. There a step
-    of batch 1 is mostly small ops, which compiled steps fuse (bench/serve.py: one client 0.75-0.92x
-    llama.cpp's server eager); float weights stay eager, as before."""
+    are a GGUF file's blocks on ggml's kernels (`quantize == "gguf"`). There a decode step is mostly
+    small ops, which compiled steps fuse (bench/serve.py in docs/performance.md); float weights stay
+    eager, as before."""
     if args.compile is not None:
         return args.compile, "--compile" if args.compile else "--no-compile"
-    if getattr(args, "runtime", "eager") != "eager":
-        return False, f"--runtime {args.runtime} runs its own program"
     if quantize == "gguf":
         return True, "default for GGUF blocks; --no-compile for eager steps"
     return False, "default for float weights"

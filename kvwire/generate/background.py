@@ -212,10 +212,11 @@ def _stop_children():
 
 
 def yield_cpu():
-    """Run this process (and the threads and compilers it starts after) on CPU time nothing else wants:
-    Linux's SCHED_IDLE where it may, else a nice of 10. The parent's generation goes first: a server
-    decoding on one core of two leaves the other to the build, and takes it back at once (a nice of
-    10 alone still takes ~10% of a core its threads share, stalling their barriers)."""
+    """Run this process (and the threads and compilers it starts after) at a nice of 10 and, where
+    Linux allows it, under SCHED_IDLE: on CPU time nothing else wants. The parent's generation goes
+    first: a server decoding on one core of two leaves the other to the build and takes it back at
+    once (a nice of 10 alone still gets a share of a core the parent's threads want, stalling their
+    barriers). On a machine kept busy, builds wait for an idle moment."""
     if hasattr(os, "nice"):
         os.nice(10)
     if hasattr(os, "SCHED_IDLE"):
