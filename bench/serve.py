@@ -5,6 +5,7 @@ the preset's GGUF file on 127.0.0.1 with the same number of threads.
                           [--requests-per-client 2] [--threads 2] [--quantize gguf] [--skip-peer] [--quick]
                           [--repeat 1] [--max-length 2048] [--omp-wait-policy PASSIVE] [--[no-]compile]
                           [--warm] [--warm-minutes 40] [--chat-template FILE --peer-chat-format NAME]
+                          [--decode-threads N]
 
 A model whose GGUF carries no chat template (the Gemma 3 preset) runs with one given to both servers:
 `--chat-template bench/templates/gemma.jinja --peer-chat-format gemma` (Gemma's turns, as
@@ -119,6 +120,7 @@ def servers_to_start(args, gguf, vector):
     kvwire += ["--quantize", args.quantize] if args.quantize else []
     kvwire += {True: ["--compile"], False: ["--no-compile"], None: []}[args.compile]
     kvwire += ["--chat-template", args.chat_template] if args.chat_template else []
+    kvwire += ["--decode-threads", str(args.decode_threads)] if args.decode_threads else []
     out = {"kvwire": (kvwire, "/health", threads),
            "kvwire +happy": (kvwire + ["--control-vector", f"happy={vector}"], "/health", threads)}
     if not args.skip_peer:
@@ -325,6 +327,8 @@ def parser():
     p.add_argument("--warm", action="store_true",
                    help="with compiled steps: before timing, run the whole load untimed on kvwire's servers, wait "
                    "until their compiled steps are built (their /metrics gauge), and again until a pass builds nothing")
+    p.add_argument("--decode-threads", type=int, default=None, metavar="N",
+                   help="kvwire serve --decode-threads (default: the server's own, one fewer than --threads)")
     p.add_argument("--warm-minutes", type=float, default=40, help="--warm's budget (default %(default)s)")
     p.add_argument("--skip-peer", action="store_true", help="do not start llama.cpp's server")
     p.add_argument("--chat-template", default=None, metavar="FILE.jinja",
