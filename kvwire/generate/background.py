@@ -11,9 +11,9 @@ them. Only the tensors whose values a compiler reads travel with them (`weightle
 writes into its code, and those a computation of model tensors alone reads, which it may fold);
 a package that took in a tensor sent as a shape only is refused when it is opened (`check_handed`).
 The child runs on idle CPU time (`yield_cpu`) with one compile thread and writes the package and
-its record as a build in the generating process does (`keep`). Builds run one at a time, in the order they
-were asked for; children still compiling when the parent exits are stopped (a package is written
-whole or not at all).
+its record as a build in the generating process does (`keep`). Builds run one at a time, in the
+order they were asked for; children still compiling when the parent exits are stopped (a package
+is written whole or not at all).
 
 Run as `python -m kvwire.generate.background PROGRAM PACKAGE RECORD` (the child's side).
 """
