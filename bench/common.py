@@ -39,8 +39,8 @@ def header(threads, cpuinfo="/proc/cpuinfo"):
 
 
 def cpu_paths():
-    """kvwire's kernel choices for this CPU (kvwire.kernels.cpu.report, and the Q4_1 / Q5_0 kernel where
-    ggml is installed), for benchmark headers."""
+    """kvwire's kernel choices for this CPU (kvwire.kernels.cpu.report, and the kernel of each format x16
+    covers where ggml is installed), for benchmark headers."""
     import importlib.util
 
     from kvwire.kernels.cpu import report
@@ -48,8 +48,12 @@ def cpu_paths():
     line = "kvwire " + report()
     if importlib.util.find_spec("llama_cpp") is not None:
         from kvwire.kernels.cpu import ggml_kernel
+        from kvwire.kernels.ggml.lib import x16_runs
+        from kvwire.quant.ggml.linear import qtype_of
 
-        line += f"; Q4_1/Q5_0/Q8_0/Q4_K kernel: {ggml_kernel()}"
+        kernel = ggml_kernel()
+        for name in ("Q4_1", "Q5_0", "Q8_0", "Q4_K"):
+            line += f"; {name} kernel: {kernel if kernel == 'ggml' or x16_runs(int(qtype_of(name))) else 'ggml'}"
     return line
 
 

@@ -140,7 +140,7 @@ def _ggml_kernel():
     except Exception as e:  # noqa: BLE001 - a broken ggml install or bridge is reported, not raised
         return {"unavailable": f"{type(e).__name__}: {e}"}
     f = cpu.features()  # what the bridge would find: torch's probes of the same features
-    choice = _choice(lambda: cpu.ggml_kernel(runs=f["avx512"] and f["avx512_vnni"]))
+    choice = _choice(lambda: cpu.ggml_kernel(runs=f["avx512"] and f["avx512_vnni"] or f["avx2"]))
     if isinstance(choice, dict):
         return choice
     return f"{choice} (expected: kvwire's bridge to ggml is built on first use, ~15 s)"

@@ -98,7 +98,7 @@ def test_before_the_bridge_is_built_the_kernel_is_foretold_not_built(with_ggml, 
     monkeypatch.setattr(with_ggml, "loaded_or_built", lambda: False)
     monkeypatch.setattr(with_ggml, "library", lambda: pytest.fail("info must not build or load the bridge"))
     f = cpu.features()
-    expected = "x16" if f["avx512"] and f["avx512_vnni"] else "ggml"
+    expected = "x16" if f["avx512"] and f["avx512_vnni"] or f["avx2"] else "ggml"
     assert info()["paths"]["ggml_kernel"].startswith(f"{expected} (expected:")
     monkeypatch.setenv("KVWIRE_GGML_KERNEL", "ggml")
     assert info()["paths"]["ggml_kernel"].startswith("ggml (expected:")

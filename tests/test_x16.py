@@ -1,6 +1,8 @@
-"""Q4_1, Q5_0, Q8_0 and Q4_K blocks repacked for kvwire's AVX-512 VNNI kernel (`x16.c`): the repacking is
-lossless, the kernel computes ggml's products (to float32 summation order) at every row count and
-shape, and the choice between it and ggml's own kernels follows the CPU, refusing what it cannot run."""
+"""Q4_1, Q5_0, Q8_0 and Q4_K blocks repacked for kvwire's kernel (`x16.c`: AVX-512 VNNI for all four, AVX2
+for Q8_0): the repacking is lossless, the kernel computes ggml's products (to float32 summation order)
+at every row count and shape, and the choice between it and ggml's own kernels follows the CPU,
+refusing what it cannot run. Each test runs the branch this CPU takes and skips the formats it
+leaves to ggml's kernels."""
 import copy
 import importlib.util
 
@@ -24,8 +26,17 @@ def _x16_runs():
 
 
 needs_x16 = pytest.mark.skipif("not HAVE_GGML or not _x16_runs()",
-                               reason="this CPU lacks AVX-512 F/BW/VL + VNNI: the x16 kernel does not run here")
+                               reason="this CPU lacks AVX-512 F/BW/VL + VNNI and AVX2: the x16 kernel does not run here")
 FORMATS = ["q4_1", "q5_0", "q8_0", "q4_k"]
+
+
+def _skip_unless_x16_runs(kind):
+    """Skip where this CPU leaves `kind` to ggml's kernels (AVX2 runs x16 for Q8_0 only)."""
+    from kvwire.kernels.ggml.lib import x16_runs
+    from kvwire.quant.ggml.linear import qtype_of
+
+    if not x16_runs(int(qtype_of(kind))):
+        pytest.skip(f"this CPU runs x16 for Q8_0 only (AVX2, no AVX-512 VNNI): {kind} stays on ggml's kernels")
 
 
 def _n(kind, n):
@@ -48,6 +59,7 @@ def _pair(out, n, seed=0, kind="q4_1"):
 def test_repacked_blocks_hold_ggmls_bytes_and_values(out, n, kind):
     from kvwire.quant.ggml.linear import X16
 
+    _skip_unless_x16_runs(kind)
     plain, packed = _pair(out, n, kind=kind)
     n = _n(kind, n)
     assert plain.kernel_type == int(plain.qtype) and packed.kernel_type == X16[packed.qtype]
@@ -65,6 +77,7 @@ def test_repacked_blocks_hold_ggmls_bytes_and_values(out, n, kind):
 def test_x16_computes_ggmls_products(out, n, rows, kind):
     """Each block's integer dot product and scaling are ggml's: only the float sums' order differs.
     (Past 32 rows ggml's layout dequantises for float32 GEMM; x16 keeps its kernel: the operator.)"""
+    _skip_unless_x16_runs(kind)
     plain, packed = _pair(out, n, seed=rows, kind=kind)
     n = _n(kind, n)
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(100 + rows))
@@ -95,6 +108,7 @@ def test_a_fused_call_mixes_x16_with_other_formats():
 def test_requantize_and_copies_of_a_repacked_weight(kind):
     from kvwire.quant.ggml import GGMLLinear
 
+    _skip_unless_x16_runs(kind)
     n = _n(kind, 64)
     plain, packed = _pair(16384 + 21, n, kind=kind)  # more than one of requantize's 4,096-row chunks
     assert torch.equal(packed.requantize("q8_0").blocks, plain.requantize("q8_0").blocks)
@@ -106,9 +120,9 @@ def test_requantize_and_copies_of_a_repacked_weight(kind):
 
 @needs_x16
 def test_state_dicts_hold_ggmls_layout_and_load_into_either_kernel():
-    plain, packed = _pair(40, 96, kind="q5_0")  # 3 blocks: an odd count
+    plain, packed = _pair(40, 96, kind="q8_0")  # 3 blocks: an odd count (Q8_0: x16 on every branch)
     assert torch.equal(packed.state_dict()["blocks"], plain.blocks)
-    other_plain, other_packed = _pair(40, 96, seed=9, kind="q5_0")
+    other_plain, other_packed = _pair(40, 96, seed=9, kind="q8_0")
     other_plain.load_state_dict(packed.state_dict())
     other_packed.load_state_dict(plain.state_dict())
     x = torch.randn(3, 96)
@@ -133,9 +147,11 @@ def test_a_copy_made_where_x16_ran_falls_back_where_it_does_not(monkeypatch, kin
 
     w = torch.randn(40, 256, generator=torch.Generator().manual_seed(6))
     if not lib.x16_runs():
-        pytest.skip("this CPU lacks AVX-512 F/BW/VL + VNNI: no repacked module can be made here")
+        pytest.skip("this CPU lacks AVX-512 F/BW/VL + VNNI and AVX2: no repacked module can be made here")
+    _skip_unless_x16_runs(kind)
     packed, plain = GGMLLinear.quantize(w, kind, kernel="x16"), GGMLLinear.quantize(w, kind, kernel="ggml")
-    monkeypatch.setattr(lib, "x16_runs", lambda: False)
+    assert packed.repacked
+    monkeypatch.setattr(lib, "x16_runs", lambda qtype=None: False)
     clone = copy.deepcopy(packed)
     assert not clone.repacked and torch.equal(clone.blocks, plain.blocks)
     x = torch.randn(2, 256)
@@ -146,11 +162,14 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
     from kvwire.kernels import cpu
     from kvwire.kernels.ggml import lib
     from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.linear import qtype_of
 
     runs = lib.x16_runs()
     assert cpu.ggml_kernel() == ("x16" if runs else "ggml")
     w = torch.randn(32, 256)
-    assert all(GGMLLinear.quantize(w, kind).repacked == runs for kind in FORMATS)
+    for kind in FORMATS:
+        assert GGMLLinear.quantize(w, kind).repacked == lib.x16_runs(int(qtype_of(kind)))
+    assert lib.x16_runs(int(qtype_of("q8_0"))) == runs  # Q8_0 runs x16 on every branch that runs it at all
     assert not GGMLLinear.quantize(w, "q4_0", kernel="x16").repacked  # only the formats x16 has
     monkeypatch.setenv("KVWIRE_GGML_KERNEL", "ggml")
     assert not GGMLLinear.quantize(w, "q4_1").repacked
@@ -160,22 +179,26 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
     monkeypatch.delenv("KVWIRE_GGML_KERNEL")
     with pytest.raises(ValueError, match="kernel='avx'; expected one of x16, ggml"):
         GGMLLinear.quantize(w, "q4_1", kernel="avx")
-    monkeypatch.setattr(lib, "x16_runs", lambda: False)  # a CPU without the features, as on AVX2
+    monkeypatch.setattr(lib, "x16_runs", lambda qtype=None: False)  # a CPU without the features (no AVX2)
     assert cpu.ggml_kernel() == "ggml"
-    with pytest.raises(ValueError, match="kernel=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, which this CPU"):
+    with pytest.raises(ValueError, match="kernel=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, or AVX2 with "
+                                         "FMA and F16C, which this CPU"):
         GGMLLinear.quantize(w, "q4_1", kernel="x16")
     monkeypatch.setenv("KVWIRE_GGML_KERNEL", "x16")
     with pytest.raises(ValueError, match="KVWIRE_GGML_KERNEL=x16 needs AVX-512"):
         GGMLLinear.quantize(w, "q4_1")
 
 
-@pytest.mark.skipif("not HAVE_GGML or _x16_runs()", reason="this CPU runs the x16 kernel: its refusal is the AVX2 machines' branch")
 def test_the_operator_refuses_repacked_blocks_where_x16_cannot_run():
+    from kvwire.kernels.ggml.lib import x16_runs
     from kvwire.quant.ggml import GGMLLinear
     from kvwire.quant.ggml.linear import X16
 
-    q = GGMLLinear.quantize(torch.randn(16, 64), "q4_1")
-    for number in X16.values():
+    refused = [number for qtype, number in X16.items() if not x16_runs(int(qtype))]
+    if not refused:
+        pytest.skip("this CPU runs the x16 kernel for every format: the refusal is other CPUs' branch")
+    q = GGMLLinear.quantize(torch.randn(16, 64), "q4_1", kernel="ggml")
+    for number in refused:
         with pytest.raises(RuntimeError, match=f"ggml has no CPU dot product for type {number}"):
             torch.ops.kvwire.ggml_matmul(torch.randn(1, 64), q.blocks, number, 64)
 

@@ -125,9 +125,11 @@ def fused():
 
 def ggml_kernel(asked=None, runs=None):
     """The kernel for the formats x16 repacks (Q4_1, Q5_0, Q8_0, Q4_K): `asked` ("x16" / "ggml"), else
-    `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU has AVX-512
-    F, BW, VL and VNNI and 'ggml' (ggml's kernels on the file's layout) where it has not. x16 on a
-    CPU without those features is refused, naming them. `runs`: whether x16 runs here, when the
+    `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU runs it for
+    some format (all four with AVX-512 F, BW, VL and VNNI; Q8_0 with AVX2, FMA and F16C; the other
+    formats stay on ggml's kernels there, `quant.ggml.linear.x16_layout`) and 'ggml' (ggml's kernels
+    on the file's layout) where it runs for none. x16 on a CPU without those features is refused,
+    naming them. `runs`: whether x16 runs here, when the
     caller knows without the bridge (None: ask the bridge, built on first use)."""
     source = "kernel" if asked is not None else "KVWIRE_GGML_KERNEL"
     if asked is None:
@@ -142,7 +144,8 @@ def ggml_kernel(asked=None, runs=None):
     if asked not in GGML_KERNELS:
         raise ValueError(f"{source}={asked!r}; expected one of {', '.join(GGML_KERNELS)}")
     if asked == "x16" and not runs:
-        raise ValueError(f"{source}=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, which this CPU lacks; "
+        raise ValueError(f"{source}=x16 needs AVX-512 F, BW and VL with AVX512_VNNI, or AVX2 with FMA and F16C, "
+                         "which this CPU lacks; "
                          "leave it unset (kvwire then runs ggml's own kernels)")
     return asked
 

@@ -58,9 +58,11 @@ def loaded_or_built():
 
 
 @lru_cache(maxsize=None)
-def x16_runs():
-    """Whether this CPU runs the x16 kernel (AVX-512 F, BW, VL and VNNI), as the bridge finds it."""
-    return bool(library().kvw_x16_supported())
+def x16_runs(qtype=None):
+    """Whether this CPU runs the x16 kernel for ggml's type number `qtype` (None: for any type), as
+    the bridge finds it: Q4_1, Q5_0, Q8_0 and Q4_K with AVX-512 F, BW, VL and VNNI; Q8_0 alone with
+    AVX2 (FMA, F16C)."""
+    return bool(library().kvw_x16_supported(-1 if qtype is None else int(qtype)))
 
 
 def _build_args():
@@ -83,6 +85,6 @@ def _declare(lib):
     lib.kvw_row_bytes.argtypes, lib.kvw_row_bytes.restype = [i32, i64], i64
     lib.kvw_supported.argtypes, lib.kvw_supported.restype = [i32], i32
     lib.kvw_dequantize.argtypes, lib.kvw_dequantize.restype = [i32, ptr, i64, i64, ptr, i32], i32
-    lib.kvw_x16_supported.restype = i32
+    lib.kvw_x16_supported.argtypes, lib.kvw_x16_supported.restype = [i32], i32
     lib.kvw_x16_repack_rows.argtypes, lib.kvw_x16_repack_rows.restype = [i32, ptr, ptr, i64, i64, i32, i32], None
     lib.kvw_quantize.argtypes, lib.kvw_quantize.restype = [i32, ptr, ptr, i64, i64], i64

@@ -33,7 +33,7 @@
 #define KVW_Q8_0_X16 1003
 #define KVW_Q4_K_X16 1004
 
-int kvw_x16_supported(void);
+int kvw_x16_supported(int type);
 void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16);
 int64_t kvw_x16_act_bytes(int type, int64_t n);
 void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst);
@@ -58,7 +58,7 @@ int64_t kvw_row_bytes(int type, int64_t n) { return (int64_t)ggml_row_size(ggml_
 
 /* 1 if the CPU backend has a dot product for this weight type, else 0. */
 int kvw_supported(int type) {
-    if (is_x16(type)) return kvw_x16_supported();
+    if (is_x16(type)) return kvw_x16_supported(ggml_type_of(type));
     if (type < 0 || type >= GGML_TYPE_COUNT) return 0;
     const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu((enum ggml_type)type);
     if (t->vec_dot == NULL) return 0;

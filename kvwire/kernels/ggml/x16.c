@@ -60,7 +60,7 @@ typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } q8_k_block;
 #define X86 0
 #endif
 
-int kvw_x16_supported(void) {
+static int avx512_vnni(void) {
 #if !X86
     return 0;
 #else
@@ -68,6 +68,22 @@ int kvw_x16_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #endif
+}
+
+static int avx2(void) {
+#if !X86
+    return 0;
+#else
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+}
+
+/* 1 where this CPU runs the x16 kernel for ggml's `type` (Q4_1, Q5_0, Q8_0, Q4_K): all four with AVX-512
+ * VNNI, Q8_0 alone with AVX2; -1 (any type): whether it runs for at least one. */
+int kvw_x16_supported(int type) {
+    if (avx512_vnni()) return 1;
+    return avx2() && (type == -1 || type == GGML_TYPE_Q8_0);
 }
 
 static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
@@ -430,12 +446,94 @@ static void dots_q4_k(int64_t n, const void *w, int64_t u, const void *x, int64_
     dots(Q4_K, n, w, u, x, rows, y, y_stride);
 }
 
+/* Q8_0 on AVX2 (with FMA and F16C), for CPUs without AVX-512 VNNI: the same layout, a 16-row group
+ * as two 8-lane halves. AVX2 has no unsigned-by-signed byte dot with 32-bit sums; `vpmaddubsw` makes
+ * 16-bit pair sums that would saturate on the stored weights + 128, so each chunk goes back to signed
+ * bytes and ggml's sign trick applies: |w| (unsigned, at most 128) times the activation byte with w's
+ * sign (at most 127 in size; ggml's Q8_0 activations lie in -127..127), whose pair sums stay within
+ * int16, then `vpmaddwd` by ones to 32-bit lanes. So each block's integer dot product is ggml's, as
+ * above, and no 128 x sum term is needed. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void dots_rows_q8_0_avx2(const int NR, int64_t n, const void *w, int64_t u, const uint8_t *const *a,
+                                       float *y, int64_t y_stride) {
+    const int64_t blocks = n / QK, bytes = sizeof(q8_0_block);
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i mask[2];
+    for (int h = 0; h < 2; h++) mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), lane);
+    const float *scale[4];
+    __m256 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        scale[r] = (const float *)(a[r] + floats_at(GGML_TYPE_Q8_0, blocks));
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes;
+        for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(chunk + PREFETCH + line, 0, 3);
+        uint16_t halves[16] = {0}; /* a short group's scales, padded */
+        const uint8_t *scales = chunk + 32 * u;
+        if (u < GROUP) scales = (const uint8_t *)memcpy(halves, scales, 2 * (size_t)u);
+        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales)),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16)))};
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            if (8 * h >= u) break;
+            __m256i isum[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m256i q = _mm256_xor_si256(
+                    _mm256_maskload_epi32((const int *)(chunk + k * 4 * u + 32 * h), mask[h]), flip);
+                const __m256i magnitude = _mm256_abs_epi8(q);
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    int32_t x;
+                    memcpy(&x, a[r] + b * 34 + 2 + 4 * k, 4);
+                    const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x), q);
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++)
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d[h], _mm256_set1_ps(scale[r][b])),
+                                            acc[r][h]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2 && 8 * h < u; h++)
+            _mm256_maskstore_ps(y + r * y_stride + 8 * h, mask[h], acc[r][h]);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dots_q8_0_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                           int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q8_0, n);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const uint8_t *a[4];
+        for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
+        float *out = y + r0 * y_stride;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: dots_rows_q8_0_avx2(1, n, w, u, a, out, y_stride); break;
+        case 2: dots_rows_q8_0_avx2(2, n, w, u, a, out, y_stride); break;
+        case 3: dots_rows_q8_0_avx2(3, n, w, u, a, out, y_stride); break;
+        default: dots_rows_q8_0_avx2(4, n, w, u, a, out, y_stride); break;
+        }
+    }
+}
+
 #endif
 
 /* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0, Q8_0 or Q4_K) packed row group `w` . activation row r. */
 void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                   int64_t y_stride) {
 #if X86
+    if (!avx512_vnni()) { /* kvw_supported let it through: Q8_0 on AVX2 */
+        dots_q8_0_avx2(n, w, u, x, rows, y, y_stride);
+        return;
+    }
     (is_q4_k(type) ? dots_q4_k : is_q8_0(type) ? dots_q8_0 : is_q5_0(type) ? dots_q5_0 : dots_q4_1)(
         n, w, u, x, rows, y, y_stride);
 #else  /* unreachable: kvw_supported refuses the x16 types where kvw_x16_supported() is 0 */

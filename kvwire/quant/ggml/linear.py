@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from ...kernels.cpu import ggml_kernel
-from ...kernels.ggml.lib import library
+from ...kernels.ggml.lib import library, x16_runs
 
 # Formats whose matrix product ggml runs row by row (no tiled kernel): above MANY_ROWS rows,
 # dequantising + float32 GEMM beats them; every other format stays on ggml's kernels at any size
@@ -81,7 +81,7 @@ class GGMLLinear(nn.Module):
         state.setdefault("kernel_type", int(state["qtype"]))  # pickled before x16 existed: ggml's layout
         super().__setstate__(state)
         library()
-        if self.repacked and ggml_kernel() != "x16":  # pickled where the x16 kernel runs
+        if self.repacked and not x16_layout(self.qtype):  # pickled where the x16 kernel runs
             self.blocks = _repacked(self.blocks, self.qtype, self.in_features, to_x16=False)
             self.kernel_type = int(self.qtype)
 
@@ -200,8 +200,10 @@ class GGMLLinear(nn.Module):
 
 
 def x16_layout(qtype, kernel=None):
-    """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`."""
-    return qtype_of(qtype) in X16 and ggml_kernel(kernel) == "x16"
+    """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`: a format x16 has,
+    on a CPU that runs x16 for it (AVX2 runs it for Q8_0 only)."""
+    qtype = qtype_of(qtype)
+    return qtype in X16 and ggml_kernel(kernel) == "x16" and x16_runs(int(qtype))
 
 
 def _repacked(blocks, qtype, in_features, to_x16, release=None):
