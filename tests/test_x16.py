@@ -72,7 +72,7 @@ def test_repacked_blocks_hold_ggmls_bytes_and_values(out, n, kind):
 
 @needs_x16
 @pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("out, n", [(48, 256), (37, 576), (200, 1536)])
+@pytest.mark.parametrize("out, n", [(48, 256), (37, 576), (45, 256), (200, 1536)])  # last groups of 16, 5, 13, 8
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32, 45])
 def test_x16_computes_ggmls_products(out, n, rows, kind):
     """Each block's integer dot product and scaling are ggml's: only the float sums' order differs.
@@ -87,6 +87,33 @@ def test_x16_computes_ggmls_products(out, n, rows, kind):
     assert torch.equal(got, torch.ops.kvwire.ggml_matmul(x, packed.blocks, packed.kernel_type, n))  # x16's op ran
     reference = x @ plain.dequantize().t()  # and both are the float product up to 8-bit activations
     torch.testing.assert_close(got, reference, atol=0.02 * reference.abs().max().item(), rtol=0)
+
+
+@needs_x16
+def test_q8_0_weights_of_minus_128_compute_as_ggmls():
+    """A file may hold Q8_0 bytes of -128 (ggml's quantiser writes -127..127): the kernel's byte
+    products take them exactly (AVX2's sign trick: |-128| read unsigned is 128, and its pair sums
+    stay within int16), as ggml's own kernel does."""
+    import numpy as np
+
+    from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.linear import qtype_of
+
+    g = np.random.default_rng(7)
+    out, n = 27, 128  # a last group of 11 rows
+    blocks = np.zeros((out, n // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    quants = g.integers(-128, 128, size=(out, n // 32, 32)).astype(np.int8)
+    quants[:, :, ::3] = -128
+    blocks[:, :, 2:] = quants.view(np.uint8)
+    blocks = torch.from_numpy(blocks.reshape(out, -1))
+    q8_0 = qtype_of("q8_0")
+    plain, packed = GGMLLinear(blocks, q8_0, n, kernel="ggml"), GGMLLinear(blocks, q8_0, n, kernel="x16")
+    assert packed.repacked and torch.equal(packed.ggml_blocks(), plain.blocks)
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 10
+        expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
+        torch.testing.assert_close(packed(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
 @needs_x16

@@ -11,7 +11,7 @@
  * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on for most formats
  * (`kvw_matmuls` chooses; bench/ggml_matmul.py measures).
  *
- * Q4_1, Q5_0, Q8_0 and Q4_K weights repacked for AVX-512 VNNI (`x16.c`) carry kvwire's own type
+ * Q4_1, Q5_0, Q8_0 and Q4_K weights repacked for x16 (`x16.c`; AVX-512 VNNI, or AVX2 for Q8_0) carry kvwire's own type
  * numbers (KVW_Q4_1_X16, KVW_Q5_0_X16, KVW_Q8_0_X16, KVW_Q4_K_X16) and run that file's kernel in the
  * row loop, at every row count.
  *
@@ -70,12 +70,14 @@ int kvw_supported(int type) {
 /* ys[i] (rows, outs[i]) = x (rows, n) @ W_i^T for `count` (<= 8) weights W_i (outs[i], n) in
  * types[i] blocks, e.g. one layer's q/k/v projections: the activation rows are quantised once per
  * partner format, and all the weights' output rows are split across threads in one parallel loop.
- * Returns 0, -1 on no memory, -2 for more than 8 weights. */
+ * Returns 0, -1 on no memory, -2 for more than 8 weights, -3 for a type this CPU has no kernel for. */
 int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                      const float *x, int64_t rows, float *const *ys, int threads) {
     enum { MAX_WEIGHTS = 8 };
     const int64_t block = 16; /* output rows a task (x16's row group): a weight row is read once for every activation row */
     if (count > MAX_WEIGHTS) return -2;
+    for (int i = 0; i < count; i++)
+        if (!kvw_supported(types[i])) return -3; /* e.g. a repacked type x16 does not run on this CPU */
     const void *xq[MAX_WEIGHTS];
     void *scratch[MAX_WEIGHTS] = {0};
     size_t x_row[MAX_WEIGHTS], w_row[MAX_WEIGHTS];

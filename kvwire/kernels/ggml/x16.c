@@ -1,4 +1,5 @@
-/* ggml blocks laid out for AVX-512 VNNI: sixteen weight rows a step instead of one block.
+/* ggml blocks laid out for wide integer dot products (AVX-512 VNNI; AVX2 for Q8_0): sixteen weight rows
+ * a step instead of one block.
  *
  * ggml's Q4_1, Q5_0 and Q8_0 dot products handle one block of 32 weights of one row at a time
  * (bit unpacking, a dot product, half-precision scale lookups, a horizontal sum a row) and are bound
@@ -31,7 +32,10 @@
  * So rows 16G.. of a packed weight sit where they sat in ggml's layout: slicing at multiples of
  * 16 rows still works.
  *
- * Built by lib.py into kvwire's ggml bridge; the kernel runs only where `kvw_x16_supported()`.
+ * CPUs with AVX2 but no AVX-512 VNNI run Q8_0 from the same layout on an 8-lane kernel
+ * (`dots_rows_q8_0_avx2`); the other formats stay on ggml's kernels there.
+ *
+ * Built by lib.py into kvwire's ggml bridge; a type runs here only where `kvw_x16_supported(type)`.
  */
 #include <stdint.h>
 #include <string.h>
@@ -64,9 +68,13 @@ static int avx512_vnni(void) {
 #if !X86
     return 0;
 #else
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    static int found = -1; /* asked once: every 16-row task of a call asks */
+    if (found < 0) {
+        __builtin_cpu_init();
+        found = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return found;
 #endif
 }
 
@@ -536,7 +544,7 @@ void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, 
     }
     (is_q4_k(type) ? dots_q4_k : is_q8_0(type) ? dots_q8_0 : is_q5_0(type) ? dots_q5_0 : dots_q4_1)(
         n, w, u, x, rows, y, y_stride);
-#else  /* unreachable: kvw_supported refuses the x16 types where kvw_x16_supported() is 0 */
+#else  /* unreachable: kvw_supported refuses the x16 types where kvw_x16_supported(type) is 0 */
     (void)type, (void)n, (void)w, (void)u, (void)x, (void)rows, (void)y, (void)y_stride;
 #endif
 }

@@ -10,7 +10,7 @@ beyond `MANY_ROWS` rows, which wins there.
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0, Q8_0 and Q4_K blocks are repacked at
 construction into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at
-every row count, faster than ggml's at most shapes. `kernels.cpu.ggml_kernel()` chooses,
+every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q8_0 blocks are. `kernels.cpu.ggml_kernel()` chooses,
 `KVWIRE_GGML_KERNEL=ggml|x16` overrides. bench/ggml_matmul.py measures the crossovers;
 docs/kernels.md gives the numbers.
 """
@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from ...kernels.cpu import ggml_kernel
-from ...kernels.ggml.lib import library, x16_runs
+from ...kernels.ggml import lib as bridge
+from ...kernels.ggml.lib import library
 
 # Formats whose matrix product ggml runs row by row (no tiled kernel): above MANY_ROWS rows,
 # dequantising + float32 GEMM beats them; every other format stays on ggml's kernels at any size
@@ -42,7 +43,7 @@ class GGMLLinear(nn.Module):
         blocks: (out, row_bytes) uint8, each row `in_features` weights in `qtype` blocks.
         qtype: a `gguf.GGMLQuantizationType` (or its id) with a ggml CPU dot product.
         in_features: weights per row. bias: (out,) or None.
-        kernel: for Q4_1, Q5_0, Q8_0 and Q4_K, "x16" (repack the blocks for kvwire's AVX-512 VNNI kernel)
+        kernel: for Q4_1, Q5_0, Q8_0 and Q4_K, "x16" (repack the blocks for kvwire's kernel where it runs the format)
             or "ggml"; None: `ggml_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
         release: called as release(start, stop) once rows start..stop of `blocks` are repacked (a
             loader gives a memory-mapped file's pages back there); None: nothing is called.
@@ -203,7 +204,7 @@ def x16_layout(qtype, kernel=None):
     """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`: a format x16 has,
     on a CPU that runs x16 for it (AVX2 runs it for Q8_0 only)."""
     qtype = qtype_of(qtype)
-    return qtype in X16 and ggml_kernel(kernel) == "x16" and x16_runs(int(qtype))
+    return qtype in X16 and ggml_kernel(kernel) == "x16" and bridge.x16_runs(int(qtype))
 
 
 def _repacked(blocks, qtype, in_features, to_x16, release=None):
