@@ -129,8 +129,8 @@ def ggml_kernel(asked=None, runs=None):
     some format (all four with AVX-512 F, BW, VL and VNNI; Q8_0 with AVX2, FMA and F16C; the other
     formats stay on ggml's kernels there, `quant.ggml.linear.x16_layout`) and 'ggml' (ggml's kernels
     on the file's layout) where it runs for none. x16 on a CPU without those features is refused,
-    naming them. `runs`: whether x16 runs here, when the
-    caller knows without the bridge (None: ask the bridge, built on first use)."""
+    naming them. `runs`: whether x16 runs here for some format, when the caller knows without the
+    bridge (None: ask the bridge, built on first use)."""
     source = "kernel" if asked is not None else "KVWIRE_GGML_KERNEL"
     if asked is None:
         asked = switches.get("KVWIRE_GGML_KERNEL") or ""
