@@ -134,16 +134,24 @@ def _ggml_kernel():
         return "not installed"
     from .kernels.ggml.lib import loaded_or_built
 
+    f = cpu.features()  # what the bridge finds (or will): torch's probes of the same features
+    vnni = f["avx512"] and f["avx512_vnni"]
     try:
         if loaded_or_built():
-            return _choice(cpu.ggml_kernel)
+            return _x16_formats(_choice(cpu.ggml_kernel), vnni)
     except Exception as e:  # noqa: BLE001 - a broken ggml install or bridge is reported, not raised
         return {"unavailable": f"{type(e).__name__}: {e}"}
-    f = cpu.features()  # what the bridge would find: torch's probes of the same features
-    choice = _choice(lambda: cpu.ggml_kernel(runs=f["avx512"] and f["avx512_vnni"] or f["avx2"]))
+    choice = _choice(lambda: cpu.ggml_kernel(runs=vnni or f["avx2"]))
     if isinstance(choice, dict):
         return choice
-    return f"{choice} (expected: kvwire's bridge to ggml is built on first use, ~15 s)"
+    return _x16_formats(f"{choice} (expected: kvwire's bridge to ggml is built on first use, ~15 s)", vnni)
+
+
+def _x16_formats(choice, vnni):
+    """`choice`, saying which formats x16 leaves to ggml's kernels where the CPU has AVX2 alone."""
+    if isinstance(choice, dict) or not choice.startswith("x16") or vnni:
+        return choice
+    return f"{choice}; Q4_1, Q5_0, Q4_K on ggml's kernels: x16 runs Q8_0 alone on AVX2 without AVX-512 VNNI"
 
 
 def _choices(name):

@@ -39,6 +39,23 @@ def _skip_unless_x16_runs(kind):
         pytest.skip(f"this CPU runs x16 for Q8_0 only (AVX2, no AVX-512 VNNI): {kind} stays on ggml's kernels")
 
 
+@pytest.fixture(params=["native", "as_avx2"])
+def branch(request):
+    """The test on the kernels this CPU takes, then, where those are AVX-512 VNNI's, again as on a CPU
+    with AVX2 alone (`lib.as_avx2`): machines of either kind test the AVX2 branch."""
+    if request.param == "native":
+        yield
+        return
+    from kvwire.kernels.ggml import lib
+    from kvwire.quant.ggml.linear import qtype_of
+
+    if not lib.x16_runs(int(qtype_of("q4_k"))):
+        pytest.skip("this CPU has no AVX-512 VNNI: its native run is the AVX2 branch (or no x16 at all)")
+    with lib.as_avx2():
+        assert lib.x16_runs(int(qtype_of("q8_0"))) and not lib.x16_runs(int(qtype_of("q4_k")))
+        yield
+
+
 def _n(kind, n):
     """A row length `kind` can hold: Q4_K's super-blocks take 256 weights, the others' blocks 32."""
     return -(-n // 256) * 256 if kind == "q4_k" else n
@@ -74,7 +91,7 @@ def test_repacked_blocks_hold_ggmls_bytes_and_values(out, n, kind):
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("out, n", [(48, 256), (37, 576), (45, 256), (200, 1536)])  # last groups of 16, 5, 13, 8
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32, 45])
-def test_x16_computes_ggmls_products(out, n, rows, kind):
+def test_x16_computes_ggmls_products(out, n, rows, kind, branch):
     """Each block's integer dot product and scaling are ggml's: only the float sums' order differs.
     (Past 32 rows ggml's layout dequantises for float32 GEMM; x16 keeps its kernel: the operator.)"""
     _skip_unless_x16_runs(kind)
@@ -90,7 +107,7 @@ def test_x16_computes_ggmls_products(out, n, rows, kind):
 
 
 @needs_x16
-def test_q8_0_weights_of_minus_128_compute_as_ggmls():
+def test_q8_0_weights_of_minus_128_compute_as_ggmls(branch):
     """A file may hold Q8_0 bytes of -128 (ggml's quantiser writes -127..127): the kernel's byte
     products take them exactly (AVX2's sign trick: |-128| read unsigned is 128, and its pair sums
     stay within int16), as ggml's own kernel does."""
@@ -216,7 +233,22 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
         GGMLLinear.quantize(w, "q4_1")
 
 
-def test_the_operator_refuses_repacked_blocks_where_x16_cannot_run():
+def test_as_avx2_runs_q8_0_alone_then_gives_the_cpus_choice_back():
+    from kvwire.kernels.ggml import lib
+    from kvwire.quant.ggml.linear import qtype_of
+
+    def runs():
+        return {kind: lib.x16_runs(int(qtype_of(kind))) for kind in FORMATS}
+
+    before = runs()
+    with lib.as_avx2():
+        inside = runs()
+        assert lib.library().kvw_x16_as_avx2(-1) == 1
+    assert inside == {kind: kind == "q8_0" and before["q8_0"] for kind in FORMATS}
+    assert runs() == before and lib.library().kvw_x16_as_avx2(-1) == 0
+
+
+def test_the_operator_refuses_repacked_blocks_where_x16_cannot_run(branch):
     from kvwire.kernels.ggml.lib import x16_runs
     from kvwire.quant.ggml import GGMLLinear
     from kvwire.quant.ggml.linear import X16

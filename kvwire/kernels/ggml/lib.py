@@ -9,6 +9,7 @@ imported first so the bridge's OpenMP threads come from torch's libgomp (one thr
 """
 import ctypes
 import importlib.util
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -65,6 +66,26 @@ def x16_runs(qtype=None):
     return bool(library().kvw_x16_supported(-1 if qtype is None else int(qtype)))
 
 
+@contextmanager
+def as_avx2():
+    """Within it, the x16 kernel runs as on a CPU with AVX2 but no AVX-512 VNNI (Q8_0 alone, on its
+    AVX2 kernel; the other formats on ggml's), so a machine with AVX-512 tests the AVX2 path too.
+    Modules built inside keep the layout chosen there. Not thread-safe: for tests and benchmarks.
+
+    Example:
+        >>> with as_avx2():
+        ...     x16_runs(12)  # ggml's Q4_K: left to ggml's kernels on AVX2
+        False
+    """
+    before = library().kvw_x16_as_avx2(1)
+    x16_runs.cache_clear()
+    try:
+        yield
+    finally:
+        library().kvw_x16_as_avx2(before)
+        x16_runs.cache_clear()
+
+
 def _build_args():
     """(C flags, stamp, (C++ sources, C++ flags, link flags), cache folder) for `kernels.build.library`."""
     lib_dir, include = ggml_dirs()
@@ -86,5 +107,6 @@ def _declare(lib):
     lib.kvw_supported.argtypes, lib.kvw_supported.restype = [i32], i32
     lib.kvw_dequantize.argtypes, lib.kvw_dequantize.restype = [i32, ptr, i64, i64, ptr, i32], i32
     lib.kvw_x16_supported.argtypes, lib.kvw_x16_supported.restype = [i32], i32
+    lib.kvw_x16_as_avx2.argtypes, lib.kvw_x16_as_avx2.restype = [i32], i32
     lib.kvw_x16_repack_rows.argtypes, lib.kvw_x16_repack_rows.restype = [i32, ptr, ptr, i64, i64, i32, i32], None
     lib.kvw_quantize.argtypes, lib.kvw_quantize.restype = [i32, ptr, ptr, i64, i64], i64

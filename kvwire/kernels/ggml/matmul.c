@@ -67,17 +67,16 @@ int kvw_supported(int type) {
     return 1;
 }
 
+enum { MAX_WEIGHTS = 8 };
+
 /* ys[i] (rows, outs[i]) = x (rows, n) @ W_i^T for `count` (<= 8) weights W_i (outs[i], n) in
  * types[i] blocks, e.g. one layer's q/k/v projections: the activation rows are quantised once per
  * partner format, and all the weights' output rows are split across threads in one parallel loop.
- * Returns 0, -1 on no memory, -2 for more than 8 weights, -3 for a type this CPU has no kernel for. */
-int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
-                     const float *x, int64_t rows, float *const *ys, int threads) {
-    enum { MAX_WEIGHTS = 8 };
+ * Every type must be one kvw_supported takes (the operator checks them; kvw_loop_matmuls for other
+ * callers). Returns 0, -1 on no memory. */
+static int loop_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
+                        const float *x, int64_t rows, float *const *ys, int threads) {
     const int64_t block = 16; /* output rows a task (x16's row group): a weight row is read once for every activation row */
-    if (count > MAX_WEIGHTS) return -2;
-    for (int i = 0; i < count; i++)
-        if (!kvw_supported(types[i])) return -3; /* e.g. a repacked type x16 does not run on this CPU */
     const void *xq[MAX_WEIGHTS];
     void *scratch[MAX_WEIGHTS] = {0};
     size_t x_row[MAX_WEIGHTS], w_row[MAX_WEIGHTS];
@@ -139,6 +138,17 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
     return 0;
 }
 
+/* loop_matmuls for callers that have not checked the types (ctypes: bench, tests). Returns 0, -1 on no
+ * memory, -2 for more than 8 weights, -3 for a type this CPU has no kernel for (e.g. a repacked type
+ * x16 does not run here: its kernel would misread the blocks). */
+int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
+                     const float *x, int64_t rows, float *const *ys, int threads) {
+    if (count > MAX_WEIGHTS) return -2;
+    for (int i = 0; i < count; i++)
+        if (!kvw_supported(types[i])) return -3;
+    return loop_matmuls(count, types, ws, outs, n, x, rows, ys, threads);
+}
+
 /* The same products through ggml's own graph: one MUL_MAT node a weight, computed by ggml's CPU
  * backend as llama.cpp computes them (activation rows quantised to the partner format once a node,
  * work split into row x column tiles across ggml's threads, ggml's tiled GEMM kernels where the build
@@ -146,7 +156,6 @@ int kvw_loop_matmuls(int count, const int *types, const void *const *ws, const i
  * memory, -2 for more than 8 weights, -3 if ggml's compute failed. */
 int kvw_graph_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                       const float *x, int64_t rows, float *const *ys, int threads) {
-    enum { MAX_WEIGHTS = 8 };
     if (count > MAX_WEIGHTS) return -2;
     const size_t nodes = 2 * MAX_WEIGHTS + 2;
     const size_t mem = ggml_tensor_overhead() * nodes + ggml_graph_overhead_custom(nodes, false) + 1024;
@@ -180,9 +189,11 @@ int kvw_graph_matmuls(int count, const int *types, const void *const *ws, const 
 /* The row loop or ggml's graph, whichever is faster for these shapes (bench/ggml_matmul.py; numbers in
  * docs/kernels.md, Measurements): the graph from 3 rows, the loop at one or two; a vocabulary-sized
  * head (over 65536 rows) streams fastest through the loop below 8 rows, and so do Q4_1 and Q5_1, which
- * ggml runs row by row too. */
+ * ggml runs row by row too. The types must be ones kvw_supported takes (the operator checks each).
+ * Returns as kvw_graph_matmuls. */
 int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_t *outs, int64_t n,
                 const float *x, int64_t rows, float *const *ys, int threads) {
+    if (count > MAX_WEIGHTS) return -2;
     int graph = rows >= 8;
     if (rows >= 3 && rows < 8) {
         graph = 1;
@@ -191,7 +202,7 @@ int kvw_matmuls(int count, const int *types, const void *const *ws, const int64_
     }
     for (int i = 0; i < count; i++)
         if (is_x16(types[i])) graph = 0; /* its own kernel at any row count; ggml's graph does not know the layout */
-    return (graph ? kvw_graph_matmuls : kvw_loop_matmuls)(count, types, ws, outs, n, x, rows, ys, threads);
+    return (graph ? kvw_graph_matmuls : loop_matmuls)(count, types, ws, outs, n, x, rows, ys, threads);
 }
 
 /* dst (rows, n) float32 = the weight's values, rows split across threads. Repacked rows are

@@ -64,6 +64,9 @@ typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } q8_k_block;
 #define X86 0
 #endif
 
+/* set by kvw_x16_as_avx2: a CPU with AVX-512 VNNI runs x16 as one with AVX2 alone would */
+static int as_avx2 = 0;
+
 static int avx512_vnni(void) {
 #if !X86
     return 0;
@@ -74,7 +77,7 @@ static int avx512_vnni(void) {
         found = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
-    return found;
+    return found && !as_avx2;
 #endif
 }
 
@@ -92,6 +95,15 @@ static int avx2(void) {
 int kvw_x16_supported(int type) {
     if (avx512_vnni()) return 1;
     return avx2() && (type == -1 || type == GGML_TYPE_Q8_0);
+}
+
+/* on = 1: from now on run x16 as a CPU with AVX2 but no AVX-512 VNNI would (Q8_0 alone, on the AVX2
+ * kernel), so machines with AVX-512 test that path too; 0: as this CPU can; -1: ask. Returns the setting
+ * before. Not for use while a product runs: a call's tasks would mix kernels. */
+int kvw_x16_as_avx2(int on) {
+    const int before = as_avx2;
+    if (on >= 0) as_avx2 = on != 0;
+    return before;
 }
 
 static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
@@ -415,23 +427,30 @@ static inline void rows_of_kind(const int KIND, const int NR, int64_t n, const v
     else dots_rows(KIND, NR, n, w, u, a, y, y_stride);
 }
 
-/* Activation rows (kvw_x16_act_bytes apart at x) four at a time, the last 1 to 4 by their own
- * constant-count copy of the loop. */
+/* Activation rows (`act_bytes` apart at x) four at a time, the last 1 to 4 by their own constant-count
+ * copy of the row kernel: CALL(NR) runs it for NR rows at a[0..NR-1] into `out`. A macro, not a
+ * function, as the kernels' target attributes differ (AVX-512 VNNI, AVX2). */
+#define FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, CALL)                                           \
+    for (int64_t r0 = 0; r0 < (rows); r0 += 4) {                                                        \
+        const uint8_t *a[4];                                                                            \
+        for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)(x) + (r0 + r) * (act_bytes); /* past rows: unread */ \
+        float *out = (y) + r0 * (y_stride);                                                             \
+        switch ((rows) - r0 < 4 ? (rows) - r0 : 4) {                                                    \
+        case 1: CALL(1); break;                                                                         \
+        case 2: CALL(2); break;                                                                         \
+        case 3: CALL(3); break;                                                                         \
+        default: CALL(4); break;                                                                        \
+        }                                                                                               \
+    }
+
+/* All activation rows against one packed row group. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
 static inline void dots(const int KIND, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                         int64_t y_stride) {
     const int64_t act_bytes = kvw_x16_act_bytes(KIND_TYPE[KIND], n);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const uint8_t *a[4];
-        for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
-        float *out = y + r0 * y_stride;
-        switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: rows_of_kind(KIND, 1, n, w, u, a, out, y_stride); break;
-        case 2: rows_of_kind(KIND, 2, n, w, u, a, out, y_stride); break;
-        case 3: rows_of_kind(KIND, 3, n, w, u, a, out, y_stride); break;
-        default: rows_of_kind(KIND, 4, n, w, u, a, out, y_stride); break;
-        }
-    }
+#define ROWS_OF_KIND(NR) rows_of_kind(KIND, NR, n, w, u, a, out, y_stride)
+    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, ROWS_OF_KIND)
+#undef ROWS_OF_KIND
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -519,17 +538,9 @@ __attribute__((target("avx2,fma,f16c")))
 static void dots_q8_0_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                            int64_t y_stride) {
     const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q8_0, n);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const uint8_t *a[4];
-        for (int r = 0; r < 4; r++) a[r] = (const uint8_t *)x + (r0 + r) * act_bytes; /* past `rows`: unread */
-        float *out = y + r0 * y_stride;
-        switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: dots_rows_q8_0_avx2(1, n, w, u, a, out, y_stride); break;
-        case 2: dots_rows_q8_0_avx2(2, n, w, u, a, out, y_stride); break;
-        case 3: dots_rows_q8_0_avx2(3, n, w, u, a, out, y_stride); break;
-        default: dots_rows_q8_0_avx2(4, n, w, u, a, out, y_stride); break;
-        }
-    }
+#define ROWS_AVX2(NR) dots_rows_q8_0_avx2(NR, n, w, u, a, out, y_stride)
+    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, ROWS_AVX2)
+#undef ROWS_AVX2
 }
 
 #endif
