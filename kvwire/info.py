@@ -151,7 +151,7 @@ def _x16_formats(choice, vnni):
     """`choice`, saying which formats x16 leaves to ggml's kernels where the CPU has AVX2 alone."""
     if isinstance(choice, dict) or not choice.startswith("x16") or vnni:
         return choice
-    return f"{choice}; Q4_1, Q5_0, Q4_K on ggml's kernels: x16 runs Q8_0 alone on AVX2 without AVX-512 VNNI"
+    return f"{choice}; Q4_1, Q5_0 on ggml's kernels: x16 runs Q8_0 and Q4_K alone on AVX2 without AVX-512 VNNI"
 
 
 def _choices(name):

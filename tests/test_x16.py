@@ -31,12 +31,13 @@ FORMATS = ["q4_1", "q5_0", "q8_0", "q4_k"]
 
 
 def _skip_unless_x16_runs(kind):
-    """Skip where this CPU leaves `kind` to ggml's kernels (AVX2 runs x16 for Q8_0 only)."""
+    """Skip where this CPU leaves `kind` to ggml's kernels (AVX2 runs x16 for Q8_0 and Q4_K only)."""
     from kvwire.kernels.ggml.lib import x16_runs
     from kvwire.quant.ggml.linear import qtype_of
 
     if not x16_runs(int(qtype_of(kind))):
-        pytest.skip(f"this CPU runs x16 for Q8_0 only (AVX2, no AVX-512 VNNI): {kind} stays on ggml's kernels")
+        pytest.skip(f"this CPU runs x16 for Q8_0 and Q4_K only (AVX2, no AVX-512 VNNI): {kind} stays on ggml's "
+                    "kernels")
 
 
 @pytest.fixture(params=["native", "as_avx2"])
@@ -49,10 +50,10 @@ def branch(request):
     from kvwire.kernels.ggml import lib
     from kvwire.quant.ggml.linear import qtype_of
 
-    if not lib.x16_runs(int(qtype_of("q4_k"))):
+    if not lib.x16_runs(int(qtype_of("q4_1"))):  # Q4_1 runs x16 with AVX-512 VNNI alone
         pytest.skip("this CPU has no AVX-512 VNNI: its native run is the AVX2 branch (or no x16 at all)")
     with lib.as_avx2():
-        assert lib.x16_runs(int(qtype_of("q8_0"))) and not lib.x16_runs(int(qtype_of("q4_k")))
+        assert [lib.x16_runs(int(qtype_of(kind))) for kind in FORMATS] == [False, False, True, True]
         yield
 
 
@@ -131,6 +132,34 @@ def test_q8_0_weights_of_minus_128_compute_as_ggmls(branch):
         x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 10
         expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
         torch.testing.assert_close(packed(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
+@needs_x16
+def test_q4_k_at_its_largest_computes_as_ggmls(branch):
+    """Q4_K blocks whose nibbles are all 15 and 6-bit scales and minimums all 63, against activations
+    that quantise to +-127: AVX2's 16-bit sums of a sub-block reach 8 x 2 x 15 x 127 = 30480 of
+    int16's 32767, and must neither wrap nor saturate."""
+    import numpy as np
+
+    from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.linear import qtype_of
+
+    _skip_unless_x16_runs("q4_k")
+    out, n = 21, 512  # a last group of 5 rows
+    blocks = np.full((out, n // 256, 144), 0xFF, dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # d
+    blocks[:, :, 2:4] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)  # dmin
+    blocks = torch.from_numpy(blocks.reshape(out, -1))
+    q4_k = qtype_of("q4_k")
+    plain, packed = GGMLLinear(blocks, q4_k, n, kernel="ggml"), GGMLLinear(blocks, q4_k, n, kernel="x16")
+    assert packed.repacked
+    for sign in (1.0, -1.0):
+        for rows in (1, 2, 5):
+            x = torch.full((rows, n), sign * 3.0)
+            expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
+            torch.testing.assert_close(packed(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+            reference = x @ plain.dequantize().t()
+            torch.testing.assert_close(packed(x), reference, rtol=1e-3, atol=0)
 
 
 @needs_x16
@@ -233,7 +262,7 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
         GGMLLinear.quantize(w, "q4_1")
 
 
-def test_as_avx2_runs_q8_0_alone_then_gives_the_cpus_choice_back():
+def test_as_avx2_runs_q8_0_and_q4_k_alone_then_gives_the_cpus_choice_back():
     from kvwire.kernels.ggml import lib
     from kvwire.quant.ggml.linear import qtype_of
 
@@ -244,7 +273,7 @@ def test_as_avx2_runs_q8_0_alone_then_gives_the_cpus_choice_back():
     with lib.as_avx2():
         inside = runs()
         assert lib.library().kvw_x16_as_avx2(-1) == 1
-    assert inside == {kind: kind == "q8_0" and before["q8_0"] for kind in FORMATS}
+    assert inside == {kind: kind in ("q8_0", "q4_k") and before["q8_0"] for kind in FORMATS}
     assert runs() == before and lib.library().kvw_x16_as_avx2(-1) == 0
 
 

@@ -1,4 +1,4 @@
-/* ggml blocks laid out for wide integer dot products (AVX-512 VNNI; AVX2 for Q8_0): sixteen weight rows
+/* ggml blocks laid out for wide integer dot products (AVX-512 VNNI; AVX2 for Q8_0 and Q4_K): sixteen weight rows
  * a step instead of one block.
  *
  * ggml's Q4_1, Q5_0 and Q8_0 dot products handle one block of 32 weights of one row at a time
@@ -32,8 +32,8 @@
  * So rows 16G.. of a packed weight sit where they sat in ggml's layout: slicing at multiples of
  * 16 rows still works.
  *
- * CPUs with AVX2 but no AVX-512 VNNI run Q8_0 from the same layout on an 8-lane kernel
- * (`dots_rows_q8_0_avx2`); the other formats stay on ggml's kernels there.
+ * CPUs with AVX2 but no AVX-512 VNNI run Q8_0 and Q4_K from the same layout on 8-lane kernels
+ * (`dots_rows_q8_0_avx2`, `dots_half_q4_k_avx2`); Q4_1 and Q5_0 stay on ggml's kernels there.
  *
  * Built by lib.py into kvwire's ggml bridge; a type runs here only where `kvw_x16_supported(type)`.
  */
@@ -91,14 +91,14 @@ static int avx2(void) {
 }
 
 /* 1 where this CPU runs the x16 kernel for ggml's `type` (Q4_1, Q5_0, Q8_0, Q4_K): all four with AVX-512
- * VNNI, Q8_0 alone with AVX2; -1 (any type): whether it runs for at least one. */
+ * VNNI, Q8_0 and Q4_K with AVX2; -1 (any type): whether it runs for at least one. */
 int kvw_x16_supported(int type) {
     if (avx512_vnni()) return 1;
-    return avx2() && (type == -1 || type == GGML_TYPE_Q8_0);
+    return avx2() && (type == -1 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K);
 }
 
-/* on = 1: from now on run x16 as a CPU with AVX2 but no AVX-512 VNNI would (Q8_0 alone, on the AVX2
- * kernel), so machines with AVX-512 test that path too; 0: as this CPU can; -1: ask. Returns the setting
+/* on = 1: from now on run x16 as a CPU with AVX2 but no AVX-512 VNNI would (Q8_0 and Q4_K, on the AVX2
+ * kernels), so machines with AVX-512 test that path too; 0: as this CPU can; -1: ask. Returns the setting
  * before. Not for use while a product runs: a call's tasks would mix kernels. */
 int kvw_x16_as_avx2(int on) {
     const int before = as_avx2;
@@ -543,14 +543,144 @@ static void dots_q8_0_avx2(int64_t n, const void *w, int64_t u, const void *x, i
 #undef ROWS_AVX2
 }
 
+
+/* Q4_K on AVX2 (with FMA and F16C): the same layout, a 16-row group as two 8-lane halves. The nibbles
+ * are unsigned (0..15), so `vpmaddubsw` against the activation's bytes (|x| <= 128: ggml's Q8_K) makes
+ * 16-bit pair sums of at most 2 x 15 x 128; a sub-block's eight chunks add up in 16 bits (at most
+ * 30720) before one `vpmaddwd` by the sub-block's 6-bit scale widens them, as ggml's AVX2 kernel does.
+ * The minimums' term is one `vpmaddwd` per two sub-blocks against the activation's sub-block sums.
+ * Each super-block's integer sums are ggml's; only the order of the float sums differs.
+ * y[r * y_stride + 8h + j] for NR (1 to 4, a constant once inlined) activation rows and the rows of
+ * half h: one half at a time, the second reading the group's blocks again from cache (16 rows of 4096
+ * weights are 36 KB), keeps twice fewer accumulators live than both halves at once would.
+ * FULL (u == 16): plain loads; else masked ones, for a last, shorter group. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void dots_half_q4_k_avx2(const int NR, const int FULL, int64_t n, const void *w, int64_t u, int h,
+                                       const uint8_t *const *a, float *y, int64_t y_stride) {
+    const int64_t blocks = n / QK_K, bytes = sizeof(q4_k_block), at = 32 * h;
+    const __m256i low = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15),
+                  two = _mm256_set1_epi32(3);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#define LOAD(p) (FULL ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskload_epi32((const int *)(p), mask))
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *sc = chunk + 128 * u;
+        if (h == 0)
+            for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(chunk + PREFETCH + line, 0, 3);
+        const q8_k_block *x[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) x[r] = (const q8_k_block *)a[r] + b;
+        const __m256i s0 = LOAD(sc + at), s1 = LOAD(sc + 4 * u + at), s2 = LOAD(sc + 8 * u + at);
+        /* minimums (ggml's get_scale_min_k4), sub-blocks 2i and 2i + 1 as one lane's int16 pair, against
+         * the activation's sub-block sums (kvw_x16_quantize's bsums[2i], [2i + 1]) */
+        __m256i msum[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) msum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m256i m[2];
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                const int s = 2 * i + e, t = s & 3;
+                m[e] = s < 4 ? _mm256_and_si256(_mm256_srli_epi32(s1, 8 * t), six)
+                    : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 8 * t + 4), four),
+                                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(s1, 8 * t + 6), two), 4));
+            }
+            const __m256i pair = _mm256_or_si256(m[0], _mm256_slli_epi32(m[1], 16));
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                int32_t sums;
+                memcpy(&sums, x[r]->bsums + 2 * i, 4);
+                msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(pair, _mm256_set1_epi32(sums)));
+            }
+        }
+        __m256i isum[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) { /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+            __m256i dot_lo[4], dot_hi[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) dot_lo[r] = dot_hi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m256i raw = LOAD(chunk + (8 * p + k) * 4 * u + at);
+                const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, x[r]->qs + 64 * p + 4 * k, 4);
+                    memcpy(&x1, x[r]->qs + 64 * p + 32 + 4 * k, 4);
+                    dot_lo[r] = _mm256_add_epi16(dot_lo[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+                    dot_hi[r] = _mm256_add_epi16(dot_hi[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                }
+            }
+            /* the two sub-blocks' scales (bytes 0-3, or bytes 8-11's low nibbles with their top bits in
+             * bytes 0-3's), each as an int16 pair (v, v) */
+            __m256i scale[2];
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                const int s = 2 * p + e, t = s & 3;
+                const __m256i v = s < 4 ? _mm256_and_si256(_mm256_srlv_epi32(s0, _mm256_set1_epi32(8 * t)), six)
+                    : _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(s2, _mm256_set1_epi32(8 * t)), four),
+                                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(s0, _mm256_set1_epi32(8 * t + 6)),
+                                                                         two), 4));
+                scale[e] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++)
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(dot_lo[r], scale[0]),
+                                                                     _mm256_madd_epi16(dot_hi[r], scale[1])));
+        }
+        __m256 d, dmin; /* the half's 8 values of d and of dmin, padded for a short group */
+        if (FULL) {
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + 140 * u + 16 * h)));
+            dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + 142 * u + 16 * h)));
+        } else {
+            uint16_t pad[2][8] = {{0}};
+            const size_t count = 2 * (size_t)(u - 8 * h < 8 ? u - 8 * h : 8);
+            memcpy(pad[0], chunk + 140 * u + 16 * h, count);
+            memcpy(pad[1], chunk + 142 * u + 16 * h, count);
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad[0]));
+            dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad[1]));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m256 dx = _mm256_set1_ps(x[r]->d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dx), acc[r]);
+        }
+    }
+#undef LOAD
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        if (FULL) _mm256_storeu_ps(y + r * y_stride + 8 * h, acc[r]);
+        else _mm256_maskstore_ps(y + r * y_stride + 8 * h, mask, acc[r]);
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dots_q4_k_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                           int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q4_K, n);
+#define HALVES_Q4_K(NR) \
+    for (int h = 0; h < 2 && 8 * h < u; h++) { \
+        if (u == GROUP) dots_half_q4_k_avx2(NR, 1, n, w, u, h, a, out, y_stride); \
+        else dots_half_q4_k_avx2(NR, 0, n, w, u, h, a, out, y_stride); \
+    }
+    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, HALVES_Q4_K)
+#undef HALVES_Q4_K
+}
+
 #endif
 
 /* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0, Q8_0 or Q4_K) packed row group `w` . activation row r. */
 void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                   int64_t y_stride) {
 #if X86
-    if (!avx512_vnni()) { /* kvw_supported let it through: Q8_0 on AVX2 */
-        dots_q8_0_avx2(n, w, u, x, rows, y, y_stride);
+    if (!avx512_vnni()) { /* kvw_supported let it through: Q8_0 or Q4_K on AVX2 */
+        (is_q4_k(type) ? dots_q4_k_avx2 : dots_q8_0_avx2)(n, w, u, x, rows, y, y_stride);
         return;
     }
     (is_q4_k(type) ? dots_q4_k : is_q8_0(type) ? dots_q8_0 : is_q5_0(type) ? dots_q5_0 : dots_q4_1)(

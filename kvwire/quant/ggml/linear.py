@@ -202,7 +202,7 @@ class GGMLLinear(nn.Module):
 
 def x16_layout(qtype, kernel=None):
     """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`: a format x16 has,
-    on a CPU that runs x16 for it (AVX2 runs it for Q8_0 only)."""
+    on a CPU that runs x16 for it (AVX2 runs it for Q8_0 and Q4_K only)."""
     qtype = qtype_of(qtype)
     return qtype in X16 and ggml_kernel(kernel) == "x16" and bridge.x16_runs(int(qtype))
 
