@@ -1,7 +1,7 @@
 """Where each of GGMLLinear's matrix products wins, per ggml format and row count: the row
 loop (one `vec_dot` per weight row and activation row), ggml's own graph (`MUL_MAT`, tiled as
 llama.cpp runs it), dequantise + float32 GEMM (MKL), and for Q4_1, Q5_0, Q8_0 and Q4_K kvwire's x16
-kernel on repacked blocks (where the CPU runs it for the format: AVX-512 VNNI, or AVX2 for Q8_0). Sets the crossovers in kvwire/quant/ggml/matmul.c
+kernel on repacked blocks (where the CPU runs it for the format: AVX-512 VNNI, or AVX2 for Q8_0 and Q4_K). Sets the crossovers in kvwire/quant/ggml/matmul.c
 (`kvw_matmuls`) and linear.py (`UNTILED`, `MANY_ROWS`).
 
     python bench/ggml_matmul.py [--rows 1 2 3 8 32 512] [--formats q4_k q8_0 ...] [--threads 2]

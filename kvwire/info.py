@@ -134,13 +134,16 @@ def _ggml_kernel():
         return "not installed"
     from .kernels.ggml.lib import loaded_or_built
 
-    f = cpu.features()  # what the bridge finds (or will): torch's probes of the same features
-    vnni = f["avx512"] and f["avx512_vnni"]
     try:
         if loaded_or_built():
-            return _x16_formats(_choice(cpu.ggml_kernel), vnni)
+            from .kernels.ggml.lib import x16_runs
+            from .quant.ggml.linear import qtype_of
+
+            return _x16_formats(_choice(cpu.ggml_kernel), x16_runs(int(qtype_of("q4_1"))))  # Q4_1: VNNI's alone
     except Exception as e:  # noqa: BLE001 - a broken ggml install or bridge is reported, not raised
         return {"unavailable": f"{type(e).__name__}: {e}"}
+    f = cpu.features()  # what the bridge would find: torch's probes of the same features
+    vnni = f["avx512"] and f["avx512_vnni"]
     choice = _choice(lambda: cpu.ggml_kernel(runs=vnni or f["avx2"]))
     if isinstance(choice, dict):
         return choice

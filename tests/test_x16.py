@@ -1,5 +1,5 @@
 """Q4_1, Q5_0, Q8_0 and Q4_K blocks repacked for kvwire's kernel (`x16.c`: AVX-512 VNNI for all four, AVX2
-for Q8_0): the repacking is lossless, the kernel computes ggml's products (to float32 summation order)
+for Q8_0 and Q4_K): the repacking is lossless, the kernel computes ggml's products (to float32 summation order)
 at every row count and shape, and the choice between it and ggml's own kernels follows the CPU,
 refusing what it cannot run. Each test runs the branch this CPU takes and skips the formats it
 leaves to ggml's kernels."""
@@ -137,8 +137,9 @@ def test_q8_0_weights_of_minus_128_compute_as_ggmls(branch):
 @needs_x16
 def test_q4_k_at_its_largest_computes_as_ggmls(branch):
     """Q4_K blocks whose nibbles are all 15 and 6-bit scales and minimums all 63, against activations
-    that quantise to +-127: AVX2's 16-bit sums of a sub-block reach 8 x 2 x 15 x 127 = 30480 of
-    int16's 32767, and must neither wrap nor saturate."""
+    that quantise to -127 (a super-block's first sub-block) and +127 (the other seven; ggml's Q8_K
+    scale is -127 / the first largest value): AVX2's 16-bit sums of a sub-block reach +-8 x 2 x 15 x 127
+    = 30480 of int16's 32767, and must neither wrap nor saturate."""
     import numpy as np
 
     from kvwire.quant.ggml import GGMLLinear
@@ -153,9 +154,10 @@ def test_q4_k_at_its_largest_computes_as_ggmls(branch):
     q4_k = qtype_of("q4_k")
     plain, packed = GGMLLinear(blocks, q4_k, n, kernel="ggml"), GGMLLinear(blocks, q4_k, n, kernel="x16")
     assert packed.repacked
-    for sign in (1.0, -1.0):
+    for sign in (1.0, -1.0):  # the same integers, the float scale's sign flipped
         for rows in (1, 2, 5):
             x = torch.full((rows, n), sign * 3.0)
+            x.view(rows, -1, 256)[:, :, :32] *= -1
             expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
             torch.testing.assert_close(packed(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
             reference = x @ plain.dequantize().t()

@@ -67,7 +67,8 @@ typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } q8_k_block;
 /* set by kvw_x16_as_avx2: a CPU with AVX-512 VNNI runs x16 as one with AVX2 alone would */
 static int as_avx2 = 0;
 
-static int avx512_vnni(void) {
+/* whether the CPU has AVX-512 F, BW, VL and VNNI (what the hardware can run, whatever as_avx2 says) */
+static int has_avx512_vnni(void) {
 #if !X86
     return 0;
 #else
@@ -77,9 +78,12 @@ static int avx512_vnni(void) {
         found = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
-    return found && !as_avx2;
+    return found;
 #endif
 }
+
+/* whether x16 takes its AVX-512 VNNI kernels: the hardware has them and as_avx2 is off */
+static int avx512_vnni(void) { return has_avx512_vnni() && !as_avx2; }
 
 static int avx2(void) {
 #if !X86
@@ -679,10 +683,14 @@ static void dots_q4_k_avx2(int64_t n, const void *w, int64_t u, const void *x, i
 void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                   int64_t y_stride) {
 #if X86
-    if (!avx512_vnni()) { /* kvw_supported let it through: Q8_0 or Q4_K on AVX2 */
+    /* kvw_supported let the type through. Only the formats both kernels read take the AVX2 ones, so
+     * a setting of as_avx2 changed after that check cannot send other blocks to a kernel that would
+     * misread them. */
+    if ((is_q8_0(type) || is_q4_k(type)) && !avx512_vnni()) {
         (is_q4_k(type) ? dots_q4_k_avx2 : dots_q8_0_avx2)(n, w, u, x, rows, y, y_stride);
         return;
     }
+    if (!has_avx512_vnni()) return; /* unreachable: kvw_supported refused the type */
     (is_q4_k(type) ? dots_q4_k : is_q8_0(type) ? dots_q8_0 : is_q5_0(type) ? dots_q5_0 : dots_q4_1)(
         n, w, u, x, rows, y, y_stride);
 #else  /* unreachable: kvw_supported refuses the x16 types where kvw_x16_supported(type) is 0 */

@@ -10,7 +10,7 @@ beyond `MANY_ROWS` rows, which wins there.
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0, Q8_0 and Q4_K blocks are repacked at
 construction into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at
-every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q8_0 blocks are. `kernels.cpu.ggml_kernel()` chooses,
+every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q8_0 and Q4_K blocks are. `kernels.cpu.ggml_kernel()` chooses,
 `KVWIRE_GGML_KERNEL=ggml|x16` overrides. bench/ggml_matmul.py measures the crossovers;
 docs/kernels.md gives the numbers.
 """
