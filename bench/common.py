@@ -52,7 +52,7 @@ def cpu_paths():
         from kvwire.quant.ggml.linear import qtype_of
 
         kernel = ggml_kernel()
-        for name in ("Q4_1", "Q5_0", "Q8_0", "Q4_K"):
+        for name in ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
             line += f"; {name} kernel: {kernel if kernel == 'ggml' or x16_runs(int(qtype_of(name))) else 'ggml'}"
     return line
 

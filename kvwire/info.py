@@ -76,7 +76,7 @@ def lines(report):
            f"float32 GEMV: {_shown(paths['f32_gemv'])} ({_choices('KVWIRE_F32_GEMV')})",
            f"float32 one-row products: {_shown(paths['f32_row'])} ({_choices('KVWIRE_F32_ROW')})",
            f"gated MLP and RMSNorm in one pass: {_shown(paths['fused'])} ({_choices('KVWIRE_FUSED')})",
-           f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K: {_shown(paths['ggml_kernel'])} ({_choices('KVWIRE_GGML_KERNEL')})",
+           f"ggml kernel for Q4_1/Q5_0/Q8_0/Q4_K/Q6_K: {_shown(paths['ggml_kernel'])} ({_choices('KVWIRE_GGML_KERNEL')})",
            "switches (docs/kernels.md):"]
     for name, switch in report["switches"].items():
         value = "unset" if switch["value"] is None else f"set: {name}={switch['value']!r}"
@@ -151,10 +151,12 @@ def _ggml_kernel():
 
 
 def _x16_formats(choice, vnni):
-    """`choice`, saying which formats x16 leaves to ggml's kernels where the CPU has AVX2 alone."""
-    if isinstance(choice, dict) or not choice.startswith("x16") or vnni:
+    """`choice`, saying which formats x16 leaves to ggml's kernels (on AVX2 alone, or with VNNI)."""
+    if isinstance(choice, dict) or not choice.startswith("x16"):
         return choice
-    return f"{choice}; Q4_1, Q5_0 on ggml's kernels: x16 runs Q8_0 and Q4_K alone on AVX2 without AVX-512 VNNI"
+    if vnni:
+        return f"{choice}; Q6_K on ggml's kernels: x16 has an AVX2 kernel alone for it, taken without VNNI"
+    return f"{choice}; Q4_1, Q5_0 on ggml's kernels: x16 runs Q8_0, Q4_K and Q6_K alone on AVX2 without AVX-512 VNNI"
 
 
 def _choices(name):

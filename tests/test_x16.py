@@ -27,7 +27,7 @@ def _x16_runs():
 
 needs_x16 = pytest.mark.skipif("not HAVE_GGML or not _x16_runs()",
                                reason="this CPU lacks AVX-512 F/BW/VL + VNNI and AVX2: the x16 kernel does not run here")
-FORMATS = ["q4_1", "q5_0", "q8_0", "q4_k"]
+FORMATS = ["q4_1", "q5_0", "q8_0", "q4_k", "q6_k"]
 
 
 def _skip_unless_x16_runs(kind):
@@ -53,13 +53,13 @@ def branch(request):
     if not lib.x16_runs(int(qtype_of("q4_1"))):  # Q4_1 runs x16 with AVX-512 VNNI alone
         pytest.skip("this CPU has no AVX-512 VNNI: its native run is the AVX2 branch (or no x16 at all)")
     with lib.as_avx2():
-        assert [lib.x16_runs(int(qtype_of(kind))) for kind in FORMATS] == [False, False, True, True]
+        assert [lib.x16_runs(int(qtype_of(kind))) for kind in FORMATS] == [False, False, True, True, True]
         yield
 
 
 def _n(kind, n):
-    """A row length `kind` can hold: Q4_K's super-blocks take 256 weights, the others' blocks 32."""
-    return -(-n // 256) * 256 if kind == "q4_k" else n
+    """A row length `kind` can hold: K-quants' super-blocks take 256 weights, the others' blocks 32."""
+    return -(-n // 256) * 256 if kind.endswith("_k") else n
 
 
 def _pair(out, n, seed=0, kind="q4_1"):
@@ -83,7 +83,8 @@ def test_repacked_blocks_hold_ggmls_bytes_and_values(out, n, kind):
     assert plain.kernel_type == int(plain.qtype) and packed.kernel_type == X16[packed.qtype]
     assert packed.repacked and not plain.repacked and "repacked for x16" in repr(packed)
     assert packed.blocks.shape == plain.blocks.shape
-    assert not torch.equal(packed.blocks, plain.blocks) or out == 1 and n in (32, 256)  # the layout did change
+    # the layout did change (but for one row of one block, or of Q6_K, whose fields are all 4-byte lanes)
+    assert not torch.equal(packed.blocks, plain.blocks) or out == 1 and (n in (32, 256) or kind == "q6_k")
     assert torch.equal(packed.ggml_blocks(), plain.blocks)  # and back, byte for byte
     assert torch.equal(packed.dequantize(), plain.dequantize())
 
@@ -165,6 +166,35 @@ def test_q4_k_at_its_largest_computes_as_ggmls(branch):
 
 
 @needs_x16
+def test_q6_k_at_its_largest_computes_as_ggmls(branch):
+    """Q6_K blocks whose 6-bit values are all 63 (ggml's 31 + 32) and 8-bit scales -128 and 127, against
+    activations that quantise to -127 and +127: AVX2's 16-bit sums of two chunks reach
+    +-2 x 2 x 63 x 127 = 32004 of int16's 32767, and the + 32 comes off exactly."""
+    import numpy as np
+
+    from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.linear import qtype_of
+
+    _skip_unless_x16_runs("q6_k")
+    out, n = 19, 512  # a last group of 3 rows
+    blocks = np.full((out, n // 256, 210), 0xFF, dtype=np.uint8)  # ql, qh: all bits set
+    scales = np.where(np.arange(16) % 3 == 0, -128, 127).astype(np.int8)
+    blocks[:, :, 192:208] = scales.view(np.uint8)
+    blocks[:, :, 208:] = np.frombuffer(np.float16(0.001).tobytes(), dtype=np.uint8)  # d
+    blocks = torch.from_numpy(blocks.reshape(out, -1))
+    q6_k = qtype_of("q6_k")
+    plain, packed = GGMLLinear(blocks, q6_k, n, kernel="ggml"), GGMLLinear(blocks, q6_k, n, kernel="x16")
+    assert packed.repacked
+    for rows in (1, 2, 5):
+        x = torch.full((rows, n), 3.0)
+        x.view(rows, -1, 256)[:, :, :16] *= -1  # each super-block's first group -127, the others +127
+        expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
+        torch.testing.assert_close(packed(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+        reference = x @ plain.dequantize().t()
+        torch.testing.assert_close(packed(x), reference, rtol=1e-3, atol=0)
+
+
+@needs_x16
 def test_a_fused_call_mixes_x16_with_other_formats():
     from kvwire.quant.ggml import GGMLLinear
 
@@ -172,7 +202,7 @@ def test_a_fused_call_mixes_x16_with_other_formats():
     x = torch.randn(3, 768, generator=g)
     qs = [GGMLLinear.quantize(torch.randn(out, 768, generator=g), kind, kernel=kernel)
           for out, kind, kernel in [(40, "q4_1", "x16"), (24, "q8_0", None), (19, "q4_1", "ggml"), (33, "q5_0", "x16"),
-                                    (17, "q5_0", "ggml"), (50, "q4_1", "x16"), (21, "q4_k", "x16"), (18, "q4_k", "ggml")]]
+                                    (17, "q5_0", "ggml"), (50, "q6_k", "x16"), (21, "q4_k", "x16"), (18, "q4_k", "ggml")]]
     fused = torch.ops.kvwire.ggml_matmuls(x, [q.blocks for q in qs], [q.kernel_type for q in qs], 768)
     for q, y in zip(qs, fused):
         assert torch.equal(y, torch.ops.kvwire.ggml_matmul(x, q.blocks, q.kernel_type, 768))
@@ -264,7 +294,7 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
         GGMLLinear.quantize(w, "q4_1")
 
 
-def test_as_avx2_runs_q8_0_and_q4_k_alone_then_gives_the_cpus_choice_back():
+def test_as_avx2_runs_q8_0_q4_k_and_q6_k_alone_then_gives_the_cpus_choice_back():
     from kvwire.kernels.ggml import lib
     from kvwire.quant.ggml.linear import qtype_of
 
@@ -275,7 +305,7 @@ def test_as_avx2_runs_q8_0_and_q4_k_alone_then_gives_the_cpus_choice_back():
     with lib.as_avx2():
         inside = runs()
         assert lib.library().kvw_x16_as_avx2(-1) == 1
-    assert inside == {kind: kind in ("q8_0", "q4_k") and before["q8_0"] for kind in FORMATS}
+    assert inside == {kind: kind in ("q8_0", "q4_k", "q6_k") and before["q8_0"] for kind in FORMATS}
     assert runs() == before and lib.library().kvw_x16_as_avx2(-1) == 0
 
 

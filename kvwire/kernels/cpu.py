@@ -13,7 +13,7 @@ missing. docs/kernels.md explains each choice and the measurements behind it.
 - `f32_row`: one-row products on kvwire's AVX-512 GEMV (`native/gemv.c`, "kvwire") or through MKL.
 - `fused`: a gated MLP's act(gate) * up and RMSNorm in one pass (`native/fused.c`, "kvwire") or as
   PyTorch's ops ("aten").
-- `ggml_kernel`: Q4_1, Q5_0, Q8_0 and Q4_K blocks on kvwire's x16 kernel or ggml's own.
+- `ggml_kernel`: Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks on kvwire's x16 kernel or ggml's own.
 """
 from functools import lru_cache
 
@@ -124,9 +124,10 @@ def fused():
 
 
 def ggml_kernel(asked=None, runs=None):
-    """The kernel for the formats x16 repacks (Q4_1, Q5_0, Q8_0, Q4_K): `asked` ("x16" / "ggml"), else
+    """The kernel for the formats x16 repacks (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K): `asked` ("x16" / "ggml"), else
     `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU runs it for
-    some format (all four with AVX-512 F, BW, VL and VNNI; Q8_0 and Q4_K with AVX2, FMA and F16C; the other
+    some format (all but Q6_K with AVX-512 F, BW, VL and VNNI; Q8_0, Q4_K and Q6_K with AVX2, FMA and F16C
+    without VNNI; the other
     formats stay on ggml's kernels there, `quant.ggml.linear.x16_layout`) and 'ggml' (ggml's kernels
     on the file's layout) where it runs for none. x16 on a CPU without those features is refused,
     naming them. `runs`: whether x16 runs here for some format, when the caller knows without the

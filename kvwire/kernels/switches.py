@@ -38,8 +38,8 @@ TABLE = {s.name: s for s in (
            "kvwire: kvwire's AVX-512 GEMV (the default on the `linear` path); mkl: the KVWIRE_F32_GEMV path"),
     Switch("KVWIRE_FUSED", ("kvwire", "aten"), CHOSEN, "a gated MLP's act(gate) * up and RMSNorm",
            "kvwire: one pass on kvwire's AVX-512 kernels (the default with AVX-512F); aten: PyTorch's ops"),
-    Switch("KVWIRE_GGML_KERNEL", ("x16", "ggml"), CHOSEN, "the kernel for Q4_1, Q5_0, Q8_0 and Q4_K blocks",
-           "x16: kvwire's kernel on repacked blocks (the default with AVX-512 VNNI, or AVX2 for Q8_0 and Q4_K); ggml: ggml's own"),
+    Switch("KVWIRE_GGML_KERNEL", ("x16", "ggml"), CHOSEN, "the kernel for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks",
+           "x16: kvwire's kernel on repacked blocks (the default with AVX-512 VNNI, or AVX2 for Q8_0, Q4_K, Q6_K); ggml: ggml's own"),
     Switch("KVWIRE_CACHE", None, str(Path("~") / ".cache" / "kvwire"), "where converted models and built kernels go",
            "a folder; created when first written"),
     Switch("KVWIRE_THREADS", None, "torch's default (one per core), each step on one fewer per core other "

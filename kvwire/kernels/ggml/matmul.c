@@ -32,6 +32,7 @@
 #define KVW_Q5_0_X16 1002
 #define KVW_Q8_0_X16 1003
 #define KVW_Q4_K_X16 1004
+#define KVW_Q6_K_X16 1005
 
 int kvw_x16_supported(int type);
 void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16);
@@ -43,13 +44,15 @@ void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, 
 void kvw_init(void) { ggml_cpu_init(); }
 
 static int is_x16(int type) {
-    return type == KVW_Q4_1_X16 || type == KVW_Q5_0_X16 || type == KVW_Q8_0_X16 || type == KVW_Q4_K_X16;
+    return type == KVW_Q4_1_X16 || type == KVW_Q5_0_X16 || type == KVW_Q8_0_X16 || type == KVW_Q4_K_X16 ||
+           type == KVW_Q6_K_X16;
 }
 
 /* ggml's type a kvwire type number stands for (a repacked type's blocks hold the same bytes) */
 static enum ggml_type ggml_type_of(int type) {
     return type == KVW_Q4_1_X16 ? GGML_TYPE_Q4_1 : type == KVW_Q5_0_X16 ? GGML_TYPE_Q5_0 :
-           type == KVW_Q8_0_X16 ? GGML_TYPE_Q8_0 : type == KVW_Q4_K_X16 ? GGML_TYPE_Q4_K : (enum ggml_type)type;
+           type == KVW_Q8_0_X16 ? GGML_TYPE_Q8_0 : type == KVW_Q4_K_X16 ? GGML_TYPE_Q4_K :
+           type == KVW_Q6_K_X16 ? GGML_TYPE_Q6_K : (enum ggml_type)type;
 }
 
 int64_t kvw_block_size(int type) { return ggml_blck_size(ggml_type_of(type)); }

@@ -1,4 +1,4 @@
-/* ggml blocks laid out for wide integer dot products (AVX-512 VNNI; AVX2 for Q8_0 and Q4_K): sixteen weight rows
+/* ggml blocks laid out for wide integer dot products (AVX-512 VNNI; AVX2 for Q8_0, Q4_K, Q6_K): sixteen weight rows
  * a step instead of one block.
  *
  * ggml's Q4_1, Q5_0 and Q8_0 dot products handle one block of 32 weights of one row at a time
@@ -29,11 +29,16 @@
  *       (chunk 8p + k: low nibbles weights 4k..4k+3 of sub-block 2p, high nibbles the same of 2p+1);
  *     scales: 3 chunks of u x 4 bytes, lane j = bytes 4s..4s+3 of row j's 12 packed scale bytes;
  *     then d and dmin: u half-precision values each                    = 144 u bytes, as Q4_K.
+ *   Q6_K (super-blocks of 256 weights, 16 groups of 16 with 8-bit scales): its 208 bytes of ql, qh
+ *     and scales as 52 chunks of u x 4 bytes, chunk c, lane j = bytes 4c..4c+3 of row j's block
+ *     (ql: chunks 0-31, qh: 32-47, scales: 48-51); then d: u half-precision values
+ *                                                                       = 210 u bytes, as Q6_K.
  * So rows 16G.. of a packed weight sit where they sat in ggml's layout: slicing at multiples of
  * 16 rows still works.
  *
- * CPUs with AVX2 but no AVX-512 VNNI run Q8_0 and Q4_K from the same layout on 8-lane kernels
- * (`dots_rows_q8_0_avx2`, `dots_half_q4_k_avx2`); Q4_1 and Q5_0 stay on ggml's kernels there.
+ * CPUs with AVX2 but no AVX-512 VNNI run Q8_0, Q4_K and Q6_K from the same layout on 8-lane kernels
+ * (`dots_rows_q8_0_avx2`, `dots_half_q4_k_avx2`, `dots_half_q6_k_avx2`); Q4_1 and Q5_0 stay on ggml's
+ * kernels there. Q6_K has no VNNI kernel: CPUs with VNNI keep ggml's for it.
  *
  * Built by lib.py into kvwire's ggml bridge; a type runs here only where `kvw_x16_supported(type)`.
  */
@@ -55,6 +60,7 @@ typedef struct { ggml_fp16_t d; uint8_t qh[4]; uint8_t qs[16]; } q5_0_block;
 typedef struct { ggml_fp16_t d, s; int8_t qs[32]; } q8_1_block;
 typedef struct { ggml_fp16_t d; int8_t qs[32]; } q8_0_block;
 typedef struct { ggml_fp16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } q4_k_block;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; ggml_fp16_t d; } q6_k_block;
 typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } q8_k_block;
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -94,14 +100,17 @@ static int avx2(void) {
 #endif
 }
 
-/* 1 where this CPU runs the x16 kernel for ggml's `type` (Q4_1, Q5_0, Q8_0, Q4_K): all four with AVX-512
- * VNNI, Q8_0 and Q4_K with AVX2; -1 (any type): whether it runs for at least one. */
+/* 1 where this CPU runs the x16 kernel for ggml's `type` (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K): the first four
+ * with AVX-512 VNNI; Q8_0, Q4_K and Q6_K with AVX2 and no AVX-512 VNNI (Q6_K has an AVX2 kernel alone,
+ * measured against ggml's on an AVX2 CPU only: CPUs with VNNI keep ggml's); -1 (any type): whether it
+ * runs for at least one. */
 int kvw_x16_supported(int type) {
+    if (type == GGML_TYPE_Q6_K) return avx2() && !avx512_vnni();
     if (avx512_vnni()) return 1;
     return avx2() && (type == -1 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K);
 }
 
-/* on = 1: from now on run x16 as a CPU with AVX2 but no AVX-512 VNNI would (Q8_0 and Q4_K, on the AVX2
+/* on = 1: from now on run x16 as a CPU with AVX2 but no AVX-512 VNNI would (Q8_0, Q4_K, Q6_K, on the AVX2
  * kernels), so machines with AVX-512 test that path too; 0: as this CPU can; -1: ask. Returns the setting
  * before. Not for use while a product runs: a call's tasks would mix kernels. */
 int kvw_x16_as_avx2(int on) {
@@ -113,14 +122,16 @@ int kvw_x16_as_avx2(int on) {
 static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
 static int is_q8_0(int type) { return type == GGML_TYPE_Q8_0; }
 static int is_q4_k(int type) { return type == GGML_TYPE_Q4_K; }
+static int is_q6_k(int type) { return type == GGML_TYPE_Q6_K; }
+static int is_k(int type) { return is_q4_k(type) || is_q6_k(type); }
 
 static size_t block_bytes(int type) {
-    return is_q4_k(type) ? sizeof(q4_k_block) : is_q8_0(type) ? sizeof(q8_0_block) :
+    return is_q4_k(type) ? sizeof(q4_k_block) : is_q6_k(type) ? sizeof(q6_k_block) : is_q8_0(type) ? sizeof(q8_0_block) :
            is_q5_0(type) ? sizeof(q5_0_block) : sizeof(q4_1_block);
 }
 
 /* weights a block: Q4_K's super-blocks hold 256 */
-static int64_t block_weights(int type) { return is_q4_k(type) ? QK_K : QK; }
+static int64_t block_weights(int type) { return is_k(type) ? QK_K : QK; }
 
 /* qh's bits for weights 4k..4k+3 in byte k's low half, 16+4k..16+4k+3 in its high half (and back) */
 static uint32_t reorder_qh(uint32_t qh, int to_x16) {
@@ -168,7 +179,20 @@ static void repack_q4_k(uint8_t *plain, uint8_t *chunk, int64_t u, int64_t j, in
     else { p->d = *d; p->dmin = *dmin; }
 }
 
-/* Q4_1, Q5_0, Q8_0 or Q4_K rows (`type`: ggml's number; rows, n / 32 or n / 256 blocks) <-> the
+/* Q6_K rows' block b of row j <-> its place in a group (u rows at `chunk`): the low-bit, high-bit and
+ * scale bytes as 4-byte lanes, then d */
+static void repack_q6_k(uint8_t *plain, uint8_t *chunk, int64_t u, int64_t j, int to_x16) {
+    q6_k_block *p = (q6_k_block *)plain;
+    for (int c = 0; c < 52; c++) { /* ql, qh, scales: 208 bytes in a row, as 52 lanes */
+        uint8_t *lane = chunk + c * 4 * u + 4 * j, *bytes = (uint8_t *)p + 4 * c;
+        memcpy(to_x16 ? lane : bytes, to_x16 ? bytes : lane, 4);
+    }
+    ggml_fp16_t *d = (ggml_fp16_t *)(chunk + 208 * u) + j;
+    if (to_x16) *d = p->d;
+    else p->d = *d;
+}
+
+/* Q4_1, Q5_0, Q8_0, Q4_K or Q6_K rows (`type`: ggml's number; rows, n / 32 or n / 256 blocks) <-> the
  * layout above; `to_x16` chooses the direction. */
 void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t n, int to_x16) {
     const int64_t blocks = n / block_weights(type), bytes = (int64_t)block_bytes(type), row_bytes = blocks * bytes;
@@ -179,8 +203,8 @@ void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t 
             uint8_t *chunk = packed + b * u * bytes, *tail = chunk + 16 * u;
             for (int64_t j = 0; j < u; j++) {
                 uint8_t *plain = (uint8_t *)(to_x16 ? src : dst) + (g + j) * row_bytes + b * bytes;
-                if (is_q8_0(type) || is_q4_k(type)) {
-                    (is_q8_0(type) ? repack_q8_0 : repack_q4_k)(plain, chunk, u, j, to_x16);
+                if (is_q8_0(type) || is_k(type)) {
+                    (is_q8_0(type) ? repack_q8_0 : is_q4_k(type) ? repack_q4_k : repack_q6_k)(plain, chunk, u, j, to_x16);
                     continue;
                 }
                 uint8_t *qs = plain + bytes - 16; /* both formats end with their 16 nibble bytes */
@@ -207,7 +231,7 @@ void kvw_x16_repack(int type, const void *src, void *dst, int64_t rows, int64_t 
 
 /* ggml's partner format of the weights, whose blocks lead an activation row */
 static int partner(int type) {
-    return is_q4_k(type) ? GGML_TYPE_Q8_K : is_q5_0(type) || is_q8_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE_Q8_1;
+    return is_k(type) ? GGML_TYPE_Q8_K : is_q5_0(type) || is_q8_0(type) ? GGML_TYPE_Q8_0 : GGML_TYPE_Q8_1;
 }
 
 /* Bytes of one activation row for kvw_x16_dots: its partner blocks, then each block's scale and
@@ -221,13 +245,14 @@ static int64_t floats_at(int type, int64_t blocks) {
 
 /* (Q4_K's partner blocks, Q8_K, carry their float scale and their quant sums: no floats follow) */
 int64_t kvw_x16_act_bytes(int type, int64_t n) {
-    if (is_q4_k(type)) return n / QK_K * (int64_t)sizeof(q8_k_block);
+    if (is_k(type)) return n / QK_K * (int64_t)sizeof(q8_k_block);
     return floats_at(type, n / QK) + n / QK * 2 * (int64_t)sizeof(float);
 }
 
 /* One activation row x (n floats) -> dst (kvw_x16_act_bytes): ggml's quantisation to the partner format. */
 void kvw_x16_quantize(int type, const float *x, int64_t n, void *dst) {
     ggml_get_type_traits_cpu((enum ggml_type)partner(type))->from_float(x, dst, n);
+    if (is_q6_k(type)) return; /* Q6_K reads the 16 sums of 16 quants ggml's Q8_K blocks carry */
     if (is_q4_k(type)) { /* bsums[0..7] become the 8 sub-blocks' quant sums (each within an int16) */
         for (int64_t b = 0; b < n / QK_K; b++) {
             q8_k_block *q = (q8_k_block *)dst + b;
@@ -571,8 +596,10 @@ static inline void dots_half_q4_k_avx2(const int NR, const int FULL, int64_t n, 
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *sc = chunk + 128 * u;
-        if (h == 0)
-            for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(chunk + PREFETCH + line, 0, 3);
+        /* the first half's pass streams the group from memory, the second reads it from cache: that one
+         * asks for the same block of the next group (the thread's next task), so memory is busy in both */
+        const uint8_t *ahead = h == 0 ? chunk + PREFETCH : chunk + blocks * u * bytes;
+        for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
         const q8_k_block *x[4];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) x[r] = (const q8_k_block *)a[r] + b;
@@ -677,6 +704,122 @@ static void dots_q4_k_avx2(int64_t n, const void *w, int64_t u, const void *x, i
 #undef HALVES_Q4_K
 }
 
+/* Q6_K on AVX2 (with FMA and F16C): the same layout, a 16-row group as two 8-lane halves. A weight is
+ * ql's nibble and two bits of qh (0..63, ggml's value + 32): `vpmaddubsw` against the activation's bytes
+ * (|x| <= 128) makes 16-bit pair sums of at most 2 x 63 x 128, two chunks of a 16-weight group add up
+ * in 16 bits (at most 32256) before one `vpmaddwd` by the group's 8-bit scale widens them. The + 32
+ * comes off as 32 x sum_g scale_g x (the activation's group sum, ggml's Q8_K bsums), as ggml's AVX2
+ * kernel takes it off; a super-block's integer sums (within 2^29) are ggml's, only the order of the
+ * float sums differs. NR (1 to 4) activation rows and one half at a time, as the Q4_K kernel. In a
+ * super-block half n (128 weights) ql's bytes 64n + l hold weights l (low nibbles) and l + 64 (high),
+ * bytes 64n + 32 + l weights l + 32 and l + 96, and qh's byte 32n + l their top bits (bits 0-1, 2-3,
+ * 4-5, 6-7 in that order), for l < 32; weight i's scale is group i / 16's. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void dots_half_q6_k_avx2(const int NR, const int FULL, int64_t n, const void *w, int64_t u, int h,
+                                       const uint8_t *const *a, float *y, int64_t y_stride) {
+    const int64_t blocks = n / QK_K, bytes = sizeof(q6_k_block), at = 32 * h;
+    const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), word = _mm256_set1_epi32(0xFFFF);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#define LOAD(p) (FULL ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskload_epi32((const int *)(p), mask))
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *ql = chunk, *qh = chunk + 128 * u,
+                      *sc = chunk + 192 * u;
+        /* the first half's pass streams the group from memory, the second reads it from cache: that one
+         * asks for the same block of the next group (the thread's next task), so memory is busy in both */
+        const uint8_t *ahead = h == 0 ? chunk + PREFETCH : chunk + blocks * u * bytes;
+        for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+        const q8_k_block *x[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) x[r] = (const q8_k_block *)a[r] + b;
+        /* the 16 groups' scales, each as an int16 pair (v, v) a lane; and sum_g scale_g x bsums[g] */
+        __m256i pairs[16], isum[4], msum[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) isum[r] = msum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m256i s = LOAD(sc + k * 4 * u + at);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(s, 24 - 8 * t), 24);
+                pairs[4 * k + t] = _mm256_or_si256(_mm256_and_si256(v, word), _mm256_slli_epi32(v, 16));
+            }
+            const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), odd = _mm256_srai_epi16(s, 8);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                const int16_t *bs = x[r]->bsums + 4 * k;
+                const int32_t be = (int32_t)((uint16_t)bs[0] | (uint32_t)(uint16_t)bs[2] << 16),
+                              bo = (int32_t)((uint16_t)bs[1] | (uint32_t)(uint16_t)bs[3] << 16);
+                msum[r] = _mm256_add_epi32(msum[r], _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_set1_epi32(be)),
+                                                                     _mm256_madd_epi16(odd, _mm256_set1_epi32(bo))));
+            }
+        }
+        for (int half = 0; half < 2; half++) {
+            for (int e2 = 0; e2 < 4; e2++) { /* chunks e = 2 e2, 2 e2 + 1: weights 4e..4e+3 of each quarter */
+                const uint8_t *A = ql + (16 * half + 2 * e2) * 4 * u + at, *B = A + 8 * 4 * u,
+                              *H = qh + (8 * half + 2 * e2) * 4 * u + at;
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) { /* weights 32m + 4e.. of the half: group 8 half + 2m + e / 4 */
+                    const uint8_t *nibbles = m & 1 ? B : A;
+                    __m256i q[2];
+#pragma GCC unroll 2
+                    for (int t = 0; t < 2; t++) { /* the nibble (low for m < 2), then qh's bits 2m, 2m + 1 as bits 4, 5 */
+                        const __m256i raw = LOAD(nibbles + t * 4 * u), bits = LOAD(H + t * 4 * u);
+                        /* 16-bit shifts: what crosses into a byte from its neighbour lands outside bits 4, 5 */
+                        const __m256i top = _mm256_and_si256(m < 2 ? _mm256_slli_epi16(bits, 4 - 2 * m) :
+                                                             m == 2 ? bits : _mm256_srli_epi16(bits, 2), bits45);
+                        q[t] = _mm256_or_si256(_mm256_and_si256(m < 2 ? raw : _mm256_srli_epi16(raw, 4), low), top);
+                    }
+                    const __m256i scale = pairs[8 * half + 2 * m + e2 / 2];
+#pragma GCC unroll 4
+                    for (int r = 0; r < NR; r++) {
+                        const int8_t *qx = x[r]->qs + 128 * half + 32 * m + 8 * e2;
+                        int32_t x0, x1;
+                        memcpy(&x0, qx, 4);
+                        memcpy(&x1, qx + 4, 4);
+                        const __m256i dot = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], _mm256_set1_epi32(x0)),
+                                                             _mm256_maddubs_epi16(q[1], _mm256_set1_epi32(x1)));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(dot, scale));
+                    }
+                }
+            }
+        }
+        __m256 d; /* the half's 8 values of d, padded for a short group */
+        if (FULL) d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + 208 * u + 16 * h)));
+        else {
+            uint16_t pad[8] = {0};
+            memcpy(pad, chunk + 208 * u + 16 * h, 2 * (size_t)(u - 8 * h < 8 ? u - 8 * h : 8));
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m256i sum = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(msum[r], 5)); /* - 32 x the minimums */
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[r]->d)), acc[r]);
+        }
+    }
+#undef LOAD
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        if (FULL) _mm256_storeu_ps(y + r * y_stride + 8 * h, acc[r]);
+        else _mm256_maskstore_ps(y + r * y_stride + 8 * h, mask, acc[r]);
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dots_q6_k_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                           int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q6_K, n);
+#define HALVES_Q6_K(NR) \
+    for (int h = 0; h < 2 && 8 * h < u; h++) { \
+        if (u == GROUP) dots_half_q6_k_avx2(NR, 1, n, w, u, h, a, out, y_stride); \
+        else dots_half_q6_k_avx2(NR, 0, n, w, u, h, a, out, y_stride); \
+    }
+    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, HALVES_Q6_K)
+#undef HALVES_Q6_K
+}
+
 #endif
 
 /* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0, Q8_0 or Q4_K) packed row group `w` . activation row r. */
@@ -686,6 +829,10 @@ void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, 
     /* kvw_supported let the type through. Only the formats both kernels read take the AVX2 ones, so
      * a setting of as_avx2 changed after that check cannot send other blocks to a kernel that would
      * misread them. */
+    if (is_q6_k(type)) { /* AVX2's kernel: there is no VNNI one */
+        dots_q6_k_avx2(n, w, u, x, rows, y, y_stride);
+        return;
+    }
     if ((is_q8_0(type) || is_q4_k(type)) && !avx512_vnni()) {
         (is_q4_k(type) ? dots_q4_k_avx2 : dots_q8_0_avx2)(n, w, u, x, rows, y, y_stride);
         return;

@@ -10,7 +10,7 @@ beyond `MANY_ROWS` rows, which wins there.
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0, Q8_0 and Q4_K blocks are repacked at
 construction into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at
-every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q8_0 and Q4_K blocks are. `kernels.cpu.ggml_kernel()` chooses,
+every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q8_0, Q4_K and Q6_K blocks are. `kernels.cpu.ggml_kernel()` chooses,
 `KVWIRE_GGML_KERNEL=ggml|x16` overrides. bench/ggml_matmul.py measures the crossovers;
 docs/kernels.md gives the numbers.
 """
@@ -29,7 +29,7 @@ MANY_ROWS = 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # the formats x16.c repacks, and the type numbers matmul.c knows their repacked blocks by
 X16 = {GGMLQuantizationType.Q4_1: 1001, GGMLQuantizationType.Q5_0: 1002, GGMLQuantizationType.Q8_0: 1003,
-       GGMLQuantizationType.Q4_K: 1004}
+       GGMLQuantizationType.Q4_K: 1004, GGMLQuantizationType.Q6_K: 1005}
 REPACK_ROWS = 16384  # rows repacked at a time (a multiple of x16's 16-row groups)
 QUANTIZE_ROWS = 4096  # rows quantised at a time (a multiple of 16): a float chunk of 10 MB for a 640-wide head
 # what `GGMLLinear.quantize` makes: ggml's quantiser handles these without an importance matrix
@@ -43,7 +43,7 @@ class GGMLLinear(nn.Module):
         blocks: (out, row_bytes) uint8, each row `in_features` weights in `qtype` blocks.
         qtype: a `gguf.GGMLQuantizationType` (or its id) with a ggml CPU dot product.
         in_features: weights per row. bias: (out,) or None.
-        kernel: for Q4_1, Q5_0, Q8_0 and Q4_K, "x16" (repack the blocks for kvwire's kernel where it runs the format)
+        kernel: for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K, "x16" (repack the blocks for kvwire's kernel where it runs the format)
             or "ggml"; None: `ggml_kernel()`'s choice for this CPU. `blocks` is always ggml's layout.
         release: called as release(start, stop) once rows start..stop of `blocks` are repacked (a
             loader gives a memory-mapped file's pages back there); None: nothing is called.
@@ -202,7 +202,7 @@ class GGMLLinear(nn.Module):
 
 def x16_layout(qtype, kernel=None):
     """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`: a format x16 has,
-    on a CPU that runs x16 for it (AVX2 runs it for Q8_0 and Q4_K only)."""
+    on a CPU that runs x16 for it (AVX2 runs it for Q8_0, Q4_K and Q6_K only)."""
     qtype = qtype_of(qtype)
     return qtype in X16 and ggml_kernel(kernel) == "x16" and bridge.x16_runs(int(qtype))
 
