@@ -710,10 +710,11 @@ static void dots_q4_k_avx2(int64_t n, const void *w, int64_t u, const void *x, i
  * in 16 bits (at most 32256) before one `vpmaddwd` by the group's 8-bit scale widens them. The + 32
  * comes off as 32 x sum_g scale_g x (the activation's group sum, ggml's Q8_K bsums), as ggml's AVX2
  * kernel takes it off; a super-block's integer sums (within 2^29) are ggml's, only the order of the
- * float sums differs. NR (1 to 4) activation rows and one half at a time, as the Q4_K kernel. In a
- * super-block half n (128 weights) ql's bytes 64n + l hold weights l (low nibbles) and l + 64 (high),
- * bytes 64n + 32 + l weights l + 32 and l + 96, and qh's byte 32n + l their top bits (bits 0-1, 2-3,
- * 4-5, 6-7 in that order), for l < 32; weight i's scale is group i / 16's. */
+ * float sums differs. NR (1 to 4) activation rows and one half of the group's rows at a time, as the
+ * Q4_K kernel. In a super-block's part P (its weights 128P..128P + 127) ql's bytes 64P + l hold the
+ * part's weights l (low nibbles) and l + 64 (high), bytes 64P + 32 + l weights l + 32 and l + 96, and
+ * qh's byte 32P + l their top bits (bits 0-1, 2-3, 4-5, 6-7 in that order), for l < 32; weight i's
+ * scale is group i / 16's. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void dots_half_q6_k_avx2(const int NR, const int FULL, int64_t n, const void *w, int64_t u, int h,
                                        const uint8_t *const *a, float *y, int64_t y_stride) {
@@ -756,12 +757,12 @@ static inline void dots_half_q6_k_avx2(const int NR, const int FULL, int64_t n, 
                                                                      _mm256_madd_epi16(odd, _mm256_set1_epi32(bo))));
             }
         }
-        for (int half = 0; half < 2; half++) {
+        for (int part = 0; part < 2; part++) {
             for (int e2 = 0; e2 < 4; e2++) { /* chunks e = 2 e2, 2 e2 + 1: weights 4e..4e+3 of each quarter */
-                const uint8_t *A = ql + (16 * half + 2 * e2) * 4 * u + at, *B = A + 8 * 4 * u,
-                              *H = qh + (8 * half + 2 * e2) * 4 * u + at;
+                const uint8_t *A = ql + (16 * part + 2 * e2) * 4 * u + at, *B = A + 8 * 4 * u,
+                              *H = qh + (8 * part + 2 * e2) * 4 * u + at;
 #pragma GCC unroll 4
-                for (int m = 0; m < 4; m++) { /* weights 32m + 4e.. of the half: group 8 half + 2m + e / 4 */
+                for (int m = 0; m < 4; m++) { /* weights 32m + 4e.. of the part: group 8 part + 2m + e / 4 */
                     const uint8_t *nibbles = m & 1 ? B : A;
                     __m256i q[2];
 #pragma GCC unroll 2
@@ -772,10 +773,10 @@ static inline void dots_half_q6_k_avx2(const int NR, const int FULL, int64_t n, 
                                                              m == 2 ? bits : _mm256_srli_epi16(bits, 2), bits45);
                         q[t] = _mm256_or_si256(_mm256_and_si256(m < 2 ? raw : _mm256_srli_epi16(raw, 4), low), top);
                     }
-                    const __m256i scale = pairs[8 * half + 2 * m + e2 / 2];
+                    const __m256i scale = pairs[8 * part + 2 * m + e2 / 2];
 #pragma GCC unroll 4
                     for (int r = 0; r < NR; r++) {
-                        const int8_t *qx = x[r]->qs + 128 * half + 32 * m + 8 * e2;
+                        const int8_t *qx = x[r]->qs + 128 * part + 32 * m + 8 * e2;
                         int32_t x0, x1;
                         memcpy(&x0, qx, 4);
                         memcpy(&x1, qx + 4, 4);
