@@ -573,6 +573,46 @@ static void dots_q8_0_avx2(int64_t n, const void *w, int64_t u, const void *x, i
 }
 
 
+/* What the AVX2 kernels that run a group a half of its rows at a time (Q4_K, Q6_K) share. */
+
+/* lanes of half h that hold one of the group's u rows */
+__attribute__((target("avx2"), always_inline))
+static inline __m256i half_mask(int64_t u, int h) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* the 8 half-precision values of half h in the u at p (one per row: d, dmin), as floats; a short
+ * group's (FULL 0) padded with zeros, read no further than its u */
+__attribute__((target("avx2,f16c"), always_inline))
+static inline __m256 half_values(const int FULL, const uint8_t *p, int64_t u, int h) {
+    if (FULL) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+    uint16_t pad[8] = {0};
+    memcpy(pad, p + 16 * h, 2 * (size_t)(u - 8 * h < 8 ? u - 8 * h : 8));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad));
+}
+
+/* The first half's pass streams a block of the group from memory, the second reads it from cache: that
+ * one asks for the same block of the next group (the thread's next task), so memory is busy in both.
+ * `block` bytes at `chunk`, `group` bytes a group. */
+static inline void prefetch_half(const uint8_t *chunk, int64_t block, int64_t group, int h) {
+    const uint8_t *ahead = h == 0 ? chunk + PREFETCH : chunk + group;
+    for (int64_t line = 0; line < block; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+}
+
+/* y[r * y_stride + 8h + j] = acc[r][j] for NR rows, j over half h's rows */
+__attribute__((target("avx2"), always_inline))
+static inline void store_half(const int NR, const int FULL, const __m256 *acc, float *y, int64_t y_stride, int h,
+                              __m256i mask) {
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        if (FULL) _mm256_storeu_ps(y + r * y_stride + 8 * h, acc[r]);
+        else _mm256_maskstore_ps(y + r * y_stride + 8 * h, mask, acc[r]);
+    }
+}
+
+/* 32 bytes of half h's lanes at p (the kernels' FULL and mask in scope): a short group's masked */
+#define LOAD(p) (FULL ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskload_epi32((const int *)(p), mask))
+
 /* Q4_K on AVX2 (with FMA and F16C): the same layout, a 16-row group as two 8-lane halves. The nibbles
  * are unsigned (0..15), so `vpmaddubsw` against the activation's bytes (|x| <= 128: ggml's Q8_K) makes
  * 16-bit pair sums of at most 2 x 15 x 128; a sub-block's eight chunks add up in 16 bits (at most
@@ -589,17 +629,13 @@ static inline void dots_half_q4_k_avx2(const int NR, const int FULL, int64_t n, 
     const int64_t blocks = n / QK_K, bytes = sizeof(q4_k_block), at = 32 * h;
     const __m256i low = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15),
                   two = _mm256_set1_epi32(3);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-#define LOAD(p) (FULL ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskload_epi32((const int *)(p), mask))
+    const __m256i mask = half_mask(u, h);
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *sc = chunk + 128 * u;
-        /* the first half's pass streams the group from memory, the second reads it from cache: that one
-         * asks for the same block of the next group (the thread's next task), so memory is busy in both */
-        const uint8_t *ahead = h == 0 ? chunk + PREFETCH : chunk + blocks * u * bytes;
-        for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+        prefetch_half(chunk, u * bytes, blocks * u * bytes, h);
         const q8_k_block *x[4];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) x[r] = (const q8_k_block *)a[r] + b;
@@ -664,18 +700,7 @@ static inline void dots_half_q4_k_avx2(const int NR, const int FULL, int64_t n, 
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(dot_lo[r], scale[0]),
                                                                      _mm256_madd_epi16(dot_hi[r], scale[1])));
         }
-        __m256 d, dmin; /* the half's 8 values of d and of dmin, padded for a short group */
-        if (FULL) {
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + 140 * u + 16 * h)));
-            dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + 142 * u + 16 * h)));
-        } else {
-            uint16_t pad[2][8] = {{0}};
-            const size_t count = 2 * (size_t)(u - 8 * h < 8 ? u - 8 * h : 8);
-            memcpy(pad[0], chunk + 140 * u + 16 * h, count);
-            memcpy(pad[1], chunk + 142 * u + 16 * h, count);
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad[0]));
-            dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad[1]));
-        }
+        const __m256 d = half_values(FULL, chunk + 140 * u, u, h), dmin = half_values(FULL, chunk + 142 * u, u, h);
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m256 dx = _mm256_set1_ps(x[r]->d);
@@ -683,25 +708,7 @@ static inline void dots_half_q4_k_avx2(const int NR, const int FULL, int64_t n, 
             acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dx), acc[r]);
         }
     }
-#undef LOAD
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) {
-        if (FULL) _mm256_storeu_ps(y + r * y_stride + 8 * h, acc[r]);
-        else _mm256_maskstore_ps(y + r * y_stride + 8 * h, mask, acc[r]);
-    }
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void dots_q4_k_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
-                           int64_t y_stride) {
-    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q4_K, n);
-#define HALVES_Q4_K(NR) \
-    for (int h = 0; h < 2 && 8 * h < u; h++) { \
-        if (u == GROUP) dots_half_q4_k_avx2(NR, 1, n, w, u, h, a, out, y_stride); \
-        else dots_half_q4_k_avx2(NR, 0, n, w, u, h, a, out, y_stride); \
-    }
-    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, HALVES_Q4_K)
-#undef HALVES_Q4_K
+    store_half(NR, FULL, acc, y, y_stride, h, mask);
 }
 
 /* Q6_K on AVX2 (with FMA and F16C): the same layout, a 16-row group as two 8-lane halves. A weight is
@@ -720,18 +727,14 @@ static inline void dots_half_q6_k_avx2(const int NR, const int FULL, int64_t n, 
                                        const uint8_t *const *a, float *y, int64_t y_stride) {
     const int64_t blocks = n / QK_K, bytes = sizeof(q6_k_block), at = 32 * h;
     const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), word = _mm256_set1_epi32(0xFFFF);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-#define LOAD(p) (FULL ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskload_epi32((const int *)(p), mask))
+    const __m256i mask = half_mask(u, h);
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *ql = chunk, *qh = chunk + 128 * u,
                       *sc = chunk + 192 * u;
-        /* the first half's pass streams the group from memory, the second reads it from cache: that one
-         * asks for the same block of the next group (the thread's next task), so memory is busy in both */
-        const uint8_t *ahead = h == 0 ? chunk + PREFETCH : chunk + blocks * u * bytes;
-        for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+        prefetch_half(chunk, u * bytes, blocks * u * bytes, h);
         const q8_k_block *x[4];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) x[r] = (const q8_k_block *)a[r] + b;
@@ -787,38 +790,45 @@ static inline void dots_half_q6_k_avx2(const int NR, const int FULL, int64_t n, 
                 }
             }
         }
-        __m256 d; /* the half's 8 values of d, padded for a short group */
-        if (FULL) d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + 208 * u + 16 * h)));
-        else {
-            uint16_t pad[8] = {0};
-            memcpy(pad, chunk + 208 * u + 16 * h, 2 * (size_t)(u - 8 * h < 8 ? u - 8 * h : 8));
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad));
-        }
+        const __m256 d = half_values(FULL, chunk + 208 * u, u, h);
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m256i sum = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(msum[r], 5)); /* - 32 x the minimums */
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[r]->d)), acc[r]);
         }
     }
+    store_half(NR, FULL, acc, y, y_stride, h, mask);
+}
+
 #undef LOAD
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) {
-        if (FULL) _mm256_storeu_ps(y + r * y_stride + 8 * h, acc[r]);
-        else _mm256_maskstore_ps(y + r * y_stride + 8 * h, mask, acc[r]);
+
+/* All activation rows against one group of Q4_K or Q6_K (`type`) rows, a half of its rows at a time. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void dots_k_avx2(const int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows,
+                               float *y, int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(type, n);
+#define HALF(NR, FULL) (type == GGML_TYPE_Q4_K ? dots_half_q4_k_avx2 : dots_half_q6_k_avx2)(NR, FULL, n, w, u, h, a, \
+                                                                                            out, y_stride)
+#define HALVES(NR)                                                                                      \
+    for (int h = 0; h < 2 && 8 * h < u; h++) {                                                          \
+        if (u == GROUP) HALF(NR, 1);                                                                    \
+        else HALF(NR, 0);                                                                               \
     }
+    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, HALVES)
+#undef HALVES
+#undef HALF
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dots_q4_k_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                           int64_t y_stride) {
+    dots_k_avx2(GGML_TYPE_Q4_K, n, w, u, x, rows, y, y_stride);
 }
 
 __attribute__((target("avx2,fma,f16c")))
 static void dots_q6_k_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                            int64_t y_stride) {
-    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q6_K, n);
-#define HALVES_Q6_K(NR) \
-    for (int h = 0; h < 2 && 8 * h < u; h++) { \
-        if (u == GROUP) dots_half_q6_k_avx2(NR, 1, n, w, u, h, a, out, y_stride); \
-        else dots_half_q6_k_avx2(NR, 0, n, w, u, h, a, out, y_stride); \
-    }
-    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, HALVES_Q6_K)
-#undef HALVES_Q6_K
+    dots_k_avx2(GGML_TYPE_Q6_K, n, w, u, x, rows, y, y_stride);
 }
 
 #endif
