@@ -130,7 +130,7 @@ static size_t block_bytes(int type) {
            is_q5_0(type) ? sizeof(q5_0_block) : sizeof(q4_1_block);
 }
 
-/* weights a block: Q4_K's super-blocks hold 256 */
+/* weights a block: K-quants' super-blocks hold 256 */
 static int64_t block_weights(int type) { return is_k(type) ? QK_K : QK; }
 
 /* qh's bits for weights 4k..4k+3 in byte k's low half, 16+4k..16+4k+3 in its high half (and back) */
@@ -833,7 +833,7 @@ static void dots_q6_k_avx2(int64_t n, const void *w, int64_t u, const void *x, i
 
 #endif
 
-/* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0, Q8_0 or Q4_K) packed row group `w` . activation row r. */
+/* y[r * y_stride + j] = row j of `type`'s (Q4_1, Q5_0, Q8_0, Q4_K or Q6_K) packed row group `w` . activation row r. */
 void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
                   int64_t y_stride) {
 #if X86
