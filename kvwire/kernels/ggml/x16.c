@@ -95,8 +95,12 @@ static int avx2(void) {
 #if !X86
     return 0;
 #else
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    static int found = -1; /* asked once: the operator asks for every weight of every call */
+    if (found < 0) {
+        __builtin_cpu_init();
+        found = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return found;
 #endif
 }
 
