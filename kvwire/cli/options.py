@@ -53,6 +53,9 @@ def load_model(args, quantize=None):
         if given:
             raise ValueError(f"{given[0]} applies to eager models; export a steered model instead "
                              "(kvwire export --control-vector V ...) and pass --strength at run time")
+        if getattr(args, "device", "cpu") != "cpu":
+            raise ValueError(f"--device {args.device} applies to eager models; --runtime {args.runtime} runs on "
+                             "its own runtime's CPU provider")
         if quantize or getattr(args, "head", None):
             raise ValueError(f"--quantize and --head apply to eager models; --runtime {args.runtime} runs the "
                              "file's own weights (export with kvwire export --quantize for ONNX)")
@@ -62,7 +65,8 @@ def load_model(args, quantize=None):
     features = feature_specs(getattr(args, "sae", None), getattr(args, "feature", None))
     quantize = None if quantize == "none" else quantize
     template = chat_template_file(getattr(args, "chat_template", None))  # a bad file is refused before loading
-    lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None))
+    lm = load(args.model, dtype=args.dtype, quantize=quantize, head=getattr(args, "head", None),
+              device=getattr(args, "device", "cpu"))
     if template is not None:
         if lm.tokenizer is None:
             raise ValueError(f"--chat-template {args.chat_template}: {args.model} has no tokenizer to render it with")
@@ -263,3 +267,6 @@ def model_options(p):
                    help="threads of torch's CPU pool, kept whatever else runs (default: $KVWIRE_THREADS, else one "
                         "per core, and one fewer for each core other processes keep busy)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--device", default="cpu", metavar="D",
+                   help="where the weights, caches and steps live: cpu, cuda, cuda:1, ... (GGUF blocks and the "
+                        "int8/int4 kernels run on the CPU only; default: %(default)s)")

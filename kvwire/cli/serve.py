@@ -98,6 +98,7 @@ def run(args):
 
     import torch
 
+    from ..dtypes import weights_device
     from ..serve import create_app, serve
     from ..serve.auth import check_keys
     from ..steer import ControlVector
@@ -109,10 +110,11 @@ def run(args):
         check_keys(keys)  # before the model loads: a bad key is refused at once
     vectors = {name: ControlVector.load(path) for name, path in named.items()}
     sae = _sae(args)  # a bad folder or option is refused before the model loads
+    weights_device(args.device)  # so is a device this process cannot use
     if args.quantize == "auto" and getattr(args, "runtime", "eager") == "eager":
         from ..load import auto_quantize
 
-        args.quantize, why = auto_quantize(args.model)
+        args.quantize, why = auto_quantize(args.model, args.device)
         print(f"weights: {why} (--quantize {args.quantize or 'none'})", file=sys.stderr)
     options = dict(max_batch=args.max_batch, max_length=args.max_length, control_vectors=vectors, limits=bounds,
                    inline_slots=args.inline_slots, inline_per_request=args.inline_per_request, api_keys=keys,

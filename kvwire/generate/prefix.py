@@ -83,7 +83,7 @@ class _Pool:
     def take(self, n):
         if n > len(self.free):  # the budget bounds the pages in use: reaching here is a bug
             raise RuntimeError(f"prefix store pool: {n} pages asked for, {len(self.free)} free")
-        return torch.tensor([heapq.heappop(self.free) for _ in range(n)], dtype=torch.long)
+        return torch.tensor([heapq.heappop(self.free) for _ in range(n)], dtype=torch.long, device="cpu")  # bookkeeping
 
     def give(self, pages):
         for p in pages.tolist():
@@ -91,7 +91,7 @@ class _Pool:
 
     def rows(self, pages, start, stop):
         """Buffer rows of positions [start, stop) counted from the first position of `pages`."""
-        j = torch.arange(start, stop)
+        j = torch.arange(start, stop, device="cpu")  # page ids live on the CPU; the rows go to the pool's device
         return (pages[j // self.page_tokens] * self.page_tokens + j % self.page_tokens).to(self.keys.device)
 
 
