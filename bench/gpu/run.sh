@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# kvwire's check on a GPU machine, in at most ~5 minutes: the accelerator tests, then bench/devices.py,
+# each result written into OUT as it comes.
+#
+#     bash bench/gpu/run.sh OUT [BUDGET_SECONDS]     (default budget 300)
+#
+# For a machine with its own Python and CUDA build of torch and no network: run from a checkout of this
+# repository; packages that Python lacks come from .whl/ when present (bench/gpu/wheels.sh makes it,
+# where the package index is reachable) and are installed into a folder of their own, never over the
+# machine's torch. requirements.txt is never installed here (it pins the CPU build of torch). Random
+# weights with the presets' configurations stand in for the model files, which do not travel.
+#
+# OUT/env.txt (GPU, Python, torch), OUT/info.txt (kvwire info), OUT/tests.txt (tests/test_cuda.py and
+# the device-agnostic tests/test_devices.py),
+# OUT/bench.txt and OUT/results.jsonl (bench/devices.py). Exit status: the tests' (the bench runs
+# whatever they say).
+set -u
+out=${1:?usage: bash bench/gpu/run.sh OUT [BUDGET_SECONDS]}
+budget=${2:-300}
+cd "$(dirname "$0")/../.."
+mkdir -p "$out"
+start=$SECONDS
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi: none"
+    "$python" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| available', torch.cuda.is_available())"
+} > "$out/env.txt" 2>&1
+if compgen -G ".whl/*.whl" > /dev/null; then
+    site=${TMPDIR:-/tmp}/kvwire-site
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        >> "$out/env.txt" 2>&1 && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # kvwire from this checkout
+cat "$out/env.txt"
+"$python" -m kvwire.cli info > "$out/info.txt" 2>&1
+# the tests first: 40 % of the budget at most
+timeout $((budget * 2 / 5)) "$python" -m pytest -v tests/test_cuda.py tests/test_devices.py -p no:cacheprovider \
+    -rs 2>&1 | tee "$out/tests.txt"
+status=${PIPESTATUS[0]}
+# the bench: what is left, less a minute for a measurement that starts just inside its budget
+left=$((budget - (SECONDS - start) - 60))
+if [ "$left" -gt 0 ]; then
+    timeout $((left + 50)) "$python" bench/devices.py --device "${KVWIRE_TEST_DEVICE:-cuda}" --out "$out" \
+        --budget "$left" 2>&1 | tee "$out/bench.txt"
+else
+    echo "bench/devices.py: no time left in the ${budget} s budget" | tee "$out/bench.txt"
+fi
+echo "done in $((SECONDS - start)) s; tests exit status $status" | tee -a "$out/bench.txt"
+exit "$status"
