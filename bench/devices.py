@@ -36,11 +36,13 @@ vocabulary (a check of the bench itself, e.g. with --device cpu).
 Exits with status 2 and the reason when the device cannot be used in this process.
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -78,6 +80,16 @@ class Report:
             return True
         self.add(what, None, note=f"skipped: past the {self.budget:.0f} s budget")
         return False
+
+    @contextlib.contextmanager
+    def failure(self, what):
+        """A measurement that raises is a line with its error (and its traceback on stderr); the
+        others go on."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failure of one measurement is reported, not fatal
+            traceback.print_exc()
+            self.add(what, None, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
 
     def add(self, what, value, unit="", note="", **fields):
         self.records.append(dict(what=what, value=value, **fields))
@@ -157,7 +169,8 @@ def measure(report, label, calls, args, vocab, batches, **fields):
         if not report.left(f"{label} decode b{batch}"):
             continue
         ids = prompts(batch, vocab)
-        generate(ids, 2)  # warm-up: kernels, compiled graphs, caches
+        generate(ids, 2)  # warm-up: kernels, compiled graphs, caches (both lengths' buckets)
+        generate(ids, args.new_tokens)
         rate = (args.new_tokens - 1) / max(best_time(lambda: generate(ids, args.new_tokens))
                                            - best_time(lambda: generate(ids, 1)), 1e-9)
         report.add(f"{label} decode b{batch}", rate, "tokens/s per row", metric="decode", batch=batch, **fields)
@@ -194,6 +207,7 @@ def steering_cost(report, lm, mode, args, vocab, **fields):
     for name, model in (("plain", lm), ("steered", steered)):
         generate, _ = kvwire_calls(model, lm.device)
         generate(ids, 2)
+        generate(ids, args.new_tokens)
         rates[name] = (args.new_tokens - 1) / max(best_time(lambda: generate(ids, args.new_tokens))
                                                   - best_time(lambda: generate(ids, 1)), 1e-9)
     report.add(f"kvwire {mode} decode b{rows}, {rows} distinct strengths", rates["steered"], "tokens/s per row",
@@ -264,21 +278,22 @@ def bench_model(report, name, device, args, modes, first):
         report.add(f"{name}", None, note=f"skipped ({e})")
         return
     for mode in modes:
-        if not report.left(f"kvwire {mode}"):
-            continue
-        model = compiled(make(), mode)
-        measure(report, f"kvwire {mode}", kvwire_calls(model, device), args, vocab, args.batch, side="kvwire",
-                mode=mode, **fields)
-        if args.steer_rows:
-            steering_cost(report, model, mode, args, vocab, side="kvwire", **fields)
+        if report.left(f"kvwire {mode}"):
+            with report.failure(f"kvwire {mode}"):
+                model = compiled(make(), mode)
+                measure(report, f"kvwire {mode}", kvwire_calls(model, device), args, vocab, args.batch,
+                        side="kvwire", mode=mode, **fields)
+                if args.steer_rows:
+                    steering_cost(report, model, mode, args, vocab, side="kvwire", **fields)
     if first and "transformers" in args.peers and hf is not None and report.left("transformers"):
-        peer = hf_model(name, args.tiny).to(device=device, dtype=getattr(torch, args.dtype))
         how = "static cache, compiled" if device.type in ("cuda", "xpu") else "static cache, eager on this device"
-        measure(report, f"transformers ({how})", transformers_calls(peer, device, args.new_tokens), args, vocab,
-                args.batch, side="transformers", mode=how, **fields)
-        del peer
+        with report.failure("transformers"):
+            peer = hf_model(name, args.tiny).to(device=device, dtype=getattr(torch, args.dtype))
+            measure(report, f"transformers ({how})", transformers_calls(peer, device, args.new_tokens), args,
+                    vocab, args.batch, side="transformers", mode=how, **fields)
     if first and args.cpu_reference and hf is not None:
-        cpu_reference(report, hf, device, args, vocab, **fields)
+        with report.failure("CPU reference"):
+            cpu_reference(report, hf, device, args, vocab, **fields)
 
 
 def main(argv=None):

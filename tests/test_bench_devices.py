@@ -87,17 +87,31 @@ def test_the_random_architectures_are_the_presets(name):
 
 def test_the_gpu_script_runs_the_tests_and_writes_its_files(tmp_path):
     """bench/gpu/run.sh on a machine without the device: the accelerator tests skip (the device-agnostic
-    ones run), the bench is left out for want of budget, and every file is written."""
+    ones run), the bench refuses the device, and every file is written."""
     import os
     import subprocess
 
     script = Path(__file__).resolve().parent.parent / "bench" / "gpu" / "run.sh"
-    env = {**os.environ, "PYTHON": sys.executable, "KVWIRE_TEST_DEVICE": "cuda:9"}
-    done = subprocess.run(["bash", str(script), str(tmp_path), "80"], env=env, capture_output=True, text=True,
+    env = {**os.environ, "PYTHON": sys.executable, "KVWIRE_TEST_DEVICE": "cuda:9",
+           "KVWIRE_WHEELS": str(tmp_path / "no-wheels")}
+    done = subprocess.run(["bash", str(script), str(tmp_path), "160"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "available" in (tmp_path / "env.txt").read_text()
+    env_txt = (tmp_path / "env.txt").read_text()
+    assert "available" in env_txt and "gguf " in env_txt and "kvwire 0.1" in env_txt
     assert (tmp_path / "info.txt").read_text().startswith("kvwire ")
     tests = (tmp_path / "tests.txt").read_text()
     assert " passed" in tests and "SKIPPED" in tests and "device 'cuda:9' is not usable here" in tests
-    assert "no time left in the 80 s budget" in (tmp_path / "bench.txt").read_text()
+    bench = (tmp_path / "bench.txt").read_text()  # the device refused, or no budget left for the bench
+    assert "device 'cuda:9' is not usable here" in bench or "no time left in the 160 s budget" in bench
+
+
+def test_a_failing_measurement_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no graph for you")
+
+    monkeypatch.setattr(devices, "transformers_calls", broken)
+    assert devices.main([*TINY_RUN, "--steer-rows", "0", "--out", str(tmp_path)]) == 0
+    got = {r["what"]: r for r in records(tmp_path)}
+    assert got["transformers"]["note"] == "failed: RuntimeError: no graph for you"
+    assert got["kvwire eager decode b1"]["value"] > 0 and got["greedy tokens equal to the CPU's (float32, 4 prompts)"]

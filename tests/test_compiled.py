@@ -254,6 +254,30 @@ def test_compiled_decode_with_a_mode_keeps_the_functional_update():
     assert out[0][0].data_ptr() != cache[0][0].data_ptr() and not cache[0][0].any()  # new tensors; input untouched
 
 
+def test_reduce_overhead_keeps_the_in_place_step_with_static_caches():
+    """`mode="reduce-overhead"` (CUDA graphs) runs kvwire's in-place step with Inductor's CUDA graphs
+    on (on the CPU Inductor leaves them out): the caches are written where they are, marked as static
+    addresses, and the logits handed back are a copy, not the graph's output buffer."""
+    from kvwire.generate.compiled import _with_passes
+
+    options = _with_passes({"mode": "reduce-overhead", "fullgraph": True})
+    assert "mode" not in options and options["fullgraph"] is True
+    assert options["options"]["triton.cudagraphs"] is True and options["options"]["reorder_for_locality"] is False
+    torch._dynamo.reset()
+    lm = kw.from_hf(FAMILIES["llama"]())
+    eager = _greedy(lm, [torch.tensor([3, 17, 42, 9])], 5)
+    lm.compile(ahead=False, bucket=32, mode="reduce-overhead")
+    decode, cached = lm._decoder(), lm.cached
+    assert decode.cudagraphs and not decode.use_direct
+    assert _greedy(lm, [torch.tensor([3, 17, 42, 9])], 5) == eager
+    cache = cached.init_cache(1, 32)
+    with torch.no_grad():
+        _, out = decode(torch.tensor([[5]]), torch.tensor([[0]]), torch.tensor(0), torch.ones(1, 32, dtype=torch.bool),
+                        cache, ())
+    assert out[0][0].data_ptr() == cache[0][0].data_ptr() and cache[0][0][:, :, 0].any()  # written in place
+    assert all(t._dynamo_static_input_type == "unguarded" for pair in cache for t in pair)
+
+
 def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_in_for():
     """After the call that compiles a decode step, later steps of its signature call Inductor's
     function directly (past dynamo) and give eager's tokens; a recorded graph that is not the whole

@@ -47,7 +47,8 @@ def pair(family, **options):
 
 
 def _on_device(lm):
-    return {t.device for t in [*lm.parameters(), *lm.buffers()]} == {weights_device(DEVICE)}
+    # a tensor's device names its index ("cuda:0"), which the name "cuda" does not equal
+    return {t.device for t in [*lm.parameters(), *lm.buffers()]} == {torch.empty(0, device=DEVICE).device}
 
 
 @pytest.mark.parametrize("family", list(MAKERS))
@@ -123,12 +124,17 @@ def test_half_precision_on_the_device(family, dtype):
 def test_compiled_steps_on_the_device_equal_eager(options):
     """`lm.compile` on the device (torch.compile's steps; `mode="reduce-overhead"` records CUDA graphs
     of the decode steps) gives eager's greedy tokens."""
+    from torch._dynamo.utils import counters
+
     cpu, dev = pair("llama")
     want = cpu.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
     dev.compile(**options)
+    skips = counters["inductor"]["cudagraph_skips"]
     assert dev.generate(PROMPTS, max_new_tokens=10, ignore_eos=True) == want
     assert dev.generate("Hello there", max_new_tokens=10, ignore_eos=True) == \
         cpu.generate("Hello there", max_new_tokens=10, ignore_eos=True)
+    if "mode" in options and dev.device.type == "cuda":  # the graphs were recorded, not skipped
+        assert counters["inductor"]["cudagraph_skips"] == skips
 
 
 def test_serve_on_the_device(tmp_path, monkeypatch, capsys):

@@ -17,8 +17,8 @@
 set -u
 out=${1:?usage: bash bench/gpu/run.sh OUT [BUDGET_SECONDS]}
 budget=${2:-300}
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # before the cd below: a relative OUT is the caller's
 cd "$(dirname "$0")/../.."
-mkdir -p "$out"
 start=$SECONDS
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -26,22 +26,41 @@ export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi: none"
     "$python" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| available', torch.cuda.is_available())"
 } > "$out/env.txt" 2>&1
-if compgen -G ".whl/*.whl" > /dev/null; then
+wheels=${KVWIRE_WHEELS:-.whl}  # the folder of wheels to install, when it holds any
+if compgen -G "$wheels/*.whl" > /dev/null; then
     site=${TMPDIR:-/tmp}/kvwire-site
-    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-        >> "$out/env.txt" 2>&1 && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    if ! "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            "$wheels"/*.whl >> "$out/env.txt" 2>&1; then
+        cat "$out/env.txt"; echo "bench/gpu/run.sh: the wheels in $wheels did not install (above)" >&2; exit 3
+    fi
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # kvwire from this checkout
+# what kvwire and the tests import, with the versions found (a missing one is said here, not in every test)
+"$python" - >> "$out/env.txt" 2>&1 <<'PY'
+import importlib, importlib.metadata
+for name in ("kvwire", "gguf", "tokenizers", "transformers", "fastapi", "pydantic", "uvicorn", "httpx"):
+    try:
+        module = importlib.import_module(name)
+    except Exception as e:
+        print(f"{name}: cannot import ({type(e).__name__}: {e})")
+        continue
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:  # e.g. kvwire from the checkout, not installed
+        version = getattr(module, "__version__", "(version unknown)")
+    print(f"{name} {version}")
+PY
 cat "$out/env.txt"
 "$python" -m kvwire.cli info > "$out/info.txt" 2>&1
-# the tests first: 40 % of the budget at most
-timeout $((budget * 2 / 5)) "$python" -m pytest -v tests/test_cuda.py tests/test_devices.py -p no:cacheprovider \
+# the tests first: half the budget at most
+timeout -k 10 $((budget / 2)) "$python" -m pytest -v tests/test_cuda.py tests/test_devices.py -p no:cacheprovider \
     -rs 2>&1 | tee "$out/tests.txt"
 status=${PIPESTATUS[0]}
 # the bench: what is left, less a minute for a measurement that starts just inside its budget
 left=$((budget - (SECONDS - start) - 60))
 if [ "$left" -gt 0 ]; then
-    timeout $((left + 50)) "$python" bench/devices.py --device "${KVWIRE_TEST_DEVICE:-cuda}" --out "$out" \
+    timeout -k 10 $((left + 50)) "$python" bench/devices.py --device "${KVWIRE_TEST_DEVICE:-cuda}" --out "$out" \
         --budget "$left" 2>&1 | tee "$out/bench.txt"
 else
     echo "bench/devices.py: no time left in the ${budget} s budget" | tee "$out/bench.txt"

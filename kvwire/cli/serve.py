@@ -142,7 +142,10 @@ def run(args):
 
 def _say_steps(args, why):
     """Start-up's line on decode steps: compiled (where kept) or eager, and why."""
-    if args.compile:
+    if args.compile and getattr(args, "device", "cpu") != "cpu":  # steps are kept on disk for the CPU only
+        print(f"decode: compiled steps ({why}) through torch.compile on {args.device}: the first request of each "
+              f"batch size and timeline length compiles its step (a minute or so, in this process)", file=sys.stderr)
+    elif args.compile:
         from ..kernels.switches import cache_root
 
         print(f"decode: compiled steps ({why}), kept in {cache_root() / 'steps'}; a batch size or timeline "

@@ -141,8 +141,10 @@ class CausalLM(GenerationMethods, nn.Module):
         at 28 and at 336 tokens; a 0.5B llama 0.92x at 40 tokens, 0.82x at 120).
         `options` go to `torch.compile`; with Inductor (the default) kvwire
         adds a pass that runs ggml matmuls reading one input as one call, and turns off Inductor's
-        `reorder_for_locality` so the step writes one slot of each cache in place (with `mode=`,
+        `reorder_for_locality` so the step writes one slot of each cache in place (with another `mode=`,
         another backend or that option set, the step returns updated copies of the caches).
+        `mode="reduce-overhead"` on CUDA replays CUDA graphs of these in-place steps, the caches
+        marked as static addresses (on the CPU it compiles as without it).
         Returns self. Without `options` nothing is imported here: torch.compile's machinery (~1.5 s
         to import) loads with the first compiled step.
 

@@ -81,7 +81,9 @@ class CompiledDecode(Buckets):
 
         allow_packs_in_compiled_graphs()  # dynamo is imported here, with the first compiled step
         options = _with_passes(options)
-        self.direct, self.use_direct = {}, "options" in options and len(options) == 1  # see direct.py
+        self.cudagraphs = bool((options.get("options") or {}).get("triton.cudagraphs"))
+        self.direct = {}  # see direct.py; CUDA graphs replay through dynamo's own calls
+        self.use_direct = "options" in options and len(options) == 1 and not self.cudagraphs
         if self.use_direct:  # Inductor with kvwire's options and no others: also called directly
             self.backend = DirectCalls(options["options"])
             self.step = torch.compile(step, dynamic=False, backend=self.backend)
@@ -108,6 +110,8 @@ class CompiledDecode(Buckets):
         # each chunk length is checked against every guard once: a dynamic graph may hold for some
         # lengths only (say those past a ring cache's slots); torch 2.13 still checks shapes with
         # guards skipped (and refuses), the exact length keeps that from resting on it
+        if self.cudagraphs:
+            _static_addresses(cache)
         args = (token_ids, positions, cache_index, attention_mask, cache, *extra)
         flat = flat_args(args)
         key = (token_ids.device, tuple((t.shape, t.stride()) for t in flat),  # Inductor's size asserts are off
@@ -137,15 +141,31 @@ class CompiledDecode(Buckets):
                     self.direct[key] = entry
             if self.use_direct:
                 self.backend.start()  # drop the example inputs (this call's caches among them)
-            return out
+            return self._owned(out)
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True), self.writes():
-                return self.step(*args)
+                return self._owned(self.step(*args))
         except RuntimeError as e:  # raised before running: a guard outside the key (e.g. tensors
             if "Recompilation triggered" not in str(e):  # made outside inference mode) differs
                 raise
         self.seen.discard(key)
         return self(token_ids, positions, cache_index, attention_mask, cache, extra)
+
+
+    def _owned(self, out):
+        """The step's (logits, cache), the logits copied out of a CUDA graph's memory, which its next
+        replay overwrites (the caches are the caller's own tensors, written in place)."""
+        logits, cache = out
+        return (logits.clone() if self.cudagraphs else logits), cache
+
+
+def _static_addresses(cache):
+    """Mark the caches as tensors whose address stays (as transformers' static cache does): a CUDA
+    graph then reads and writes them where they are instead of copying them into its own inputs."""
+    for pair in cache:
+        for t in pair:
+            if getattr(t, "_dynamo_static_input_type", None) is None:
+                torch._dynamo.mark_static_address(t)
 
 
 def check_settings(bucket, prefill_tokens):
@@ -159,7 +179,14 @@ def check_settings(bucket, prefill_tokens):
 
 def _with_passes(options):
     """torch.compile's options plus kvwire's Inductor pass (fusing ggml matmuls that share an input),
-    unless another backend or a `mode` (which excludes `options`) was asked for."""
+    unless another backend or a `mode` (which excludes `options`) was asked for.
+
+    `mode="reduce-overhead"` (CUDA graphs) becomes kvwire's settings with Inductor's CUDA graphs on:
+    the steps keep writing the caches in place (marked static), where the mode's own steps would
+    return new caches that the next replay frees while they are its inputs."""
+    if options.get("mode") == "reduce-overhead" and options.get("backend", "inductor") == "inductor":
+        rest = {k: v for k, v in options.items() if k != "mode"}
+        return {**rest, "options": inductor_options({"triton.cudagraphs": True, **(rest.get("options") or {})})}
     if options.get("backend", "inductor") != "inductor" or "mode" in options:
         return options
     return {**options, "options": inductor_options(options.get("options"))}
