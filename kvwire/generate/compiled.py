@@ -151,7 +151,6 @@ class CompiledDecode(Buckets):
         self.seen.discard(key)
         return self(token_ids, positions, cache_index, attention_mask, cache, extra)
 
-
     def _owned(self, out):
         """The step's (logits, cache), the logits copied out of a CUDA graph's memory, which its next
         replay overwrites (the caches are the caller's own tensors, written in place)."""
