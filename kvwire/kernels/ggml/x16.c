@@ -614,6 +614,18 @@ static inline void store_half(const int NR, const int FULL, const __m256 *acc, f
     }
 }
 
+/* Q4_K's 6-bit value s (0..7) of each lane's row, as ggml's get_scale_min_k4 reads it from the row's 12
+ * scale bytes (lo: bytes 0-3 for scales, 4-7 for minimums; hi: bytes 8-11): s < 4 is lo's byte s, low 6
+ * bits; else hi's byte s - 4 (its low nibble for scales, high for minimums: `nibble` 0 or 4) with lo's
+ * byte s - 4's top two bits above it. */
+__attribute__((target("avx2"), always_inline))
+static inline __m256i six_bits(__m256i lo, __m256i hi, const int s, const int nibble) {
+    const int t = 8 * (s & 3);
+    if (s < 4) return _mm256_and_si256(_mm256_srli_epi32(lo, t), _mm256_set1_epi32(63));
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(hi, t + nibble), _mm256_set1_epi32(15)),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(lo, t + 6), _mm256_set1_epi32(3)), 4));
+}
+
 /* 32 bytes of half h's lanes at p (the kernels' FULL and mask in scope): a short group's masked */
 #define LOAD(p) (FULL ? _mm256_loadu_si256((const __m256i *)(p)) : _mm256_maskload_epi32((const int *)(p), mask))
 
@@ -632,8 +644,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void dots_half_q4_k_avx2(const int NR, const int FULL, const int H, int64_t n, const void *w, int64_t u,
                                        int h, const uint8_t *const *a, float *y, int64_t y_stride) {
     const int64_t blocks = n / QK_K, bytes = sizeof(q4_k_block);
-    const __m256i low = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15),
-                  two = _mm256_set1_epi32(3);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i mask = half_mask(u, h);
     __m256 acc[2][4];
 #pragma GCC unroll 2
@@ -670,15 +681,8 @@ static inline void dots_half_q4_k_avx2(const int NR, const int FULL, const int H
             }
 #pragma GCC unroll 2
             for (int q = 0; q < H; q++) {
-                __m256i m[2];
-#pragma GCC unroll 2
-                for (int e = 0; e < 2; e++) {
-                    const int s = 2 * i + e, t = s & 3;
-                    m[e] = s < 4 ? _mm256_and_si256(_mm256_srli_epi32(s1[q], 8 * t), six)
-                        : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2[q], 8 * t + 4), four),
-                                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(s1[q], 8 * t + 6), two), 4));
-                }
-                const __m256i pair = _mm256_or_si256(m[0], _mm256_slli_epi32(m[1], 16));
+                const __m256i pair = _mm256_or_si256(six_bits(s1[q], s2[q], 2 * i, 4),
+                                                     _mm256_slli_epi32(six_bits(s1[q], s2[q], 2 * i + 1, 4), 16));
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) msum[q][r] = _mm256_add_epi32(msum[q][r], _mm256_madd_epi16(pair, sums[r]));
             }
@@ -722,11 +726,7 @@ static inline void dots_half_q4_k_avx2(const int NR, const int FULL, const int H
                 __m256i scale[2];
 #pragma GCC unroll 2
                 for (int e = 0; e < 2; e++) {
-                    const int s = 2 * p + e, t = s & 3;
-                    const __m256i v = s < 4 ? _mm256_and_si256(_mm256_srlv_epi32(s0[q], _mm256_set1_epi32(8 * t)), six)
-                        : _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(s2[q], _mm256_set1_epi32(8 * t)), four),
-                                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(s0[q], _mm256_set1_epi32(8 * t + 6)),
-                                                                             two), 4));
+                    const __m256i v = six_bits(s0[q], s2[q], 2 * p + e, 0);
                     scale[e] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
                 }
 #pragma GCC unroll 4
