@@ -127,21 +127,30 @@ def best_time(fn, repeat=3):
     return min(times)
 
 
+def decode_rate(generate, ids, new_tokens):
+    """Decode tokens/s per row of `generate(ids, n)`: (n - 1) / (time(n tokens) - time(1 token)), best of
+    3 each, after a warm-up at both lengths (kernels, compiled graphs and caches of both buckets)."""
+    generate(ids, 2)
+    generate(ids, new_tokens)
+    return (new_tokens - 1) / max(best_time(lambda: generate(ids, new_tokens)) - best_time(lambda: generate(ids, 1)),
+                                  1e-9)
+
+
 def prompts(batch, vocab, length=PROMPT_TOKENS, seed=1):
     return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def kvwire_calls(lm, device):
-    """(generate(ids, n), prefill(ids)) for a kvwire model."""
+    """generate(ids (B, T), n): n new tokens a row from a kvwire model."""
     def generate(ids, n):
         lm.generate(list(ids.to(device)), max_new_tokens=n, ignore_eos=True)
 
-    return generate, lambda ids: generate(ids, 1)
+    return generate
 
 
 def transformers_calls(model, device, new_tokens):
-    """(generate(ids, n), prefill(ids)) through transformers' generate with its static cache, one cache
-    per prompt shape kept across calls (reset before each) so every call runs the same compiled graphs."""
+    """generate(ids (B, T), n) through transformers' generate with its static cache, one cache per prompt
+    shape kept across calls (reset before each) so every call runs the same compiled graphs."""
     from transformers import StaticCache
 
     caches = {}
@@ -159,25 +168,21 @@ def transformers_calls(model, device, new_tokens):
                            max_new_tokens=n, min_new_tokens=n, do_sample=False)
         synchronize(device)
 
-    return generate, lambda ids: generate(ids, 1)
+    return generate
 
 
-def measure(report, label, calls, args, vocab, batches, **fields):
-    """Decode at each batch size and prefill through `calls` = (generate, prefill)."""
-    generate, prefill = calls
+def measure(report, label, generate, args, vocab, batches, **fields):
+    """Decode at each batch size, and prefill (a prompt to its first token), through `generate(ids, n)`."""
     for batch in batches:
         if not report.left(f"{label} decode b{batch}"):
             continue
         ids = prompts(batch, vocab)
-        generate(ids, 2)  # warm-up: kernels, compiled graphs, caches (both lengths' buckets)
-        generate(ids, args.new_tokens)
-        rate = (args.new_tokens - 1) / max(best_time(lambda: generate(ids, args.new_tokens))
-                                           - best_time(lambda: generate(ids, 1)), 1e-9)
+        rate = decode_rate(generate, ids, args.new_tokens)
         report.add(f"{label} decode b{batch}", rate, "tokens/s per row", metric="decode", batch=batch, **fields)
     if args.prefill and report.left(f"{label} prefill {args.prefill}"):
         ids = prompts(1, vocab, args.prefill)
-        prefill(ids)
-        rate = args.prefill / best_time(lambda: prefill(ids))
+        generate(ids, 1)
+        rate = args.prefill / best_time(lambda: generate(ids, 1))
         report.add(f"{label} prefill {args.prefill}", rate, "tokens/s", metric="prefill", batch=1, **fields)
 
 
@@ -205,11 +210,7 @@ def steering_cost(report, lm, mode, args, vocab, **fields):
     ids = prompts(rows, vocab)
     rates = {}
     for name, model in (("plain", lm), ("steered", steered)):
-        generate, _ = kvwire_calls(model, lm.device)
-        generate(ids, 2)
-        generate(ids, args.new_tokens)
-        rates[name] = (args.new_tokens - 1) / max(best_time(lambda: generate(ids, args.new_tokens))
-                                                  - best_time(lambda: generate(ids, 1)), 1e-9)
+        rates[name] = decode_rate(kvwire_calls(model, lm.device), ids, args.new_tokens)
     report.add(f"kvwire {mode} decode b{rows}, {rows} distinct strengths", rates["steered"], "tokens/s per row",
                metric="steered", batch=rows, **fields)
     report.add(f"kvwire {mode} steering cost at b{rows}", 100 * (1 - rates["steered"] / rates["plain"]), "%",
@@ -222,11 +223,9 @@ def cpu_reference(report, hf, lm_device, args, vocab, **fields):
     if not report.left("CPU reference"):
         return
     cpu = kw.from_hf(hf, dtype="float32")
-    generate, _ = kvwire_calls(cpu, torch.device("cpu"))
+    generate = kvwire_calls(cpu, torch.device("cpu"))
     ids = prompts(1, vocab)
-    generate(ids, 2)
-    rate = (args.new_tokens - 1) / max(best_time(lambda: generate(ids, args.new_tokens))
-                                       - best_time(lambda: generate(ids, 1)), 1e-9)
+    rate = decode_rate(generate, ids, args.new_tokens)
     report.add(f"kvwire eager decode b1 on this CPU (float32, {torch.get_num_threads()} threads)", rate,
                "tokens/s", metric="cpu_decode", batch=1, **fields)
     full = kw.from_hf(hf, dtype="float32", device=lm_device)
