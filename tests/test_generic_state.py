@@ -21,7 +21,7 @@ from .generic_configs import PROMPT_IDS, cast_tokens_agree, prompt, rows_joining
 
 transformers = pytest.importorskip("transformers")
 
-TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2", "mamba", "falcon_mamba", "recurrent_gemma"]
+TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2", "mamba", "falcon_mamba", "recurrent_gemma", "minimax"]
 # where transformers' scan of several tokens starts from zero whatever state it is handed, or the
 # state is kept in module attributes (RecurrentGemma: `kvwire.models.generic.held`)
 ONE_TOKEN_AT_A_TIME = {"mamba", "falcon_mamba", "recurrent_gemma"}
@@ -240,10 +240,12 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
         assert got.tolist() == theirs[0, len(row):].tolist()
 
 
-def test_compiled_decode_steps_carry_the_state():
+@pytest.mark.parametrize("model_type", ["lfm2", "minimax"])
+def test_compiled_decode_steps_carry_the_state(model_type):
     """`lm.compile()`: the decode steps (and short last prompt chunks) run through Inductor, the
-    state slot among their inputs and outputs; rows of different lengths keep eager tokens."""
-    lm = kw.from_hf(tiny_model("lfm2"), generic=True)
+    state slot among their inputs and outputs (a Cache-API state; MiniMax's, in a cache object of
+    the model's own class made in the step); rows of different lengths keep eager tokens."""
+    lm = kw.from_hf(tiny_model(model_type), generic=True)
     rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)]
     torch._dynamo.reset()
@@ -264,3 +266,20 @@ def test_a_model_cast_to_bfloat16_after_the_build_hands_its_states_in_its_dtype(
     stateful = [part for part in lm.backbone.layers if part.states is not None]
     assert stateful and all({s.kind: s.follows for s in part.states.states} == follows for part in stateful)
     assert cast_tokens_agree(lm, hf, torch.bfloat16, (9, 5))
+
+
+def test_a_minimax_model_cast_to_bfloat16_hands_its_linear_state_in_its_dtype():
+    """MiniMax's linear-attention state, kept in the model's own cache class, follows the weights'
+    dtype: cast to bfloat16 after the build, cached decoding continues it (a float32 state fails
+    the bfloat16 product of its one-token step). Tokens are not compared with transformers here:
+    this tiny random model is chaotic in bfloat16 (transformers' own bfloat16 and float32 forwards
+    differ by more than the hidden states' size by the fourth layer), so one rounding apart in the
+    first attention layer gives other tokens."""
+    lm = kw.from_hf(tiny_model("minimax"), generic=True)
+    stateful = [part for part in lm.backbone.layers if part.states is not None]
+    assert stateful and all({s.kind: s.follows for s in part.states.states} == {"recurrent": True}
+                            for part in stateful)
+    lm = lm.to(torch.bfloat16)
+    rows = [torch.tensor([5, 9, 33, 12, 40, 7]), torch.tensor([8, 21])]
+    out = lm.generate(rows, max_new_tokens=6, ignore_eos=True)
+    assert [len(t) for t in out] == [6, 6]

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...layers.linear import Linear, WeightPack
-from . import held, rerun, seam, state as state_slots, timeline
+from . import held, owned, rerun, seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
                     recorded_calls, takes, with_arguments)
@@ -322,6 +322,7 @@ def _find_states(name, model, backbone, probe):
                          f"caches one position per token")
         calls = recorded_calls()
         refused = {}  # index -> why, for layers that may still attend through the Cache API (`_find_hand`)
+        own = None  # [the model's own cache class or None], looked for once a layer needs it
         for part in backbone.layers:
             if isinstance(part, UncalledLayer):
                 continue
@@ -345,9 +346,11 @@ def _find_states(name, model, backbone, probe):
             except Exception as e:  # noqa: BLE001 - a layer that cannot run on a cache at all
                 if part.attention is not None:
                     continue  # its attention is cached through the interface, as without this probe
-                raise ValueError(f"{plain}, and running it on a transformers cache fails ({type(e).__name__}: "
-                                 f"{e}); the generic path caches attention and the state of layers that keep it "
-                                 f"in transformers' Cache API") from e
+                if own is None:
+                    own = [owned.own_class(backbone.prelude.base, probe, backbone.prelude.cache_name)]
+                why = f"{plain}, and running it on a transformers cache fails ({type(e).__name__}: {e})"
+                _find_owned(part, own[0], model.config, hidden, args, kwargs, probe.shape[0], why)
+                continue
             finally:
                 for h in hooks:
                     h.remove()
@@ -486,6 +489,48 @@ def _find_held(part, hidden, args, kwargs, batch_size):
         found = state_slots.with_followers(part.block, found, left)
         part.states = held.HeldStates(found, held.mixer_path(found))
         held.install(part.block.get_submodule(part.states.mixer))
+
+
+def _find_owned(part, cls, config, hidden, args, kwargs, batch_size, why):
+    """Give a decoder layer whose mixer keeps its state in the model's own cache class (MiniMax's
+    linear caches) a state slot for it (`kvwire.models.generic.owned`), found by its probe call
+    handed a fresh object of the class. Raises ValueError with `why` (the layer failing on
+    transformers' plain cache) where the model has no such class or the layer leaves nothing in it."""
+    reason = f"{why}; the generic path caches attention and the state of layers that keep it in transformers' " \
+             f"Cache API or in a cache class of the model's own"
+    if cls is None:
+        raise ValueError(f"{reason} (the model's forward makes none)")
+    handed = []  # the layer's modules handed the cache: the first is its mixer
+
+    def saw(module, args_, kwargs_, cache):
+        if not handed and any(v is cache for v in (*args_, *kwargs_.values())):
+            handed.append(module)
+
+    def call(cache):
+        hooks = [child.register_forward_pre_hook(lambda m, a, k: saw(m, a, k, cache), with_kwargs=True)
+                 for child in part.block.children()]
+        try:
+            args_, kwargs_ = with_arguments(part.block, args, kwargs, {"cache": cache})
+            part.block(hidden, *args_, **kwargs_)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    try:
+        found, layouts = owned.find(cls, config, call, batch_size)
+    except Exception as e:  # noqa: BLE001 - a layer that fails on the model's own cache too
+        raise ValueError(f"{reason} (on {cls.__name__}: {type(e).__name__}: {e})") from e
+    if not found:
+        raise ValueError(f"{reason} (it leaves no state in {cls.__name__})")
+    other = _in_dtype(hidden, args, kwargs)
+
+    def left(twin, dtype):
+        found_there, _ = owned.find(cls, config, lambda cache: other(twin, {"cache": cache}, dtype), batch_size)
+        return {s.key: s.dtype for s in found_there}
+
+    found = state_slots.with_followers(part.block, found, left)
+    part.states = owned.OwnedStates(found, layouts, cls, config)
+    part.__dict__["mixer"] = handed[0] if handed else None  # not a submodule: block holds it
 
 
 def _both(name, part, layer, states, mixer, count):
