@@ -202,8 +202,9 @@ def test_the_dense_experts_form_equals_transformers_own(model_type):
     assert float(want.abs().max()) > 1e-3
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "mamba2", "recurrent_gemma"])  # MoE (dense form); Mamba-2
-# (static chunk scans); RecurrentGemma (state in module attributes, stepped token by token)
+@pytest.mark.parametrize("model_type", ["mixtral", "mamba2", "recurrent_gemma", "minimax"])  # MoE (dense form);
+# Mamba-2 (static chunk scans); RecurrentGemma (state in module attributes, stepped token by token); MiniMax
+# (state in a cache class of its own, continued token by token by its own code)
 def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, tmp_path):
     """ExecuTorch takes one static entry point per chunk length: transformers' chunked scans, whose
     loop count follows the chunk's length, export there (not into ONNX's one dynamic graph)."""
@@ -215,6 +216,22 @@ def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, 
     ids = prompt(1, 9, 6)
     got = load_exported(tmp_path / "m.pte").generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()
     assert got[-8:] == rollout(hf, ids, 8)[0].tolist()
+
+
+def test_onnx_refuses_a_state_continued_token_by_token_naming_its_layers(tmp_path):
+    """MiniMax's lightning attention continues a handed state with a Python loop over the chunk's
+    tokens, so a trace makes the chunk length a constant: the ONNX export (one dynamic-chunk graph)
+    fails naming the layers keeping state and their mixer, and says what exports instead."""
+    pytest.importorskip("onnxruntime")
+    from kvwire.export.check import ExportFailure
+
+    _, lm = _generic("minimax")
+    with pytest.raises(ExportFailure) as e:
+        kw.export(lm, tmp_path / "m.onnx", max_length=32)
+    message = str(e.value)
+    assert "'layers.1', 'layers.3'" in message and "MiniMaxLightningAttention" in message
+    assert "prefill_length" in message
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_a_window_only_the_mask_keeps_is_read_from_the_mask():

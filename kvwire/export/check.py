@@ -25,7 +25,23 @@ def describe_failure(prog, fmt, error, ep=None):
         return ExportFailure(head)
     summary = next((line for line in str(error).splitlines() if "Exception summary" not in line and line.strip()),
                    type(error).__name__)
-    return ExportFailure(f"{head}: {type(error).__name__}: {summary[:300]}")
+    return ExportFailure(f"{head}: {type(error).__name__}: {summary[:300].rstrip('.')}{_chunk_fixed(prog, text)}")
+
+
+def _chunk_fixed(prog, text):
+    """Where the trace made the dynamic chunk length a constant: what in the program keeps a state
+    over a chunk (a mixer continuing it token by token in Python unrolls its loop), and what to
+    export instead. "" for other failures."""
+    if "(chunk)" not in text or "specialized it to be a constant" not in text:
+        return ""
+    keeping = [(name, m) for name, m in prog.body.named_modules() if getattr(m, "states", None) is not None]
+    where = ""
+    if keeping:
+        mixers = sorted({type(getattr(m, "mixer", None) or getattr(m, "block", m)).__name__ for _, m in keeping})
+        where = (f" in the layers keeping state ({', '.join(repr(n) for n, _ in keeping)}; {', '.join(mixers)}), whose "
+                 f"mixer continues a state over a chunk token by token in Python")
+    return (f". The chunk length became a constant while tracing{where}: a dynamic-chunk program cannot hold it; "
+            f"export fixed chunk lengths instead (ExecuTorch or Core ML with prefill_length)")
 
 
 def _failed_node(ep, text):
