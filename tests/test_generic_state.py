@@ -6,8 +6,10 @@ only), Qwen3-Next's gated delta-nets (a conv state and a recurrent state) and Ma
 hybrids whose layers keep attention keys/values and state both (Falcon-H1's attention beside its
 Mamba mixer in every layer, Zamba2's hybrid layers between Mamba layers); and Mamba-1 (Mamba,
 FalconMamba), whose multi-token scan ignores a previous state, so chunks continuing one go token
-by token (`kvwire.models.generic.stepping`). The arbiter is transformers: its own cached
-`generate` and its uncached forward on the same weights."""
+by token (`kvwire.models.generic.stepping`); RecurrentGemma, whose state is in its modules'
+attributes (`kvwire.models.generic.held`); and MiniMax, whose lightning attention keeps its state
+in the model's own cache class (`kvwire.models.generic.owned`). The arbiter is transformers: its
+own cached `generate` and its uncached forward on the same weights."""
 import copy
 from types import SimpleNamespace
 
