@@ -152,6 +152,40 @@ def test_a_pause_in_which_this_process_worked_is_read_and_a_window_restarts_once
     assert t.for_step() == 2 and load.reads == reads + 2 and t.changes == 2
 
 
+def test_a_restarted_window_is_read_at_the_end_of_the_step_it_began_with():
+    # one-step calls (a whole prompt, `generate(ids, 1)`) alternating with another program's runs:
+    # the window restarted before a step is read when the step ends, so the other program's run in
+    # the pause after it is not taken for load on the next call (it dropped a 512-token prefill to
+    # one thread for its first chunk)
+    cpu = Clock()
+    t, load, clock = governed(0.0, cpu=cpu)
+    assert t.for_step() == 2
+    t.stepped()
+    clock.now += 2.0  # idle: restarted before the next step
+    reads = load.reads
+    assert t.for_step() == 2 and load.reads == reads + 1
+    clock.now += 0.5
+    cpu.now += 1.0  # the step itself, on a quiet machine
+    t.stepped()
+    assert load.reads == reads + 2 and t.others == 0.0  # read at its end
+    clock.now += 0.6  # another program runs now, this process waits
+    load.others = 1.8
+    assert t.for_step() == 2 and t.changes == 0  # a pause: restarted again, not read
+    assert load.reads == reads + 3
+    clock.now += 0.5
+    cpu.now += 1.0
+    load.others = 0.9  # but a program running during a step is seen at the step's end
+    t.stepped()
+    assert t.changes == 1 and t.for_step() == 1
+    # a step shorter than a reading's window is not read at its end: the next step reads, as before
+    clock.now += 2.0
+    t.for_step()
+    reads = load.reads
+    clock.now += 0.01
+    t.stepped()
+    assert load.reads == reads
+
+
 def stat_lines(per_cpu):
     """/proc/stat text: per_cpu {n: (user, nice, system, idle, iowait, irq, softirq, steal, guest)}."""
     total = [sum(v[i] for v in per_cpu.values()) for i in range(9)]

@@ -109,7 +109,9 @@ class Threads:
     each step and calls `stepped()` after it. A window the engine sat idle for most of (between
     requests, while another program ran and stopped; or before its first step) tells what the
     machine did then, not what the next steps meet: it is restarted, and the count decided on a
-    fresh window `SHORTEST` seconds later. A pause in which this process worked (a caller busy
+    fresh window: at the end of the step that follows where that step lasted `SHORTEST` seconds
+    (a call of one long step, such as a whole prompt, is then judged on itself), else at a step
+    `SHORTEST` seconds later. A pause in which this process worked (a caller busy
     between streamed steps) is not idle, and a window is never restarted twice without a reading
     between (a caller pausing at every step still gets decisions). `changes` counts how often the
     count changed.
@@ -148,8 +150,17 @@ class Threads:
         return self.n
 
     def stepped(self):
-        """Mark the end of a step (what `for_step` measures a pause from)."""
-        self.stepped_at, self.stepped_cpu = self.clock(), self.cpu()
+        """Mark the end of a step (what `for_step` measures a pause from). A window restarted just
+        before this step is read now, at its end: it then holds this process's own step and none of
+        the pause that may follow (another program running while this one waits for its next call,
+        which a reading at the next step would count as load on the steps to come)."""
+        now = self.clock()
+        self.stepped_at, self.stepped_cpu = now, self.cpu()
+        if self.restarted and now - self.window_at >= SHORTEST:
+            others = self.use.read()
+            if others is not None:
+                self.window_at, self.next_read, self.others, self.restarted = now, now + self.every, others, False
+                self._decide(others)
 
     def _paused(self, now):
         """Whether the window since its start is mostly a pause of this process's steps: the wait
