@@ -1,10 +1,17 @@
 """Where each of GGMLLinear's matrix products wins, per ggml format and row count: the row
 loop (one `vec_dot` per weight row and activation row), ggml's own graph (`MUL_MAT`, tiled as
-llama.cpp runs it), dequantise + float32 GEMM (MKL), and for Q4_1, Q5_0, Q8_0 and Q4_K kvwire's x16
-kernel on repacked blocks (where the CPU runs it for the format: AVX-512 VNNI, or AVX2 for Q8_0 and Q4_K). Sets the crossovers in kvwire/quant/ggml/matmul.c
+llama.cpp runs it), dequantise + float32 GEMM (MKL), and for Q4_1, Q5_0, Q8_0, Q4_K and Q6_K kvwire's x16
+kernel on repacked blocks (where the CPU runs it for the format: AVX-512 VNNI, or AVX2 for Q8_0, Q4_K
+and Q6_K). Sets the crossovers in kvwire/quant/ggml/matmul.c
 (`kvw_matmuls`) and linear.py (`UNTILED`, `MANY_ROWS`).
 
-    python bench/ggml_matmul.py [--rows 1 2 3 8 32 512] [--formats q4_k q8_0 ...] [--threads 2]
+The "repack" column is llama.cpp's own path for a weight on such CPUs: the weight in ggml's CPU
+extra buffer (`CPU_REPACK`: ggml interleaves Q4_0, Q4_K, Q8_0, IQ4_NL ... rows there at load, as
+llama.cpp does) and the product through ggml's CPU backend (`bench/ggml_repack.c`, built on first
+use against llama-cpp-python's ggml), for the formats ggml repacks on x86 (`REPACKED`; ggml says
+"repack tensor ... with" on stderr for each weight it repacks).
+
+    python bench/ggml_matmul.py [--rows 1 2 3 8 32 512] [--formats q4_k q8_0 ...] [--threads 2] [--no-repack]
 
 A (1536, 1024) Gaussian weight quantised by ggml to each format, plus the default model's head
 shape (262144 x 640, Q8_0) at few rows; milliseconds a call, best of 3 timed groups, one process.
@@ -33,6 +40,46 @@ def product(fn, layer, x, threads):
     return y
 
 
+# formats ggml repacks on x86 CPUs with AVX2 or AVX-512 (Q6_K and Q8_0 in that buffer crash it on an
+# AVX2-only EPYC: left out)
+REPACKED = {"q4_0", "q4_k"}
+
+
+def repack_library():
+    """bench/ggml_repack.c, built against llama-cpp-python's ggml (once) and loaded."""
+    from kvwire.kernels.build import library
+    from kvwire.kernels.ggml.lib import ggml_dirs
+
+    lib_dir, include = ggml_dirs()
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ggml_repack.c")
+    # --no-as-needed: the libraries come before the source on the command line
+    flags = ["-O2", f"-I{include}", f"-L{lib_dir}", "-Wl,--no-as-needed", "-lggml-cpu", "-lggml-base", "-lggml",
+             f"-Wl,-rpath,{lib_dir}"]
+    lib = ctypes.CDLL(str(library("bench_ggml_repack", [source], flags, folder="ggml", what="the bench's repack helper")))
+    lib.kvb_repack_name.restype = ctypes.c_char_p
+    lib.kvb_repack_open.argtypes, lib.kvb_repack_open.restype = [ctypes.c_int, P, I64, I64, ctypes.c_int,
+                                                                 ctypes.c_int], P
+    lib.kvb_repack_matmul.argtypes, lib.kvb_repack_matmul.restype = [P, P, P], ctypes.c_int
+    lib.kvb_repack_close.argtypes, lib.kvb_repack_close.restype = [P], None
+    return lib
+
+
+def repacked_product(lib, layer, x, threads):
+    """A function timing nothing: y = x @ W^T through ggml's CPU backend with W in its extra (repack)
+    buffer, W repacked once here (the caller times the product); None where there is no such buffer."""
+    handle = lib.kvb_repack_open(int(layer.qtype), layer.blocks.data_ptr(), layer.in_features, layer.out_features,
+                                 x.shape[0], threads)
+    if not handle:
+        return None, lambda: None
+    y = torch.empty(x.shape[0], layer.out_features)
+
+    def run():
+        if lib.kvb_repack_matmul(handle, x.data_ptr(), y.data_ptr()):
+            raise RuntimeError("ggml's compute failed on the repacked weight")
+        return y
+    return run, lambda: lib.kvb_repack_close(handle)
+
+
 def ms(fn, budget=0.3):
     fn()
     start = time.perf_counter()
@@ -56,12 +103,17 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 8, 32, 128, 512])
     p.add_argument("--formats", nargs="+", default=[t.lower() for t in QUANTIZE_TYPES])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-repack", action="store_true", help="leave out ggml's repacked kernels (llama.cpp's path)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lib = library()
+    repack = None if args.no_repack else repack_library()
     print(header(args.threads))
+    if repack is not None:
+        name = repack.kvb_repack_name()
+        print(f"ggml's extra buffer on this CPU: {name.decode() if name else 'none (repack column empty)'}")
     print(f"{'format':8}{'shape':>14}{'rows':>6}{'loop ms':>10}{'graph ms':>10}{'deq+mkl ms':>12}{'x16 ms':>9}"
-          "  fastest")
+          f"{'repack ms':>11}  fastest")
     g = torch.Generator().manual_seed(0)
     cases = [(name, torch.randn(1536, 1024, generator=g), args.rows) for name in args.formats]
     cases.append(("q8_0", torch.randn(262144, 640, generator=g), [r for r in args.rows if r <= 8]))
@@ -78,10 +130,17 @@ def main():
                 times["deq+mkl"] = ms(lambda: torch.nn.functional.linear(x, layer.dequantize()))
             if x16 is not None:
                 times["x16"] = ms(lambda: product(lib.kvw_loop_matmuls, x16, x, args.threads))
+            if repack is not None and name in REPACKED:
+                run, close = repacked_product(repack, layer, x, args.threads)
+                if run is not None:
+                    want = product(lib.kvw_graph_matmuls, layer, x, args.threads)
+                    torch.testing.assert_close(run(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+                    times["repack"] = ms(run)
+                close()
             shape = f"{layer.out_features}x{layer.in_features}"
             print(f"{name:8}{shape:>14}{rows:6d}{times['loop']:10.3f}{times['graph']:10.3f}"
                   f"{times.get('deq+mkl', float('nan')):12.3f}{times.get('x16', float('nan')):9.3f}"
-                  f"  {min(times, key=times.get)}", flush=True)
+                  f"{times.get('repack', float('nan')):11.3f}  {min(times, key=times.get)}", flush=True)
 
 
 if __name__ == "__main__":
