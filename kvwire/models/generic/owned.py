@@ -61,6 +61,8 @@ def own_class(base, probe, cache_name):
     outside transformers' `cache_utils`; else None."""
     from transformers.cache_utils import Cache
 
+    if cache_name is None:  # a forward taking no cache makes none of its own
+        return None
     positions = torch.arange(probe.shape[1], device=probe.device)[None].expand(probe.shape[0], -1)
     try:
         with torch.no_grad():
@@ -78,7 +80,7 @@ def fresh(cls, config):
     """A new, empty object of the cache class `cls`: made without arguments, or with the config."""
     try:
         return cls()
-    except TypeError:
+    except Exception:  # noqa: BLE001 - a class that needs its config (any error its __init__ raises then)
         return cls(config=config)
 
 
