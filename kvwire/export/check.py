@@ -1,6 +1,8 @@
 """Naming what an exporter could not represent: which layer call, which operation, which runtime."""
 import re
 
+import torch
+
 RUNTIMES = {"onnx": "ONNX", "executorch": "ExecuTorch", "coreml": "Core ML"}
 _NODE = re.compile(r"target=torch\.ops\.([\w.]+)")
 
@@ -37,9 +39,11 @@ def _chunk_fixed(prog, text):
     keeping = [(name, m) for name, m in prog.body.named_modules() if getattr(m, "states", None) is not None]
     where = ""
     if keeping:
-        mixers = sorted({type(getattr(m, "mixer", None) or getattr(m, "block", m)).__name__ for _, m in keeping})
-        where = (f" in the layers keeping state ({', '.join(repr(n) for n, _ in keeping)}; {', '.join(mixers)}), whose "
-                 f"mixer continues a state over a chunk token by token in Python")
+        mixers = sorted({type(m.mixer).__name__ for _, m in keeping
+                         if isinstance(getattr(m, "mixer", None), torch.nn.Module)})
+        named = f"; {', '.join(mixers)}" if mixers else ""
+        where = (f", likely in the layers keeping state ({', '.join(repr(n) for n, _ in keeping)}{named}), whose "
+                 f"code loops over a chunk's tokens in Python")
     return (f". The chunk length became a constant while tracing{where}: a dynamic-chunk program cannot hold it; "
             f"export fixed chunk lengths instead (ExecuTorch or Core ML with prefill_length)")
 

@@ -322,7 +322,7 @@ def _find_states(name, model, backbone, probe):
                          f"caches one position per token")
         calls = recorded_calls()
         refused = {}  # index -> why, for layers that may still attend through the Cache API (`_find_hand`)
-        own = None  # [the model's own cache class or None], looked for once a layer needs it
+        own = None  # (the model's own cache class or None, why none), looked for once a layer needs it
         for part in backbone.layers:
             if isinstance(part, UncalledLayer):
                 continue
@@ -341,19 +341,21 @@ def _find_states(name, model, backbone, probe):
             hooks = [child.register_forward_hook(
                 lambda m, a, o: mixer.append(m) if not mixer and state_slots.found_states(cache) else None)
                 for child in part.block.children()]
+            failed = None  # why the layer cannot run on transformers' plain cache
             try:
                 part.block(hidden, *args_, **kwargs_)
             except Exception as e:  # noqa: BLE001 - a layer that cannot run on a cache at all
-                if part.attention is not None:
-                    continue  # its attention is cached through the interface, as without this probe
-                if own is None:
-                    own = [owned.own_class(backbone.prelude.base, probe, backbone.prelude.cache_name)]
-                why = f"{plain}, and running it on a transformers cache fails ({type(e).__name__}: {e})"
-                _find_owned(part, own[0], model.config, hidden, args, kwargs, probe.shape[0], why)
-                continue
+                failed = f"{plain}, and running it on a transformers cache fails ({type(e).__name__}: {e})"
             finally:
                 for h in hooks:
                     h.remove()
+            if failed is not None:
+                if part.attention is not None:
+                    continue  # its attention is cached through the interface, as without this probe
+                if own is None:  # the model's own cache class, looked for once
+                    own = owned.own_class(backbone.prelude.base, probe, backbone.prelude.cache_name)
+                _find_owned(part, own, model.config, hidden, args, kwargs, probe.shape[0], failed)
+                continue
             states = state_slots.found_states(cache)
             if states:
                 states = state_slots.with_followers(part.block, states, _left_states(hidden, args, kwargs, count))
@@ -491,15 +493,22 @@ def _find_held(part, hidden, args, kwargs, batch_size):
         held.install(part.block.get_submodule(part.states.mixer))
 
 
-def _find_owned(part, cls, config, hidden, args, kwargs, batch_size, why):
+def _find_owned(part, own, config, hidden, args, kwargs, batch_size, why):
     """Give a decoder layer whose mixer keeps its state in the model's own cache class (MiniMax's
     linear caches) a state slot for it (`kvwire.models.generic.owned`), found by its probe call
-    handed a fresh object of the class. Raises ValueError with `why` (the layer failing on
-    transformers' plain cache) where the model has no such class or the layer leaves nothing in it."""
+    handed a fresh object of the class (`own`: (the class or None, why none), from
+    `owned.own_class`). Raises ValueError with `why` (the layer failing on transformers' plain
+    cache) where the model has no such class or the layer leaves nothing in it."""
     reason = f"{why}; the generic path caches attention and the state of layers that keep it in transformers' " \
              f"Cache API or in a cache class of the model's own"
+    cls, none = own
     if cls is None:
-        raise ValueError(f"{reason} (the model's forward makes none)")
+        raise ValueError(f"{reason} ({none})")
+    try:
+        make = owned.maker(cls, config)
+    except Exception as e:  # noqa: BLE001 - a class this path cannot make an object of
+        raise ValueError(f"{reason} ({cls.__name__}() and {cls.__name__}(config=...) fail: {type(e).__name__}: "
+                         f"{e})") from e
     handed = []  # the layer's modules handed the cache: the first is its mixer
 
     def saw(module, args_, kwargs_, cache):
@@ -517,7 +526,7 @@ def _find_owned(part, cls, config, hidden, args, kwargs, batch_size, why):
                 h.remove()
 
     try:
-        found, layouts = owned.find(cls, config, call, batch_size)
+        found, layouts = owned.find(make, call, batch_size)
     except Exception as e:  # noqa: BLE001 - a layer that fails on the model's own cache too
         raise ValueError(f"{reason} (on {cls.__name__}: {type(e).__name__}: {e})") from e
     if not found:
@@ -525,11 +534,11 @@ def _find_owned(part, cls, config, hidden, args, kwargs, batch_size, why):
     other = _in_dtype(hidden, args, kwargs)
 
     def left(twin, dtype):
-        found_there, _ = owned.find(cls, config, lambda cache: other(twin, {"cache": cache}, dtype), batch_size)
+        found_there, _ = owned.find(make, lambda cache: other(twin, {"cache": cache}, dtype), batch_size)
         return {s.key: s.dtype for s in found_there}
 
     found = state_slots.with_followers(part.block, found, left)
-    part.states = owned.OwnedStates(found, layouts, cls, config)
+    part.states = owned.OwnedStates(found, layouts, make)
     part.__dict__["mixer"] = handed[0] if handed else None  # not a submodule: block holds it
 
 

@@ -82,7 +82,7 @@ def find(block, call, batch_size):
         call()
         after = attributes(block)
     finally:
-        _put_back(block, before, after)
+        put_back(block, before, after)
     held = [Held(path, name, tuple(value.shape[1:]), value.dtype) for (path, name), value in sorted(after.items())
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size
             and value is not before.get((path, name))]
@@ -196,7 +196,7 @@ def reset_starting_rows(plan, t):
         setattr(module, h.name, value * keep)
 
 
-def _put_back(block, before, after):
+def put_back(block, before, after):
     """Attributes as they were `before` a call; those it added removed."""
     for (path, name), value in before.items():
         setattr(block.get_submodule(path), name, value)

@@ -21,6 +21,7 @@ decoder layer runs it as any Cache-API state: rows starting in the chunk scaled 
 chunk's padding mask as the layer's `attention_mask`, the slot flattened into the float32
 "recurrent" half of the pair `kvwire.models.generic.state.spec` makes.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...kernels.tracing import is_exporting
 from ...layers.attention import functional_cache_writes
-from . import stepping
+from . import held, stepping
 
 
 @dataclass(frozen=True)
@@ -56,32 +57,40 @@ class Owned:
 
 
 def own_class(base, probe, cache_name):
-    """The model's own cache class: that of the cache object `base`'s forward returns for `probe`
-    with `use_cache=True` and no cache given, where it is a transformers `Cache` subclass defined
-    outside transformers' `cache_utils`; else None."""
+    """(the model's own cache class or None, why none): the class of the cache object `base`'s
+    forward returns for `probe` with `use_cache=True` and no cache given, where it is a transformers
+    `Cache` subclass defined outside transformers' `cache_utils`. The modules' plain attributes are
+    left as they were (a mixer keeping state in them sets them in this call)."""
     from transformers.cache_utils import Cache
 
-    if cache_name is None:  # a forward taking no cache makes none of its own
-        return None
+    if cache_name is None:
+        return None, "its forward takes no cache"
     positions = torch.arange(probe.shape[1], device=probe.device)[None].expand(probe.shape[0], -1)
+    before, after = held.attributes(base), {}
     try:
         with torch.no_grad():
             out = base(input_ids=probe, position_ids=positions, use_cache=True, **{cache_name: None})
-    except Exception:  # noqa: BLE001 - a forward that does not run so: no class of its own found
-        return None
+        after = held.attributes(base)
+    except Exception as e:  # noqa: BLE001 - a forward that does not run so: no class of its own found
+        return None, f"its forward with use_cache=True fails ({type(e).__name__}: {e})"
+    finally:
+        held.put_back(base, before, after)
     values = out.values() if hasattr(out, "values") else out if isinstance(out, tuple) else ()
     made = next((v for v in values if isinstance(v, Cache)), None)
     if made is None or type(made).__module__ == Cache.__module__:
-        return None
-    return type(made)
+        return None, "its forward makes no cache class of its own"
+    return type(made), None
 
 
-def fresh(cls, config):
-    """A new, empty object of the cache class `cls`: made without arguments, or with the config."""
+def maker(cls, config):
+    """make() -> a new, empty object of the cache class `cls`: `cls()`, or `cls(config=config)` where
+    that fails (decided once, here, not at every call)."""
     try:
-        return cls()
+        cls()
+        return cls
     except Exception:  # noqa: BLE001 - a class that needs its config (any error its __init__ raises then)
-        return cls(config=config)
+        cls(config=config)
+        return functools.partial(cls, config=config)
 
 
 def _leaves(cache):
@@ -89,12 +98,12 @@ def _leaves(cache):
     return {name: tree_flatten(value) for name, value in vars(cache).items() if not name.startswith("__")}
 
 
-def find(cls, config, call, batch_size):
+def find(make, call, batch_size):
     """([Owned], {name: (leaves, spec)} of the attributes holding them) that `call(cache)` (a decoder
-    layer's probe call handed `cache`, a fresh object of `cls`) leaves in the object. Raises
+    layer's probe call handed `cache`, a fresh object from `make()`) leaves in the object. Raises
     ValueError where an attribute holding a state also holds another tensor the call left (the
     layer's next call would be handed the probe's)."""
-    cache = fresh(cls, config)
+    cache = make()
     before = _leaves(cache)
     call(cache)
     after = _leaves(cache)
@@ -126,8 +135,8 @@ class OwnedStates:
     `kvwire.models.generic.state.StateCache`'s interface: what `kvwire.models.generic.parts.DecoderLayer`
     runs a cached call with."""
 
-    def __init__(self, states, layouts, cls, config):
-        self.states, self.layouts, self.cls, self.config = list(states), layouts, cls, config
+    def __init__(self, states, layouts, make):
+        self.states, self.layouts, self.make = list(states), layouts, make
         self.steps = False  # set by the build's chunked check, as for Cache-API states
 
     def open(self, slot, keep, steps=False, dtype=None):
@@ -140,7 +149,7 @@ class OwnedStates:
             part = flat[:, at:at + s.size].reshape(B, *s.shape)
             values[s.key] = part.to(dtype if s.follows and dtype is not None else s.dtype)
             at += s.size
-        cache = fresh(self.cls, self.config)
+        cache = self.make()
         if afresh(keep):
             return cache  # every row starts in this chunk: the mixer's own call without a state
         for name, (leaves, spec) in self.layouts.items():
