@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.tracing import is_exporting
-from ...layers.attention import functional_cache_writes
-from . import seam, stepping
+from . import seam, state as state_slots, stepping
 
 _plan = contextvars.ContextVar("kvwire_generic_held_plan", default=None)
 INSTALLED = "_kvwire_held_steps"  # on a mixer whose forward `install` wrapped
@@ -138,11 +137,7 @@ class HeldStates:
 
     def _close(self, owners, slot, B):
         parts = [getattr(m, h.name).reshape(B, -1).to(torch.float32) for m, h in zip(owners, self.states)]
-        new = (slot[0].clone(), torch.cat(parts, dim=1).view(slot[1].shape))
-        if functional_cache_writes():
-            return new
-        slot[1].copy_(new[1])  # in place, as cached attention writes its keys and values
-        return slot
+        return state_slots.recurrent_left(slot, parts)
 
 
 @dataclass

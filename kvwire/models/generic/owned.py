@@ -29,8 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...kernels.tracing import is_exporting
-from ...layers.attention import functional_cache_writes
-from . import held, stepping
+from . import held, state as state_slots, stepping
 
 
 @dataclass(frozen=True)
@@ -164,8 +163,4 @@ class OwnedStates:
         B = slot[1].shape[0]
         leaves = {name: tree_flatten(getattr(cache, name))[0] for name in self.layouts}
         parts = [leaves[s.name][s.leaf].reshape(B, -1).to(torch.float32) for s in self.states]
-        new = (slot[0].clone(), torch.cat(parts, dim=1).view(slot[1].shape))
-        if functional_cache_writes():
-            return new
-        slot[1].copy_(new[1])  # in place, as cached attention writes its keys and values
-        return slot
+        return state_slots.recurrent_left(slot, parts)

@@ -201,6 +201,17 @@ class StateCache:
         return slot
 
 
+def recurrent_left(slot, parts):
+    """The state slot `slot` (the pair) after a call that left `parts` [(B, n_i)] float32, its
+    recurrent half in that order (the conv half kept as a copy): a new pair in functional (traced)
+    calls, else `slot` itself written in place, as cached attention writes its keys and values."""
+    new = (slot[0].clone(), torch.cat(parts, dim=1).view(slot[1].shape))
+    if functional_cache_writes():
+        return new
+    slot[1].copy_(new[1])
+    return slot
+
+
 def _view_layer(parts):
     """transformers' LinearAttentionLayer over given state tensors, initialised, with a previous state."""
     from transformers.cache_utils import LinearAttentionLayer
