@@ -124,10 +124,8 @@ class HeldStates:
         before = [getattr(m, h.name) for m, h in zip(owners, self.states)]
         token, left = _plan.set(_Plan(mixer, list(zip(owners, self.states)), starts, steps)), []
         try:
-            flat, at = slot[1].view(B, -1), 0
-            for m, h in zip(owners, self.states):
-                setattr(m, h.name, flat[:, at:at + h.size].reshape(B, *h.shape).to(dtype if h.follows else h.dtype))
-                at += h.size
+            for m, (h, part) in zip(owners, state_slots.state_views(slot, self.states, dtype)):
+                setattr(m, h.name, part)
             yield left
             left.append(self._close(owners, slot, B))
         finally:  # the attributes as they were, whatever happened

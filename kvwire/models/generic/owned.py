@@ -141,16 +141,10 @@ class OwnedStates:
     def open(self, slot, keep, steps=False, dtype=None):
         """A fresh object of the model's cache class whose attributes hold `slot`'s states (rows
         scaled by `keep` (B,), 0: start afresh; those that follow the model in `dtype`)."""
-        B = slot[1].shape[0]
-        flat, at = (slot[1] * keep[:, None, None, None]).view(B, -1), 0
-        values = {}
-        for s in self.states:
-            part = flat[:, at:at + s.size].reshape(B, *s.shape)
-            values[s.key] = part.to(dtype if s.follows and dtype is not None else s.dtype)
-            at += s.size
         cache = self.make()
         if afresh(keep):
             return cache  # every row starts in this chunk: the mixer's own call without a state
+        values = {s.key: part for s, part in state_slots.state_views(slot, self.states, dtype, keep)}
         for name, (leaves, spec) in self.layouts.items():
             setattr(cache, name, tree_unflatten([values.get((name, i), v) for i, v in enumerate(leaves)], spec))
         if steps:

@@ -166,14 +166,8 @@ class StateCache:
         layer's mixer to go token by token."""
         from transformers.cache_utils import Cache, DummyLayer
 
-        B = slot[0].shape[0]
-        flat = {kind: (t * keep[:, None, None, None]).view(B, -1) for kind, t in zip(("conv", "recurrent"), slot)}
-        at = {"conv": 0, "recurrent": 0}
         views = {}
-        for s in self.states:
-            part = flat[s.kind][:, at[s.kind]:at[s.kind] + s.size].reshape(B, *s.shape)
-            part = part.to(dtype if s.follows and dtype is not None else s.dtype)
-            at[s.kind] += s.size
+        for s, part in state_views(slot, self.states, dtype, keep):
             views.setdefault(s.layer, []).append((s, part))
         layers = [_view_layer(views[i]) if i in views else _passing(DummyLayer()) for i in range(self.layers)]
         cache = Cache(layers=layers)
@@ -199,6 +193,22 @@ class StateCache:
         for old, value in zip(slot, new):
             old.copy_(value)  # in place, as cached attention writes its keys and values
         return slot
+
+
+def state_views(slot, states, dtype=None, keep=None):
+    """[(state, view (B, *shape))] of each of `states` (laid out in `slot`'s pair by kind, in that
+    order, as `spec` sizes it), rows scaled by `keep` (B,) where given (0: start afresh), in its
+    dtype: `dtype` (the layer weights') for a state that follows the model, else its own."""
+    B = slot[0].shape[0]
+    flat = {kind: (t if keep is None else t * keep[:, None, None, None]).view(B, -1)
+            for kind, t in zip(("conv", "recurrent"), slot)}
+    at = {"conv": 0, "recurrent": 0}
+    views = []
+    for s in states:
+        part = flat[s.kind][:, at[s.kind]:at[s.kind] + s.size].reshape(B, *s.shape)
+        views.append((s, part.to(dtype if s.follows and dtype is not None else s.dtype)))
+        at[s.kind] += s.size
+    return views
 
 
 def recurrent_left(slot, parts):
