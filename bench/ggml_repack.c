@@ -20,7 +20,6 @@ struct repacked {
     ggml_backend_t backend;
     struct ggml_tensor *x, *y;
     struct ggml_cgraph *graph;
-    int rows;
 };
 
 /* ggml's CPU_REPACK buffer type, or NULL where this build has none (the CPU device lists its extra
@@ -68,7 +67,6 @@ struct repacked *kvb_repack_open(int type, const void *w, int64_t n, int64_t out
     ggml_build_forward_expand(r->graph, r->y);
     r->backend = ggml_backend_cpu_init();
     ggml_backend_cpu_set_n_threads(r->backend, threads);
-    r->rows = rows;
     return r;
 }
 
