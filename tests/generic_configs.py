@@ -108,6 +108,9 @@ OVERRIDES = {
                        audio_config=dict(adapter_out_dim=WIDTH, adapter_input_size=WIDTH, downsample_hidden_size=WIDTH,
                                          head_dim=16)),
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16),
+    # transformers' xLSTM cache sizes its states by the width times qk_dim_factor rounded up to 64,
+    # its layers by that product itself: they agree (and its cached forward runs) at multiples of 64
+    "xlstm": dict(qk_dim_factor=1.0),
     # per-layer embeddings: a (vocabulary, layers * width) table
     "gemma3n_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
                          layer_types=["sliding_attention", "full_attention"] * 2, intermediate_size=[64] * LAYERS,

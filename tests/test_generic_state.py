@@ -8,7 +8,8 @@ Mamba mixer in every layer, Zamba2's hybrid layers between Mamba layers); and Ma
 FalconMamba), whose multi-token scan ignores a previous state, so chunks continuing one go token
 by token (`kvwire.models.generic.stepping`); RecurrentGemma, whose state is in its modules'
 attributes (`kvwire.models.generic.held`); and MiniMax, whose lightning attention keeps its state
-in the model's own cache class (`kvwire.models.generic.owned`). The arbiter is transformers: its
+in the model's own cache class (`kvwire.models.generic.owned`); RWKV and xLSTM, whose layers are
+handed their state as an argument by the model's forward (`kvwire.models.generic.handed`). The arbiter is transformers: its
 own cached `generate` and its uncached forward on the same weights."""
 import copy
 from types import SimpleNamespace
@@ -23,7 +24,8 @@ from .generic_configs import PROMPT_IDS, cast_tokens_agree, prompt, rows_joining
 
 transformers = pytest.importorskip("transformers")
 
-TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2", "mamba", "falcon_mamba", "recurrent_gemma", "minimax"]
+TYPES = ["lfm2", "qwen3_next", "mamba2", "falcon_h1", "zamba2", "mamba", "falcon_mamba", "recurrent_gemma", "minimax",
+         "rwkv", "xlstm"]
 # where transformers' scan of several tokens starts from zero whatever state it is handed, or the
 # state is kept in module attributes (RecurrentGemma: `kvwire.models.generic.held`)
 ONE_TOKEN_AT_A_TIME = {"mamba", "falcon_mamba", "recurrent_gemma"}

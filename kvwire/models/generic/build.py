@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...layers.linear import Linear, WeightPack
-from . import held, owned, rerun, seam, state as state_slots, timeline
+from . import handed, held, owned, rerun, seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
                     recorded_calls, takes, with_arguments)
@@ -323,6 +323,7 @@ def _find_states(name, model, backbone, probe):
         calls = recorded_calls()
         refused = {}  # index -> why, for layers that may still attend through the Cache API (`_find_hand`)
         own = None  # (the model's own cache class or None, why none), looked for once a layer needs it
+        bare = {}  # index -> (part, why): layers without attention taking no cache (`_find_handed`)
         for part in backbone.layers:
             if isinstance(part, UncalledLayer):
                 continue
@@ -332,8 +333,9 @@ def _find_states(name, model, backbone, probe):
                     f"interface sees"
             if not takes(part.block, "cache", kwargs):
                 if part.attention is None:
-                    refused[part.index] = f"{plain} and takes no `cache` argument; the generic path caches " \
-                                          f"attention and the state of layers that keep it in transformers' Cache API"
+                    bare[part.index] = (part, f"{plain} and takes no `cache` argument; the generic path caches "
+                                              f"attention and the state of layers that keep it in transformers' "
+                                              f"Cache API or that their model's forward hands them")
                 continue
             cache = state_slots.probe_cache(count)
             args_, kwargs_ = with_arguments(part.block, args, kwargs, {"cache": cache})
@@ -377,8 +379,22 @@ def _find_states(name, model, backbone, probe):
             elif takes(part.block, "use_cache", kwargs):
                 _find_held(part, hidden, args, kwargs, probe.shape[0])
             # else a layer with nothing to cache (a feed-forward block): the cached check below has the last word
+        if bare:
+            _find_handed(backbone, probe, bare, calls, refused)
     if refused:
         _find_hand(name, model, backbone, probe, refused, count)
+
+
+def _find_handed(backbone, probe, bare, calls, refused):
+    """Give the decoder layers `bare` ({index: (part, why)}: no attention, no cache argument) the
+    state their model's forward hands them as an argument (`kvwire.models.generic.handed`), found by
+    one run of it with use_cache=True; a layer with none joins `refused` with why."""
+    found = handed.find(backbone.prelude.base, probe, {i: part.block for i, (part, _) in bare.items()}, calls)
+    for i, (part, why) in bare.items():
+        if isinstance(found[i], str):
+            refused[i] = f"{why} ({found[i]})"
+        else:
+            part.states = found[i]
 
 
 def _find_hand(name, model, backbone, probe, refused, count):

@@ -20,7 +20,7 @@ from torch import nn
 from ...layers.base import Block, Layer
 from ...layers.inner import InnerSites
 from ...layers.shared import shared
-from . import held, rerun, seam, sites, state as state_slots, stepping, timeline
+from . import handed, held, rerun, seam, sites, state as state_slots, stepping, timeline
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 # the token ids of the running prelude call: a `ReplayTail` replays the forward on them
@@ -310,9 +310,9 @@ class DecoderLayer(InnerSites, Block):
                 kwargs[at] = previous[k]
         return tuple(args), kwargs
 
-    def _call(self, x, args, kwargs, positions, inputs, gate):
+    def _call(self, x, args, kwargs, positions, inputs, gate, whole=False):
         """The transformers layer on x (B, T, D), its inner sites' edits in place; a tuple it returns
-        is kept for the next layer (`carried`)."""
+        is kept for the next layer (`carried`), and returned whole with `whole`."""
         if any(site != "resid_pre" for site in self.edits):
             with sites.running(self, x, positions, inputs, gate):
                 out = self.block(x, *args, **kwargs)
@@ -323,7 +323,7 @@ class DecoderLayer(InnerSites, Block):
         outputs = _outputs.get()
         if self.hands_on and outputs is not None:
             outputs[self.index] = out
-        return out[0]
+        return out if whole else out[0]
 
     def cache_spec(self, batch_size, max_length, dtype):
         """The first attention call's (key, value) shapes, else the state slot's, else None; a layer
@@ -407,6 +407,8 @@ class DecoderLayer(InnerSites, Block):
         token by token in a chunk that continues one (`kvwire.models.generic.stepping`)."""
         if isinstance(self.states, held.HeldStates):
             return self._with_held(x, gate, positions, inputs, slot, cache_index, attention_mask)
+        if isinstance(self.states, handed.HandedStates):
+            return self._with_handed(x, gate, positions, inputs, slot, cache_index, attention_mask)
         real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
         steps = self.states.steps and stepping.continues(fresh, x.shape[1], self.mixer)
         opened = self.states.open(slot, 1.0 - fresh, steps, self.weights_dtype)
@@ -425,6 +427,35 @@ class DecoderLayer(InnerSites, Block):
         with self.states.holding(self.block, slot, real, starts, self.weights_dtype) as left:
             out = self._run(x, positions, inputs, gate, {"use_cache": True})
         return out, left[0]
+
+    def _with_handed(self, x, gate, positions, inputs, slot, cache_index, attention_mask):
+        """(out, next state slot) of a layer handed its state as an argument
+        (`kvwire.models.generic.handed`): the argument built from the slot, a call of one token at a
+        time where a row starts late in the chunk (its sites' edits with that token's positions)."""
+        real, _ = state_slots.fresh_rows(positions, cache_index, attention_mask)
+        starts = real * (positions == 0).to(torch.float32)
+        x = self.edit_at("resid_pre", x, positions, inputs, gate)
+        args, kwargs = self.arguments(_calls.get())
+        B, T = positions.shape
+
+        def call(x_t, t, given, row=None):
+            a, k, p, i, g = list(args), dict(kwargs), positions, dict(inputs), gate
+            if t is not None:  # token t of the chunk
+                a, k, i = ([stepping.at_token(v, B, T, t) for v in a], _each(k, stepping.at_token, B, T, t),
+                           _each(i, stepping.at_token, B, T, t))
+                p, g = p[:, t:t + 1], None if g is None else g[:, t:t + 1]
+            if row is not None:  # row `row` alone
+                a, k, i = [stepping.at_row(v, B, row) for v in a], _each(k, stepping.at_row, B, row), \
+                    _each(i, stepping.at_row, B, row)
+                p, g = p[row:row + 1], None if g is None else g[row:row + 1]
+            return self._call(x_t, *with_arguments(self.block, tuple(a), k, given), p, i, g, whole=True)
+
+        return self.states.run(call, x, slot, real, starts, self.weights_dtype)
+
+
+def _each(values, at, *where):
+    """{name: at(value, *where)} of a mapping of arguments."""
+    return {name: at(value, *where) for name, value in values.items()}
 
 
 class UncalledLayer(DecoderLayer):

@@ -77,8 +77,8 @@ def one_at_a_time(own, args, kwargs, before=None):
     for t in range(T):
         if before is not None:
             before(t)
-        outs.append(own(*(_at_token(a, B, T, t) for a in args),
-                        **{k: _at_token(v, B, T, t) for k, v in kwargs.items()}))
+        outs.append(own(*(at_token(a, B, T, t) for a in args),
+                        **{k: at_token(v, B, T, t) for k, v in kwargs.items()}))
     return _joined(outs)
 
 
@@ -90,8 +90,14 @@ def _joined(outs):
                          for parts in zip(*outs))
 
 
-def _at_token(value, B, T, t):
+def at_token(value, B, T, t):
     """`value` at token t where it is per token ((B | 1, T, ...)), else as it is."""
     per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] in (1, B) \
         and value.shape[1] == T
     return value[:, t:t + 1] if per_token else value
+
+
+def at_row(value, B, row):
+    """`value` at row `row` (a slice of one) where it is per row ((B, ...)), else as it is (row None: all)."""
+    per_row = row is not None and isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == B
+    return value[row:row + 1] if per_row else value
