@@ -234,6 +234,21 @@ def test_onnx_refuses_a_state_continued_token_by_token_naming_its_layers(tmp_pat
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_onnx_refuses_a_layer_handed_its_state_naming_it(tmp_path):
+    """RWKV's blocks are handed their state by the model's forward and take no padding mask, so a
+    chunk where a row starts late goes token by token, which a dynamic-chunk graph cannot hold:
+    the ONNX export fails naming the block and saying what exports instead (ExecuTorch with
+    prefill_length exports it: measured, not run here, two minutes a model)."""
+    pytest.importorskip("onnxruntime")
+    from kvwire.export.check import ExportFailure
+
+    _, lm = _generic("rwkv")
+    with pytest.raises(ExportFailure) as e:
+        kw.export(lm, tmp_path / "m.onnx", max_length=32)
+    assert "RwkvBlock" in str(e.value) and "prefill_length" in str(e.value)
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_a_window_only_the_mask_keeps_is_read_from_the_mask():
     """PhiMoE passes no window to the attention function and keeps none on its modules: its sliding
     window is in transformers' mask alone. The probe reads it there, and a ring cache of that window

@@ -244,11 +244,12 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
         assert got.tolist() == theirs[0, len(row):].tolist()
 
 
-@pytest.mark.parametrize("model_type", ["lfm2", "minimax"])
+@pytest.mark.parametrize("model_type", ["lfm2", "minimax", "rwkv"])
 def test_compiled_decode_steps_carry_the_state(model_type):
     """`lm.compile()`: the decode steps (and short last prompt chunks) run through Inductor, the
     state slot among their inputs and outputs (a Cache-API state; MiniMax's, in a cache object of
-    the model's own class made in the step); rows of different lengths keep eager tokens."""
+    the model's own class made in the step; RWKV's, in the argument made in the step, its
+    one-token calls row by row); rows of different lengths keep eager tokens."""
     lm = kw.from_hf(tiny_model(model_type), generic=True)
     rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)]
@@ -287,3 +288,18 @@ def test_a_minimax_model_cast_to_bfloat16_hands_its_linear_state_in_its_dtype():
     rows = [torch.tensor([5, 9, 33, 12, 40, 7]), torch.tensor([8, 21])]
     out = lm.generate(rows, max_new_tokens=6, ignore_eos=True)
     assert [len(t) for t in out] == [6, 6]
+
+
+@pytest.mark.parametrize("model_type, follows", [("rwkv", [True, True, False, False, False]),
+                                                  ("xlstm", [True, True, True])])
+def test_a_model_handing_its_states_cast_to_bfloat16_hands_them_as_its_forward_does(model_type, follows):
+    """The states a forward hands its layers follow the model's dtype where the forward makes them
+    in its embeddings' dtype (RWKV's token-shift states and xLSTM's cache; RWKV's scan states stay
+    float32): cast after the build, the model gives transformers' own bfloat16 tokens."""
+    original = tiny_model(model_type)
+    hf = copy.deepcopy(original)
+    lm = kw.from_hf(original, generic=True)
+    stateful = [part for part in lm.backbone.layers if part.states is not None]
+    assert len(stateful) == len(lm.backbone.layers)
+    assert all([h.follows for h in part.states.states] == follows for part in stateful)
+    assert cast_tokens_agree(lm, hf, torch.bfloat16, (9, 5))

@@ -64,31 +64,43 @@ class Handed:
         return tensor if self.axis is None else tensor.select(self.axis, self.index)
 
 
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor of the state argument, by its shape without the batch dimension and its dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
 class HandedStates:
     """The states a decoder layer is handed in its argument `name`: how to build the argument
-    (`spec`, the pytree's structure; `templates`, each leaf as the probe's forward handed it, first
-    row), the states in it ([Handed]), their initial values ([(1, *shape)]), where the layer hands
+    (`spec`, the pytree's structure; `templates`, each leaf: a `Leaf` for a tensor of the batch, made
+    zeros, else the value the probe's forward handed), the states in it ([Handed]), their initial
+    values (a number where one value fills the state, else (1, *shape)), where the layer hands
     them back (`returned`: the index in its output tuple, None: written in place) and whether it
     takes `use_cache`. What `kvwire.models.generic.parts.DecoderLayer` runs a cached call with."""
 
     steps = False  # a call of several tokens continues the state: only chunks where a row starts late step
 
     def __init__(self, name, spec, templates, states, initial, returned, use_cache):
-        self.name, self.spec, self.templates = name, spec, list(templates)
+        # the argument's structure with its leaves in place: flattened for the spec in each call (a
+        # spec itself does not copy cleanly with a model)
+        self.name, self.structure = name, tree_unflatten(list(templates), spec)
         self.states, self.initial = list(states), list(initial)
         self.returned, self.use_cache = returned, use_cache
         # its one-token call broadcasts the state across rows (transformers' RWKV adds a (B, D) state
         # to (B, 1, D) hidden states): one-token calls of several rows run row by row (set by `find`)
         self.rows_apart = False
 
-    def run(self, call, x, slot, real, starts, dtype):
+    def run(self, call, x, slot, real, starts, dtype, who=None):
         """(the layer's hidden states out (B, T, D), the slot after the call): `call(x, t, given, row)`
         runs the layer on x with the arguments `given` in place (t: the token x is, None: the whole
         chunk; row: the row x is, None: every row); `real` and `starts` (B, T) float32 are 1 at real tokens and at each row's first real
-        token; `dtype` is the layer weights' (the states that follow it are handed in it)."""
+        token; `dtype` is the layer weights' (the states that follow it are handed in it); `who` the
+        layer (named where an export of a dynamic chunk length is refused)."""
         B, T = real.shape
         parts = [part for _, part in state_slots.state_views(slot, self.states, dtype)]
-        if not _steps(real, starts):
+        if not _steps(real, starts, who):
             parts = self._reset(parts, starts[:, 0])
             out, parts = self._call(call, x, None, parts)
         else:
@@ -105,7 +117,7 @@ class HandedStates:
         new = []
         for part, initial in zip(parts, self.initial):
             s = starting.view(-1, *([1] * (part.dim() - 1))).to(part.dtype)
-            new.append(part * (1 - s) + initial.to(part.dtype) * s)
+            new.append(part * (1 - s) + (initial if isinstance(initial, float) else initial.to(part.dtype)) * s)
         return new
 
     def _call(self, call, x, t, parts):
@@ -118,16 +130,18 @@ class HandedStates:
 
     def _call_once(self, call, x, t, parts):
         B = x.shape[0]
-        leaves = [tensor.expand(B, *tensor.shape[1:]).clone() if isinstance(tensor, torch.Tensor) else tensor
-                  for tensor in self.templates]
+        # zeros but for the layer's parts (made in the call, not constants a compiled graph would hold)
+        templates, spec = tree_flatten(self.structure)
+        leaves = [torch.zeros(B, *t.shape, dtype=t.dtype, device=x.device) if isinstance(t, Leaf) else t
+                  for t in templates]
         for h, part in zip(self.states, parts):
             if h.axis is None:
                 leaves[h.leaf] = part
             else:
-                leaf = leaves[h.leaf].to(part.dtype) if h.follows else leaves[h.leaf]
+                leaf = leaves[h.leaf].to(part.dtype)  # a state that follows the model: in its dtype
                 leaf.select(h.axis, h.index).copy_(part)
                 leaves[h.leaf] = leaf
-        given = {self.name: tree_unflatten(leaves, self.spec)}
+        given = {self.name: tree_unflatten(leaves, spec)}
         if self.use_cache:
             given["use_cache"] = True
         out = call(x, t, given)
@@ -136,11 +150,11 @@ class HandedStates:
         return hidden, [h.part(after[h.leaf]) for h in self.states]
 
 
-def _steps(real, starts):
+def _steps(real, starts, who=None):
     """Whether the chunk goes one token at a time: where a row's first real token is after its first
     column (pads before it), and in every trace of several tokens (it cannot look at its rows)."""
     T = real.shape[1]
-    stepping.refuse_dynamic_steps(T)
+    stepping.refuse_dynamic_steps(T, who)
     if T == 1:
         return False
     if torch.compiler.is_compiling() or is_exporting():
@@ -271,11 +285,12 @@ def _found(module, seen, uncached, batch_size, dtypes):
         if not (start == start[:1]).all():
             return f"its initial state `{name}` differs between rows"
         states.append(Handed(j, axis, index, tuple(start.shape[1:]), e.dtype, h.follows))
-        initial.append(start[:1].to(torch.float32))
+        # one value throughout (zeros, RWKV's -1e30) is kept as a number: no constant in a compiled graph
+        initial.append(start.flatten()[0].item() if (start == start.flatten()[0]).all() else start[:1].float())
     if not states:
         return f"it leaves no state in its argument `{name}`"
-    templates = [e[:1] if isinstance(e, torch.Tensor) and e.dim() >= 1 and e.shape[0] == batch_size else e
-                 for e in entry]
+    templates = [Leaf(tuple(e.shape[1:]), e.dtype) if isinstance(e, torch.Tensor) and e.dim() >= 1
+                 and e.shape[0] == batch_size else e for e in entry]
     use_cache = "use_cache" in inspect.signature(module.forward).parameters
     return HandedStates(name, spec, templates, states, initial, returned, use_cache)
 

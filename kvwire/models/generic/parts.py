@@ -450,7 +450,7 @@ class DecoderLayer(InnerSites, Block):
                 p, g = p[row:row + 1], None if g is None else g[row:row + 1]
             return self._call(x_t, *with_arguments(self.block, tuple(a), k, given), p, i, g, whole=True)
 
-        return self.states.run(call, x, slot, real, starts, self.weights_dtype)
+        return self.states.run(call, x, slot, real, starts, self.weights_dtype, who=self.block)
 
 
 def _each(values, at, *where):
