@@ -526,6 +526,8 @@ def _find_owned(part, own, config, hidden, args, kwargs, batch_size, why):
         raise ValueError(f"{reason} ({cls.__name__}() and {cls.__name__}(config=...) fail: {type(e).__name__}: "
                          f"{e})") from e
     handed = []  # the layer's modules handed the cache: the first is its mixer
+    # as the model's forward calls it to cache (a mixer may write its state only then)
+    caching = {"use_cache": True} if takes(part.block, "use_cache", kwargs) else {}
 
     def saw(module, args_, kwargs_, cache):
         if not handed and any(v is cache for v in (*args_, *kwargs_.values())):
@@ -535,7 +537,7 @@ def _find_owned(part, own, config, hidden, args, kwargs, batch_size, why):
         hooks = [child.register_forward_pre_hook(lambda m, a, k: saw(m, a, k, cache), with_kwargs=True)
                  for child in part.block.children()]
         try:
-            args_, kwargs_ = with_arguments(part.block, args, kwargs, {"cache": cache})
+            args_, kwargs_ = with_arguments(part.block, args, kwargs, {"cache": cache, **caching})
             part.block(hidden, *args_, **kwargs_)
         finally:
             for h in hooks:
@@ -550,11 +552,11 @@ def _find_owned(part, own, config, hidden, args, kwargs, batch_size, why):
     other = _in_dtype(hidden, args, kwargs)
 
     def left(twin, dtype):
-        found_there, _ = owned.find(make, lambda cache: other(twin, {"cache": cache}, dtype), batch_size)
+        found_there, _ = owned.find(make, lambda cache: other(twin, {"cache": cache, **caching}, dtype), batch_size)
         return {s.key: s.dtype for s in found_there}
 
     found = state_slots.with_followers(part.block, found, left)
-    part.states = owned.OwnedStates(found, layouts, make)
+    part.states = owned.OwnedStates(found, layouts, make, use_cache=bool(caching))
     part.__dict__["mixer"] = handed[0] if handed else None  # not a submodule: block holds it
 
 

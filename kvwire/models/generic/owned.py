@@ -134,9 +134,10 @@ class OwnedStates:
     `kvwire.models.generic.state.StateCache`'s interface: what `kvwire.models.generic.parts.DecoderLayer`
     runs a cached call with."""
 
-    def __init__(self, states, layouts, make):
+    def __init__(self, states, layouts, make, use_cache=False):
         self.states, self.layouts, self.make = list(states), layouts, make
         self.steps = False  # set by the build's chunked check, as for Cache-API states
+        self.use_cache = use_cache  # the layer is called with use_cache=True, as the model's forward calls it to cache
 
     def open(self, slot, keep, steps=False, dtype=None):
         """A fresh object of the model's cache class whose attributes hold `slot`'s states (rows

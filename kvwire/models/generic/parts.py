@@ -412,11 +412,12 @@ class DecoderLayer(InnerSites, Block):
         real, fresh = state_slots.fresh_rows(positions, cache_index, attention_mask)
         steps = self.states.steps and stepping.continues(fresh, x.shape[1], self.mixer)
         opened = self.states.open(slot, 1.0 - fresh, steps, self.weights_dtype)
+        given = {"cache": opened, **({"use_cache": True} if self.states.use_cache else {})}
         if self.attention is None:
-            out = self._run(x, positions, inputs, gate, {"cache": opened, "attention_mask": real.to(torch.long)})
+            out = self._run(x, positions, inputs, gate, {**given, "attention_mask": real.to(torch.long)})
         else:  # the layer's attention_mask is its attention's: the mixer takes the padding mask itself
             with state_slots.padding(self.mixer, real.to(torch.long)):
-                out = self._run(x, positions, inputs, gate, {"cache": opened})
+                out = self._run(x, positions, inputs, gate, given)
         return out, self.states.close(opened, slot)
 
     def _with_held(self, x, gate, positions, inputs, slot, cache_index, attention_mask):

@@ -154,6 +154,8 @@ class StateCache:
     """Builds, per cached call, the transformers cache a decoder layer reads its states from (see the
     module docstring), and collects the states it leaves."""
 
+    use_cache = False  # the layer's cached calls pass no use_cache (its Cache-API mixers write without it)
+
     def __init__(self, states, layers):
         self.states, self.layers = list(states), layers
         # the layer's mixer continues a state with several tokens only one at a time (set by the
