@@ -1,6 +1,6 @@
 """Models whose cache the pass cannot find, run by rerunning each decoder layer over the inputs it
-keeps (`kvwire.models.generic.rerun`): a layer with no cache at all (GPT-1), a recurrent layer
-keeping its state in a cache of its own (RWKV); and only the layers that read one past length for
+keeps (`kvwire.models.generic.rerun`): a layer with no cache at all (GPT-1), a model computing its
+positions from the one past length its cache reports (TrOCR); and only the layers that read one past length for
 the batch (Llama 4's temperature-tuned NoPE layers), the others keeping their caches. Each
 must equal transformers' uncached forward, alone, left-padded, and in the engine at per-row cache
 indices."""
@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 TYPES = {  # type -> what the cache pass says of it
     "openai-gpt": "takes no `cache` argument",
-    "rwkv": "takes no `cache` argument",
+    "trocr": "cached decoding does not reproduce the model's own logits",
     "llama4_text": "one number for the batch",
 }
 PARTLY = {"llama4_text": [3]}  # type -> the layers that rerun where the others keep their caches
