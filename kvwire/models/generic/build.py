@@ -14,8 +14,8 @@ from torch.utils._pytree import tree_map
 from ...layers.linear import Linear, WeightPack
 from . import handed, held, owned, rerun, seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
-from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
-                    recorded_calls, takes, with_arguments)
+from .arguments import takes, with_arguments
+from .parts import AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer, recorded_calls
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12

@@ -24,8 +24,6 @@ of several tokens continues the state it is handed (the build's chunked check ho
 Traced calls of several tokens always step (a trace cannot look at its rows), and the loop unrolls.
 """
 import functools
-import inspect
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +31,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ...kernels.tracing import is_exporting
 from . import held, state as state_slots, stepping
+from .arguments import by_name, takes, with_arguments
 
 
 @dataclass(frozen=True)
-class Handed:
+class Handed(state_slots.Sized):
     """One state in a layer's state argument: the tensor's place among the argument's leaves
     (flattened as a pytree), the axis and index of the part the layer owns where it owns one index
     of a tensor shared by all layers (else None, None: the whole tensor), the part's shape without
@@ -49,15 +48,6 @@ class Handed:
     dtype: torch.dtype
     follows: bool = False
     kind = "recurrent"  # the half of the state slot it is kept in
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    @property
-    def key(self):
-        """What names it among the states a call leaves (`kvwire.models.generic.state.with_followers`)."""
-        return (self.leaf,)
 
     def part(self, tensor):
         """The layer's part of a leaf (B, ...) of the argument."""
@@ -176,7 +166,7 @@ def find(base, probe, layers, recorded):
     def entered(i):
         def hook(module, args, kwargs):
             seen[i]["entry"] = _snapshot(module, args[1:], kwargs)
-            seen[i]["objects"] = _arguments(module, args[1:], kwargs)
+            seen[i]["objects"] = by_name(module, args[1:], kwargs)
         return hook
 
     def left(i):
@@ -204,7 +194,7 @@ def find(base, probe, layers, recorded):
     found = {}
     for i, module in layers.items():
         hidden, args, kwargs = recorded[i]
-        found[i] = _found(module, seen[i], _arguments(module, args, kwargs), probe.shape[0], dtypes)
+        found[i] = _found(module, seen[i], by_name(module, args, kwargs), probe.shape[0], dtypes)
         if isinstance(found[i], HandedStates):
             found[i].rows_apart = _mixes_rows(found[i], module, hidden, args, kwargs, seen[i])
     return found
@@ -213,8 +203,6 @@ def find(base, probe, layers, recorded):
 def _mixes_rows(states, module, hidden, args, kwargs, seen):
     """Whether the layer's one-token call, handed the state its probe call left, gives its rows
     other outputs than each row alone (or another shape)."""
-    from .parts import with_arguments  # the module running these states imports this one
-
     after = tree_flatten(seen["exit"][states.name] if states.returned is None else seen["out"][states.returned])[0]
     parts = [h.part(after[h.leaf]).to(torch.float32) for h in states.states]
     B = hidden.shape[0]
@@ -236,14 +224,8 @@ def _mixes_rows(states, module, hidden, args, kwargs, seen):
     return together.shape != alone.shape or not torch.allclose(together, alone, atol=1e-5, rtol=1e-4)
 
 
-def _arguments(module, args, kwargs):
-    """{name: value} of a layer's call (args after the hidden states)."""
-    names = list(inspect.signature(module.forward).parameters)[1:]
-    return {**dict(zip(names, args)), **kwargs}
-
-
 def _snapshot(module, args, kwargs):
-    return {k: _cloned(v) for k, v in _arguments(module, args, kwargs).items()}
+    return {k: _cloned(v) for k, v in by_name(module, args, kwargs).items()}
 
 
 def _cloned(tree):
@@ -291,7 +273,7 @@ def _found(module, seen, uncached, batch_size, dtypes):
         return f"it leaves no state in its argument `{name}`"
     templates = [Leaf(tuple(e.shape[1:]), e.dtype) if isinstance(e, torch.Tensor) and e.dim() >= 1
                  and e.shape[0] == batch_size else e for e in entry]
-    use_cache = "use_cache" in inspect.signature(module.forward).parameters
+    use_cache = takes(module, "use_cache", {})
     return HandedStates(name, spec, templates, states, initial, returned, use_cache)
 
 
@@ -329,7 +311,7 @@ def _followers(base, probe, layers):
     got = {}
 
     def hook(module, args, kwargs):
-        for name, value in _arguments(module, args[1:], kwargs).items():
+        for name, value in by_name(module, args[1:], kwargs).items():
             for j, leaf in enumerate(tree_flatten(value)[0]):
                 if isinstance(leaf, torch.Tensor):
                     got[(name, j)] = leaf.dtype

@@ -27,7 +27,6 @@ and the loop unrolls (an export with a dynamic chunk length is refused, as
 import contextvars
 import functools
 import inspect
-import math
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ INSTALLED = "_kvwire_held_steps"  # on a mixer whose forward `install` wrapped
 
 
 @dataclass(frozen=True)
-class Held:
+class Held(state_slots.Sized):
     """One tensor a mixer keeps in a module attribute: the module's path inside the decoder layer,
     the attribute's name, its shape without the batch dimension and its dtype."""
 
@@ -52,10 +51,6 @@ class Held:
     dtype: torch.dtype
     follows: bool = False  # its dtype is the model weights' (a cast model's), not fixed (a float32 accumulator)
     kind = "recurrent"  # the half of the state slot it is kept in (`kvwire.models.generic.state.spec`)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
 
     @property
     def key(self):

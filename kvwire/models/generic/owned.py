@@ -22,7 +22,6 @@ chunk's padding mask as the layer's `attention_mask`, the slot flattened into th
 "recurrent" half of the pair `kvwire.models.generic.state.spec` makes.
 """
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ from . import held, state as state_slots, stepping
 
 
 @dataclass(frozen=True)
-class Owned:
+class Owned(state_slots.Sized):
     """One tensor a layer leaves in the model's own cache object: the attribute's name, the tensor's
     place among the attribute's leaves (its value flattened as a pytree), its shape without the
     batch dimension and its dtype (the model weights' where it `follows` them)."""
@@ -44,10 +43,6 @@ class Owned:
     dtype: torch.dtype
     follows: bool = False
     kind = "recurrent"  # the half of the state slot it is kept in
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
 
     @property
     def key(self):

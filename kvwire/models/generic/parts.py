@@ -21,6 +21,7 @@ from ...layers.base import Block, Layer
 from ...layers.inner import InnerSites
 from ...layers.shared import shared
 from . import handed, held, rerun, seam, sites, state as state_slots, stepping, timeline
+from .arguments import with_arguments
 
 _calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
 # the token ids of the running prelude call: a `ReplayTail` replays the forward on them
@@ -505,28 +506,6 @@ class _StatePart(nn.Module):
 
     def cache_spec(self, batch_size, max_length, dtype):
         return state_slots.spec(self.layer.states.states, batch_size)
-
-
-def with_arguments(block, args, kwargs, given):
-    """The layer's recorded call (args after the hidden states, kwargs) with the arguments `given`
-    ({name: value}) in place of the recorded ones, positional where the model passed them so."""
-    names = list(inspect.signature(block.forward).parameters)[1:]  # after the hidden states
-    args, kwargs = list(args), dict(kwargs)
-    for name, value in given.items():
-        at = names.index(name) if name in names else None
-        if at is not None and at < len(args):
-            args[at] = value
-        else:
-            kwargs[name] = value
-    return tuple(args), kwargs
-
-
-def takes(block, name, kwargs):
-    """Whether the layer's recorded call passes argument `name` (by keyword or by position)."""
-    if name in kwargs:
-        return True
-    names = list(inspect.signature(block.forward).parameters)
-    return name in names
 
 
 class Tail(Layer):

@@ -50,8 +50,16 @@ PROBE_DTYPES = (torch.bfloat16, torch.float64)
 HOOKED = "_kvwire_padding_hook"  # attribute marking a mixer that has its hook (installed once)
 
 
+class Sized:
+    """A state's number of elements: the product of its `shape` (without the batch dimension)."""
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+
 @dataclass(frozen=True)
-class State:
+class State(Sized):
     """One tensor a layer keeps: cache layer `layer`, state `index`, `kind` "conv" or "recurrent",
     its shape without the batch dimension and its dtype (the model weights' where it `follows`
     them: a model cast after the build hands it in its own dtype)."""
@@ -62,10 +70,6 @@ class State:
     shape: tuple
     dtype: torch.dtype
     follows: bool = False
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
 
     @property
     def key(self):
