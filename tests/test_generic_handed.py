@@ -40,7 +40,8 @@ class _TupleBlock(nn.Module):
         self.mix = nn.Linear(D, D)
 
     def forward(self, hidden, state=None):
-        total, count = state if state is not None else (torch.zeros(hidden.shape[0], D), torch.zeros(hidden.shape[0], 1))
+        B = hidden.shape[0]
+        total, count = state if state is not None else (torch.zeros(B, D), torch.zeros(B, 1))
         total = total + self.mix(hidden).sum(1)
         count = count + hidden.shape[1]
         return hidden + total[:, None] / count[:, None], (total, count)

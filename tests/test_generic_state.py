@@ -9,8 +9,8 @@ FalconMamba), whose multi-token scan ignores a previous state, so chunks continu
 by token (`kvwire.models.generic.stepping`); RecurrentGemma, whose state is in its modules'
 attributes (`kvwire.models.generic.held`); and MiniMax, whose lightning attention keeps its state
 in the model's own cache class (`kvwire.models.generic.owned`); RWKV and xLSTM, whose layers are
-handed their state as an argument by the model's forward (`kvwire.models.generic.handed`). The arbiter is transformers: its
-own cached `generate` and its uncached forward on the same weights."""
+handed their state as an argument by the model's forward (`kvwire.models.generic.handed`). The
+arbiter is transformers: its own cached `generate` and its uncached forward on the same weights."""
 import copy
 from types import SimpleNamespace
 
@@ -20,7 +20,8 @@ import torch
 import kvwire as kw
 from kvwire.generate import Engine, PrefixStore
 
-from .generic_configs import PROMPT_IDS, cast_tokens_agree, prompt, rows_joining_a_batch, tiny_model
+from .generic_configs import (PROMPT_IDS, cast_tokens_agree, hf_logits, prompt, rollout, rows_joining_a_batch,
+                              tiny_config, tiny_model)
 
 transformers = pytest.importorskip("transformers")
 
@@ -244,18 +245,22 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
         assert got.tolist() == theirs[0, len(row):].tolist()
 
 
-@pytest.mark.parametrize("model_type", ["lfm2", "minimax", "rwkv"])
+@pytest.mark.parametrize("model_type", ["minimax", "rwkv"])
 def test_compiled_decode_steps_carry_the_state(model_type):
     """`lm.compile()`: the decode steps (and short last prompt chunks) run through Inductor, the
-    state slot among their inputs and outputs (a Cache-API state; MiniMax's, in a cache object of
+    state slot among their inputs and outputs (MiniMax's, in a cache object of
     the model's own class made in the step; RWKV's, in the argument made in the step, its
-    one-token calls row by row); rows of different lengths keep eager tokens."""
+    one-token calls row by row: its prompt chunks step token by token, which an export of a
+    dynamic chunk length refuses, so they run eager); rows of different lengths keep eager tokens."""
+    from kvwire.generate.ahead import EAGER
+
     lm = kw.from_hf(tiny_model(model_type), generic=True)
     rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)]
     torch._dynamo.reset()
     lm.compile(bucket=32)
     assert [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)] == eager
+    assert any(runner is not EAGER for runner in lm._decoder().runners.values())  # a step did compile
 
 
 @pytest.mark.parametrize("model_type, follows", [("lfm2", {"conv": True}),
@@ -303,3 +308,24 @@ def test_a_model_handing_its_states_cast_to_bfloat16_hands_them_as_its_forward_d
     assert len(stateful) == len(lm.backbone.layers)
     assert all([h.follows for h in part.states.states] == follows for part in stateful)
     assert cast_tokens_agree(lm, hf, torch.bfloat16, (9, 5))
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_scale_the_forward_puts_between_layers_is_kept(every):
+    """RWKV's forward halves its hidden states after every `rescale_every` layers (in eval mode, its
+    weights rescaled to match): the build finds the factor between two layers' inputs on its probe
+    and scales the next layer's input by it, so cached rows of different lengths give transformers'
+    uncached rollout (without it, the build refused the model: its logits were off by O(1))."""
+    import transformers as tf
+
+    config = tiny_config("rwkv")
+    config.rescale_every = every
+    torch.manual_seed(0)
+    original = tf.AutoModelForCausalLM.from_config(config).eval()
+    hf = copy.deepcopy(original)
+    lm = kw.from_hf(original, generic=True)
+    assert [part.scale_in for part in lm.backbone.layers] == [None if (i % every or not i) else 0.5 for i in range(4)]
+    assert all(part.states is not None for part in lm.backbone.layers)
+    rows = [torch.tensor([5, 9, 33, 12, 40, 7]), torch.tensor([8, 21, 3])]
+    for row, got in zip(rows, lm.generate(rows, max_new_tokens=8, ignore_eos=True)):
+        assert got.tolist() == rollout(lambda ids: hf_logits(hf, ids), row[None], 8)[0].tolist()

@@ -18,7 +18,8 @@ def with_arguments(block, args, kwargs, given):
 
 
 def takes(block, name, kwargs):
-    """Whether the layer's recorded call passes argument `name` (by keyword or by position)."""
+    """Whether the layer takes argument `name`: its recorded call passes it by keyword, or its
+    forward's signature names it."""
     if name in kwargs:
         return True
     names = list(inspect.signature(block.forward).parameters)

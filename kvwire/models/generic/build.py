@@ -15,7 +15,8 @@ from ...layers.linear import Linear, WeightPack
 from . import handed, held, owned, rerun, seam, state as state_slots, timeline
 from .checks import check_chunks, check_decoding, close
 from .arguments import takes, with_arguments
-from .parts import AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer, recorded_calls
+from .parts import (AttentionCall, DecoderLayer, GenericBackbone, Head, Prelude, ReplayTail, Tail, UncalledLayer,
+                    recorded_calls)
 from .sites import find_sites, install
 
 PROBE_TOKENS = 12
@@ -33,8 +34,13 @@ def from_transformers(model):
     transformers' Cache API returns them (ALiBi, position biases by key column) keep their keys and
     values in a slot the cache's `update` fills (`kvwire.models.generic.timeline`).
 
+    A layer keeping its state in its modules' attributes (RecurrentGemma), in a cache class of the
+    model's own (MiniMax) or in an argument the model's forward hands it (RWKV, xLSTM) gets a state
+    slot too (`kvwire.models.generic.held`, `owned`, `handed`); a factor the forward scales the
+    hidden states by between two layers (RWKV's halving) is kept (`DecoderLayer.scale_in`).
+
     Where no cache fits (a layer whose attention transformers' interface never sees and that keeps
-    no state in the Cache API, state kept elsewhere, cached decoding or a prompt prefilled in two
+    no state any route finds, cached decoding or a prompt prefilled in two
     chunks that does not reproduce the model: `kvwire.models.generic.checks`), every decoder layer
     reruns over the inputs it keeps (`kvwire.models.generic.rerun`), with a warning and the reason
     in `backbone.rerun_reason`; where the only misfit is some layers reading one past length for the
@@ -87,6 +93,7 @@ def from_transformers(model):
     stem = {n.replace(".", "_"): m for n, m in _around(base, layers_name) if n not in tail_names}
     backbone = GenericBackbone(Prelude(base, layers_name, seen["returns_tuple"], seen["uncalled"]), parts,
                                Tail([base.get_submodule(n) for n in tail_names]), stem)
+    _find_scales(backbone, probe)
     try:
         _find_states(name, model, backbone, probe)
         refused = None
@@ -137,6 +144,29 @@ def from_transformers(model):
     _find_sites(backbone, probe)
     _kvwire_linears(model)
     return backbone, head, config
+
+
+def _find_scales(backbone, probe):
+    """Set `scale_in` on each decoder layer whose input the model's forward makes by scaling the
+    previous layer's output by one number (RWKV halves its hidden states every `rescale_every`
+    layers in eval mode): seen on the probe, where the prelude's recorders hand each layer's input on
+    as its output. Anything else between two layers is left to the build's logits check."""
+    with torch.no_grad():
+        try:
+            backbone.prelude(probe)
+        except Exception:  # noqa: BLE001 - a forward that does not run with its layers recorded: `_find_states` says why
+            return
+        calls = recorded_calls()
+        for before, part in zip(backbone.layers, backbone.layers[1:]):
+            if isinstance(before, UncalledLayer) or isinstance(part, UncalledLayer):
+                continue
+            a, b = calls[before.index][0], calls[part.index][0]
+            if not (torch.is_tensor(a) and torch.is_tensor(b)) or a is b or a.shape != b.shape or torch.equal(a, b):
+                continue
+            a, b = a.double(), b.double()
+            factor = float((a * b).sum() / (a * a).sum().clamp(min=1e-30))
+            if torch.allclose(b, factor * a, rtol=1e-6, atol=1e-7 * float(a.abs().max())):
+                part.scale_in = factor
 
 
 def _check_causal(name, model, probe, expected):
@@ -299,9 +329,12 @@ def _cache_layer_count(model, backbone):
 def _find_states(name, model, backbone, probe):
     """Give each decoder layer without an attention call the states its mixer keeps in transformers'
     Cache API (`kvwire.models.generic.state`), found by running every layer once on its recorded
-    probe call with transformers' own lazily initialised cache layers. Refused: a layer without
-    attention that takes no cache or writes keys/values to it itself, unless it attends over what
-    the Cache API returns it (`_find_hand`), and a layer keeping both
+    probe call with transformers' own lazily initialised cache layers; for a layer failing there,
+    the state it keeps in a cache class of the model's own (`_find_owned`); for one taking no cache,
+    the state its model's forward hands it (`_find_handed`); for one taking `use_cache` and leaving
+    nothing in the cache, state in its modules' attributes (`_find_held`). Refused: a layer without
+    attention where none of these finds a state, that writes keys/values to the cache itself and
+    does not attend over what the Cache API returns it (`_find_hand`), and a layer keeping both
     keys/values and state whose mixer is not one of its modules taking an `attention_mask` (the
     padding mask that keeps left pads out of the state). A layer that keeps nothing stays uncached."""
     count = _cache_layer_count(model, backbone)

@@ -7,14 +7,14 @@ each decoder layer in an argument that is None when it runs without a cache. The
 (`find`) by running that forward once on its probe and watching each layer's call: the argument
 that holds tensors of the probe's batch there and nothing in the uncached call is the state; the
 layer's new state is an element of what it returns with the same structure, else the argument
-written in place. A tensor the call changes is a state, and where the call changes one index of
+as the call left it. A tensor the call changes is a state, and where the call changes one index of
 one axis only (RWKV's per-layer column of tensors shared by every layer), only that index is.
 What the forward handed the layer is its initial state (RWKV's running maximum starts at -1e30,
 not zero). Nothing here is keyed by family or by the argument's name.
 
 The layer's state slot is the pair `kvwire.models.generic.state.spec` makes, every state
 flattened into its float32 "recurrent" half. A cached call builds the argument from the slot
-(each tensor the probe's first row, the layer's part put in), calls the layer with it and
+(each tensor of the batch zeros, the layer's part put in), calls the layer with it and
 `use_cache=True` where the layer takes that, and reads the parts back. These layers take no
 padding mask, so, as `kvwire.models.generic.held` does, a row's state is set to the initial one
 before its first real token (kvwire pads on the left only, so nothing a pad left survives), and a
@@ -83,11 +83,13 @@ class HandedStates:
         self.rows_apart = False
 
     def run(self, call, x, slot, real, starts, dtype, who=None):
-        """(the layer's hidden states out (B, T, D), the slot after the call): `call(x, t, given, row)`
-        runs the layer on x with the arguments `given` in place (t: the token x is, None: the whole
-        chunk; row: the row x is, None: every row); `real` and `starts` (B, T) float32 are 1 at real tokens and at each row's first real
-        token; `dtype` is the layer weights' (the states that follow it are handed in it); `who` the
-        layer (named where an export of a dynamic chunk length is refused)."""
+        """(the layer's hidden states out (B, T, D), the slot after the call).
+
+        `call(x, t, given, row)` runs the layer on x with the arguments `given` in place (t: the
+        token x is, None: the whole chunk; row: the row x is, None: every row); `real` and `starts`
+        (B, T) float32 are 1 at real tokens and at each row's first real token; `dtype` is the layer
+        weights' (the states that follow it are handed in it); `who` the layer (named where an
+        export of a dynamic chunk length is refused)."""
         B, T = real.shape
         parts = [part for _, part in state_slots.state_views(slot, self.states, dtype)]
         if not _steps(real, starts, who):
@@ -135,32 +137,56 @@ class HandedStates:
         if self.use_cache:
             given["use_cache"] = True
         out = call(x, t, given)
-        after = leaves if self.returned is None else tree_flatten(out[self.returned])[0]
+        # written in place: the argument as the call left it (an element of a list may be replaced)
+        after = tree_flatten(given[self.name] if self.returned is None else out[self.returned])[0]
         hidden = out[0] if isinstance(out, (tuple, list)) else out
         return hidden, [h.part(after[h.leaf]) for h in self.states]
 
 
 def _steps(real, starts, who=None):
     """Whether the chunk goes one token at a time: where a row's first real token is after its first
-    column (pads before it), and in every trace of several tokens (it cannot look at its rows)."""
+    column (pads before it), and in every trace of several tokens (it cannot look at its rows). A row
+    of pads only (an idle row) does not step: whatever it leaves is dropped when the row starts."""
     T = real.shape[1]
     stepping.refuse_dynamic_steps(T, who)
     if T == 1:
         return False
     if torch.compiler.is_compiling() or is_exporting():
         return True
-    return not bool(real.all() and not starts[:, 1:].any())
+    return bool(starts[:, 1:].any())  # pads come before a row's first real token only
 
 
-class _Stop(Exception):
+class _Stop(BaseException):  # not an Exception: a forward catching those does not swallow it
     """Raised in a pre-hook to end a probe forward once the call it watches for is seen."""
 
 
 def find(base, probe, layers, recorded):
     """{index: HandedStates or why not (str)} for the decoder layers `layers` ({index: module}),
-    from one run of `base`'s forward on `probe` with `use_cache=True`; `recorded` holds each
+    from one run of `base`'s forward on `probe` with `use_cache=True`, in eval mode as the build's
+    probe ran (dropout off; RWKV rescales its weights on a change of mode); `recorded` holds each
     layer's uncached probe call [(hidden, args, kwargs)] (where the argument holds nothing). The
     modules' plain attributes are left as they were."""
+    was_training = base.training
+    base.eval()
+    try:
+        seen = _watch(base, probe, layers)
+        if isinstance(seen, str):
+            return {i: seen for i in layers}
+        dtypes = _followers(base, probe, layers)
+        found = {}
+        for i, module in layers.items():
+            hidden, args, kwargs = recorded[i]
+            found[i] = _found(module, seen[i], by_name(module, args, kwargs), probe.shape[0], dtypes)
+            if isinstance(found[i], HandedStates):
+                found[i].rows_apart = _mixes_rows(found[i], module, hidden, args, kwargs, seen[i])
+        return found
+    finally:
+        base.train(was_training)
+
+
+def _watch(base, probe, layers):
+    """{index: {"entry": the layer's arguments as handed, "exit": as the call left them, "out": what
+    it returned}} of one forward of `base` with `use_cache=True` (copies), or why it failed."""
     seen = {i: {} for i in layers}
 
     def entered(i):
@@ -185,19 +211,12 @@ def find(base, probe, layers, recorded):
             base(input_ids=probe, use_cache=True)
         after = held.attributes(base)
     except Exception as e:  # noqa: BLE001 - a forward that does not run with use_cache: nothing handed
-        return {i: f"its model's forward with use_cache=True fails ({type(e).__name__}: {e})" for i in layers}
+        return f"its model's forward with use_cache=True fails ({type(e).__name__}: {e})"
     finally:
         for h in hooks:
             h.remove()
         held.put_back(base, before, after)
-    dtypes = _followers(base, probe, layers)
-    found = {}
-    for i, module in layers.items():
-        hidden, args, kwargs = recorded[i]
-        found[i] = _found(module, seen[i], by_name(module, args, kwargs), probe.shape[0], dtypes)
-        if isinstance(found[i], HandedStates):
-            found[i].rows_apart = _mixes_rows(found[i], module, hidden, args, kwargs, seen[i])
-    return found
+    return seen
 
 
 def _mixes_rows(states, module, hidden, args, kwargs, seen):
@@ -217,10 +236,10 @@ def _mixes_rows(states, module, hidden, args, kwargs, seen):
     with torch.no_grad():
         try:
             together, _ = states._call_once(call, x, None, parts)
-        except RuntimeError:  # shapes that do not broadcast: mixed
+            alone = torch.cat([states._call_once(functools.partial(call, row=b), x[b:b + 1], None,
+                                                 [p[b:b + 1] for p in parts])[0] for b in range(B)])
+        except Exception:  # noqa: BLE001 - shapes that do not fit (mixed rows): row by row, the checks decide
             return True
-        alone = torch.cat([states._call_once(functools.partial(call, row=b), x[b:b + 1], None,
-                                             [p[b:b + 1] for p in parts])[0] for b in range(B)])
     return together.shape != alone.shape or not torch.allclose(together, alone, atol=1e-5, rtol=1e-4)
 
 
@@ -256,7 +275,8 @@ def _found(module, seen, uncached, batch_size, dtypes):
     after = tree_flatten(seen["exit"][name] if returned is None else seen["out"][returned])[0]
     states, initial = [], []
     for j, (e, a) in enumerate(zip(entry, after)):
-        if not isinstance(e, torch.Tensor) or e.dim() < 1 or e.shape[0] != batch_size or e.shape != a.shape:
+        if not isinstance(e, torch.Tensor) or e.dim() < 1 or e.shape[0] != batch_size \
+                or not isinstance(a, torch.Tensor) or e.shape != a.shape:
             continue
         changed = (e != a).any(dim=0)
         if not changed.any():
@@ -284,7 +304,8 @@ def _returned(out, spec, entry):
         return None
     for k, value in enumerate(out):
         leaves, s = tree_flatten(value)
-        if k and s == spec and all(not isinstance(a, torch.Tensor) or a.shape == b.shape
+        if k and s == spec and all(not isinstance(a, torch.Tensor) or (isinstance(b, torch.Tensor)
+                                                                       and a.shape == b.shape)
                                    for a, b in zip(leaves, entry)):
             return k
     return None

@@ -223,7 +223,9 @@ class DecoderLayer(InnerSites, Block):
     in the cached graph: (B, key heads, slots, key size) and (..., value size), slots the window - 1
     of a sliding call or max_length. A layer whose mixer keeps recurrent state instead (`states`, a
     `kvwire.models.generic.state.StateCache`) holds a state slot: (B, 1, 1, conv sizes) and (B, 1, 1,
-    recurrent sizes), read and written through transformers' Cache API. A layer with several caches
+    recurrent sizes), read and written through transformers' Cache API (or kept in its modules'
+    attributes, a cache object of the model's own class or an argument the model's forward hands
+    it: `kvwire.models.generic.held`, `owned`, `handed`). A layer with several caches
     lists them in `cache_parts`: "attention", "attention2", ..., then "state".
     """
 
@@ -238,6 +240,9 @@ class DecoderLayer(InnerSites, Block):
         self.hands_on = False  # whether the next layer carries some of what this one returns
         self.inner_sites, self.points, self.width, self.heads_width = ("resid_pre",), {}, None, None
         self.rerun_shape = None  # (D,) where the layer reruns over its kept inputs (`kvwire.models.generic.rerun`)
+        # the factor the model's forward scales the previous layer's output by before this layer
+        # (RWKV halves its hidden states every `rescale_every` layers): found by the build, None for none
+        self.scale_in = None
 
     @property
     def attention(self):
@@ -282,7 +287,11 @@ class DecoderLayer(InnerSites, Block):
         return self.calls[0].value_size if self.calls else None
 
     def forward(self, x, gate=None):
-        return self._run(x, None, None, gate)
+        return self._run(self._scaled(x), None, None, gate)
+
+    def _scaled(self, x):
+        """x as the model's forward hands it to this layer: `scale_in` applied (before "resid_pre")."""
+        return x if self.scale_in is None else x * self.scale_in
 
     def _run(self, x, positions, inputs, gate=None, given=None):
         calls = _calls.get()
@@ -358,6 +367,7 @@ class DecoderLayer(InnerSites, Block):
 
     def forward_cached(self, x, gate=None, *, positions, cache_index=None, attention_mask=None, cache=None,
                        **inputs):
+        x = self._scaled(x)
         if self.rerun_shape is not None:
             return self._rerun(x, gate, positions, inputs, cache, cache_index, attention_mask)
         if self.attention is None and self.states is None:  # nothing to cache (a feed-forward block)
