@@ -109,7 +109,8 @@ class HandedStates:
         new = []
         for part, initial in zip(parts, self.initial):
             s = starting.view(-1, *([1] * (part.dim() - 1))).to(part.dtype)
-            new.append(part * (1 - s) + (initial if isinstance(initial, float) else initial.to(part.dtype)) * s)
+            start = initial if isinstance(initial, float) else initial.to(part.device, part.dtype)
+            new.append(part * (1 - s) + start * s)
         return new
 
     def _call(self, call, x, t, parts):
