@@ -125,8 +125,8 @@ class HandedStates:
         B = x.shape[0]
         # zeros but for the layer's parts (made in the call, not constants a compiled graph would hold)
         templates, spec = tree_flatten(self.structure)
-        leaves = [torch.zeros(B, *t.shape, dtype=t.dtype, device=x.device) if isinstance(t, Leaf) else t
-                  for t in templates]
+        leaves = [torch.zeros(B, *leaf.shape, dtype=leaf.dtype, device=x.device) if isinstance(leaf, Leaf) else leaf
+                  for leaf in templates]
         for h, part in zip(self.states, parts):
             if h.axis is None:
                 leaves[h.leaf] = part
