@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvwire as kw
+from kvwire.generate import ahead
 from kvwire.generate.ahead import AheadDecode, Package, signature
 from kvwire.graph.digest import module_digest
 
@@ -433,3 +434,22 @@ def test_a_model_with_an_embedding_scale_builds_its_step_ahead(tmp_path, monkeyp
     assert isinstance(lm._decoder(), AheadDecode) and lm._decoder().built == 1
     assert compiled.tokens == eager.tokens
     torch.testing.assert_close(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs), rtol=0, atol=1e-5)
+
+
+def test_one_token_slices_of_prompts_of_any_length_share_one_step(tmp_path, monkeypatch):
+    """`ids[:, -1:]` of a one-row prompt counts as contiguous yet keeps the prompt's row stride:
+    the step's key must not see it, or every prompt length builds a step of its own."""
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    lm = kw.from_hf(FAMILIES["llama"]()).compile(bucket=32)
+    decode, met = lm._decoder(), []
+    monkeypatch.setattr(decode, "_runner", lambda sig, flat: met.append(sig) or ahead.EAGER)
+    cache, extra = lm.cached.init_cache(1, 32), tuple(lm.cached.default_inputs(1).values())
+    logits = []
+    for length in (1, 5, 9):
+        ids = torch.arange(3, 3 + length).view(1, length)[:, -1:].fill_(7)
+        assert ids.stride() == (length, 1)
+        positions = torch.arange(length).view(1, length)[:, -1:].fill_(0)
+        out, _ = decode(ids, positions, torch.tensor(0), torch.ones(1, 32, dtype=torch.bool), cache, extra)
+        logits.append(out)
+    assert len(met) == 1 and met[0][2][1] == [1, 1]  # one signature, row-major strides
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])

@@ -107,22 +107,28 @@ def test_the_server_compiles_its_steps_by_default_for_gguf_blocks_only(files, mo
     assert compiled == [False, True, False, False, True]
 
 
-def test_the_server_leaves_a_core_to_its_event_loop(files, monkeypatch):
-    """`kvwire serve` decodes on one thread fewer than torch's pool (at least 1), unless told."""
+def test_the_server_leaves_a_core_to_its_event_loop_for_eager_steps_only(files, monkeypatch):
+    """`kvwire serve` decodes eager steps on one thread fewer than torch's pool (at least 1): their
+    op-by-op Python fights the event loop for a core. Compiled steps (GGUF blocks' default) keep the
+    whole pool. --decode-threads decides otherwise."""
     import kvwire.serve as serve_package
     from kvwire.cli import main
     from kvwire.cli import serve as serve_cli
 
     seen = []
-    monkeypatch.setattr(serve_cli, "load_model", lambda args, quantize: object())
+    monkeypatch.setattr(serve_cli, "load_served", lambda args, quantize: object())
+    monkeypatch.setattr(load_module, "ggml_dirs", lambda: (None, None))
     monkeypatch.setattr(serve_package, "create_app", lambda lm, name, **options: seen.append(options) or
                         (_ for _ in ()).throw(SystemExit(0)))
     before = torch.get_num_threads()
+    f32, q8 = str(files / "f32.gguf"), str(files / "q8.gguf")
     try:
-        for threads, flag, want in ((2, [], 1), (1, [], 1), (4, [], 3), (4, ["--decode-threads", "4"], 4)):
+        for threads, flags, want in ((2, [f32], 1), (1, [f32], 1), (4, [f32], 3), (4, [f32, "--decode-threads", "4"], 4),
+                                     (2, [q8], 2), (4, [q8], 4), (2, [q8, "--no-compile"], 1),
+                                     (4, [q8, "--decode-threads", "1"], 1), (2, [f32, "--compile"], 2)):
             torch.set_num_threads(threads)
             with pytest.raises(SystemExit):
-                main(["serve", "--model", str(files / "f32.gguf"), *flag])
-            assert seen[-1]["decode_threads"] == want, (threads, flag)
+                main(["serve", "--model", *flags])
+            assert seen[-1]["decode_threads"] == want, (threads, flags)
     finally:
         torch.set_num_threads(before)

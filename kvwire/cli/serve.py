@@ -57,8 +57,8 @@ def add(commands):
                    help="refuse tools (400) for a model whose chat template has no tool support, instead of kvwire's "
                    "convention (tool schemas in a system message, calls as <tool_call> JSON)")
     s.add_argument("--decode-threads", type=positive, default=None, metavar="N",
-                   help="torch threads for decode steps (default: one fewer than the pool, at least 1, so the "
-                   "server's event loop has a core; prefill uses the whole pool)")
+                   help="torch threads for decode steps (default: the whole pool for compiled steps; one fewer, at "
+                   "least 1, for eager steps, so the server's event loop has a core; prefill uses the whole pool)")
     s.add_argument("--no-metrics", dest="metrics", action="store_false",
                    help="do not serve GET /metrics nor record what it reports")
     s.add_argument("--no-playground-training", dest="playground_training", action="store_false",
@@ -93,6 +93,13 @@ def api_keys(args):
     return keys or None
 
 
+def decode_threads(pool, compiled):
+    """Torch threads for decode steps: the whole pool for compiled steps, whose Python work a token
+    is small; one fewer (at least 1) for eager steps, whose op-by-op Python would otherwise fight
+    the event loop for a core (measured on 2 cores in docs/performance.md)."""
+    return pool if compiled else max(1, pool - 1)
+
+
 def run(args):
     import logging
 
@@ -120,11 +127,12 @@ def run(args):
                    inline_slots=args.inline_slots, inline_per_request=args.inline_per_request, api_keys=keys,
                    cors_origins=args.cors_origin, playground_training=args.playground_training,
                    tool_fallback=args.tool_fallback, metrics=args.metrics,
-                   decode_threads=args.decode_threads or max(1, torch.get_num_threads() - 1), sae_slots=args.sae_slots,
+                   sae_slots=args.sae_slots,
                    sae_per_request=args.sae_per_request, sae_site=args.sae_site, sae_layer=args.sae_layer,
                    analysis=args.analysis, analysis_limits=_analysis_limits(args))
     args.compile, compiled_why = compiled_choice(args, args.quantize)
     _say_steps(args, compiled_why)
+    options["decode_threads"] = args.decode_threads or decode_threads(torch.get_num_threads(), args.compile)
     if args.ray:  # each replica loads the model itself (and the SAE, from its folder); this process only starts them
         from functools import partial
 

@@ -40,7 +40,7 @@ from ..kernels.switches import cache_root
 from ..layers.shared import per_call
 from .background import Building, check_handed
 from .compiled import Buckets, check_settings
-from .direct import flat_args
+from .direct import flat_args, packed
 from .keep import file_digest, keep
 
 FORMAT = 1  # bump when what a package holds or how it is called changes
@@ -117,7 +117,8 @@ class AheadDecode(Buckets):
         return self._key or None
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
-        flat = flat_args((token_ids.contiguous(), positions.contiguous(), cache_index, attention_mask, cache, *extra))
+        token_ids, positions = packed(token_ids), packed(positions)
+        flat = flat_args((token_ids, positions, cache_index, attention_mask, cache, *extra))
         chunk = token_ids.shape[1] > 1
         key = fast_key(flat, chunk)  # a tuple: a JSON signature would cost a step ~4x as much to key
         runner = self.runners.get(key)

@@ -35,7 +35,7 @@ import torch
 
 from ..layers.attention import in_place_cache_writes
 from ..layers.linear import allow_packs_in_compiled_graphs
-from .direct import DirectCalls, flat_args
+from .direct import DirectCalls, flat_args, packed
 
 # Longest prompt chunk run compiled by default (bench/generate.py's prefill 32); longer chunks keep
 # eager's flash attention and, for Q4_1 / Q5_1, its dequantised float GEMM.
@@ -103,6 +103,7 @@ class CompiledDecode(Buckets):
         return 1 <= tokens <= self.prefill_tokens and self.length(max_length) == max_length
 
     def __call__(self, token_ids, positions, cache_index, attention_mask, cache, extra):
+        token_ids, positions = packed(token_ids), packed(positions)
         chunk = token_ids.shape[1]
         if chunk > 1:  # one graph for the chunk lengths (T = 1 keeps the static decode graph); more
             for t in (token_ids, positions):  # where a graph compares T with a ring cache's slots

@@ -86,6 +86,17 @@ class DirectStep:
         return self.fn(*inputs)
 
 
+def packed(t):
+    """`t` with row-major strides. A slice such as `ids[:, -1:]` of one row counts as contiguous
+    yet keeps its parent's row stride, and compiled steps are keyed on strides: without this every
+    prompt length would key (and build) a step of its own."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    return t if list(t.stride()) == expected[::-1] else t.clone(memory_format=torch.contiguous_format)
+
+
 def flat_args(args):
     """(token_ids, positions, cache_index, attention_mask, cache, *extra) -> its tensors in that
     order, each cache pair's key then value."""
