@@ -12,6 +12,7 @@ use against llama-cpp-python's ggml), for the formats ggml repacks on x86 (`REPA
 "repack tensor ... with" on stderr for each weight it repacks).
 
     python bench/ggml_matmul.py [--rows 1 2 3 8 32 512] [--formats q4_k q8_0 ...] [--threads 2] [--no-repack]
+                                [--as-avx2]
 
 A (1536, 1024) Gaussian weight quantised by ggml to each format, plus the default model's head
 shape (262144 x 640, Q8_0) at few rows; milliseconds a call, best of 3 timed groups, one process.
@@ -96,16 +97,29 @@ def ms(fn, budget=0.3):
 
 
 def main():
-    from kvwire.kernels.build import BuildError
-    from kvwire.kernels.ggml.lib import library, x16_runs
-    from kvwire.quant.ggml.linear import QUANTIZE_TYPES, X16, GGMLLinear, qtype_of
+    from kvwire.quant.ggml.linear import QUANTIZE_TYPES
 
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 8, 32, 128, 512])
     p.add_argument("--formats", nargs="+", default=[t.lower() for t in QUANTIZE_TYPES])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-repack", action="store_true", help="leave out ggml's repacked kernels (llama.cpp's path)")
+    p.add_argument("--as-avx2", action="store_true",
+                   help="run x16 as a CPU with AVX2 but no AVX-512 VNNI would (its AVX2 kernels, on an AVX-512 CPU)")
     args = p.parse_args()
+    if args.as_avx2:
+        from kvwire.kernels.ggml.lib import as_avx2
+
+        with as_avx2():
+            return run(args)
+    return run(args)
+
+
+def run(args):
+    from kvwire.kernels.build import BuildError
+    from kvwire.kernels.ggml.lib import library, x16_runs
+    from kvwire.quant.ggml.linear import X16, GGMLLinear, qtype_of
+
     torch.set_num_threads(args.threads)
     lib = library()
     repack = None
@@ -114,7 +128,7 @@ def main():
             repack = repack_library()
         except (BuildError, OSError) as e:  # no headers or compiler for the helper: the column stays empty
             print(f"no repack column: {type(e).__name__}: {e}")
-    print(header(args.threads))
+    print(header(args.threads) + ("  (x16 as on AVX2 without AVX-512 VNNI)" if args.as_avx2 else ""))
     if repack is not None:
         name = repack.kvb_repack_name()
         print(f"ggml's extra buffer on this CPU: {name.decode() if name else 'none (repack column empty)'}")

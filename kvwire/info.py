@@ -139,7 +139,7 @@ def _ggml_kernel():
             from .kernels.ggml.lib import x16_runs
             from .quant.ggml.linear import qtype_of
 
-            return _x16_formats(_choice(cpu.ggml_kernel), x16_runs(int(qtype_of("q4_1"))))  # Q4_1: VNNI's alone
+            return _x16_formats(_choice(cpu.ggml_kernel), x16_runs(int(qtype_of("q5_0"))))  # Q5_0: VNNI's alone
     except Exception as e:  # noqa: BLE001 - a broken ggml install or bridge is reported, not raised
         return {"unavailable": f"{type(e).__name__}: {e}"}
     f = cpu.features()  # what the bridge would find: torch's probes of the same features
@@ -156,7 +156,7 @@ def _x16_formats(choice, vnni):
         return choice
     if vnni:
         return f"{choice}; Q6_K on ggml's kernels: x16 has an AVX2 kernel alone for it, taken without VNNI"
-    return f"{choice}; Q4_1, Q5_0 on ggml's kernels: x16 runs Q8_0, Q4_K and Q6_K alone on AVX2 without AVX-512 VNNI"
+    return f"{choice}; Q5_0 on ggml's kernels: x16 runs Q4_1, Q8_0, Q4_K and Q6_K alone on AVX2 without AVX-512 VNNI"
 
 
 def _choices(name):

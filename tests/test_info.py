@@ -45,7 +45,7 @@ def test_the_report_names_the_paths_kvwire_takes(fresh_choices, capsys):
         f = cpu.features()
         avx2_alone = f["avx2"] and not (f["avx512"] and f["avx512_vnni"])
         shown = report["paths"]["ggml_kernel"]
-        assert shown.endswith("x16 runs Q8_0, Q4_K and Q6_K alone on AVX2 without AVX-512 VNNI") == (
+        assert shown.endswith("x16 runs Q4_1, Q8_0, Q4_K and Q6_K alone on AVX2 without AVX-512 VNNI") == (
             avx2_alone and shown.startswith("x16"))
         assert shown.endswith("x16 has an AVX2 kernel alone for it, taken without VNNI") == (
             not avx2_alone and shown.startswith("x16"))

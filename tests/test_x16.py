@@ -1,5 +1,5 @@
 """Q4_1, Q5_0, Q8_0 and Q4_K blocks repacked for kvwire's kernel (`x16.c`: AVX-512 VNNI for all four, AVX2
-for Q8_0 and Q4_K): the repacking is lossless, the kernel computes ggml's products (to float32 summation order)
+for Q4_1, Q8_0 and Q4_K; Q6_K on AVX2 alone): the repacking is lossless, the kernel computes ggml's products (to float32 summation order)
 at every row count and shape, and the choice between it and ggml's own kernels follows the CPU,
 refusing what it cannot run. Each test runs the branch this CPU takes and skips the formats it
 leaves to ggml's kernels."""
@@ -31,12 +31,12 @@ FORMATS = ["q4_1", "q5_0", "q8_0", "q4_k", "q6_k"]
 
 
 def _skip_unless_x16_runs(kind):
-    """Skip where this CPU leaves `kind` to ggml's kernels (AVX2 runs x16 for Q8_0 and Q4_K only)."""
+    """Skip where this CPU leaves `kind` to ggml's kernels (AVX2 runs x16 for Q4_1, Q8_0, Q4_K and Q6_K only)."""
     from kvwire.kernels.ggml.lib import x16_runs
     from kvwire.quant.ggml.linear import qtype_of
 
     if not x16_runs(int(qtype_of(kind))):
-        pytest.skip(f"this CPU runs x16 for Q8_0 and Q4_K only (AVX2, no AVX-512 VNNI): {kind} stays on ggml's "
+        pytest.skip(f"this CPU runs x16 for Q4_1, Q8_0, Q4_K and Q6_K only (AVX2, no AVX-512 VNNI): {kind} stays on ggml's "
                     "kernels")
 
 
@@ -50,10 +50,10 @@ def branch(request):
     from kvwire.kernels.ggml import lib
     from kvwire.quant.ggml.linear import qtype_of
 
-    if not lib.x16_runs(int(qtype_of("q4_1"))):  # Q4_1 runs x16 with AVX-512 VNNI alone
+    if not lib.x16_runs(int(qtype_of("q5_0"))):  # Q5_0 runs x16 with AVX-512 VNNI alone
         pytest.skip("this CPU has no AVX-512 VNNI: its native run is the AVX2 branch (or no x16 at all)")
     with lib.as_avx2():
-        assert [lib.x16_runs(int(qtype_of(kind))) for kind in FORMATS] == [False, False, True, True, True]
+        assert [lib.x16_runs(int(qtype_of(kind))) for kind in FORMATS] == [True, False, True, True, True]
         yield
 
 
@@ -159,6 +159,36 @@ def test_q4_k_at_its_largest_computes_as_ggmls(branch):
         for rows in (1, 2, 5):
             x = torch.full((rows, n), sign * 3.0)
             x.view(rows, -1, 256)[:, :, :32] *= -1
+            expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
+            torch.testing.assert_close(packed(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+            reference = x @ plain.dequantize().t()
+            torch.testing.assert_close(packed(x), reference, rtol=1e-3, atol=0)
+
+
+@needs_x16
+def test_q4_1_at_its_largest_computes_as_ggmls(branch):
+    """Q4_1 blocks whose nibbles are all 15, against activations that quantise to +127 or -127 in every
+    place: AVX2's 16-bit sums of a block reach +-8 x 2 x 15 x 127 = 30480 of int16's 32767, and must
+    neither wrap nor saturate; each group's minimums come from the right lanes (a last group of 9 rows
+    crosses into the second half)."""
+    import numpy as np
+
+    from kvwire.quant.ggml import GGMLLinear
+    from kvwire.quant.ggml.linear import qtype_of
+
+    _skip_unless_x16_runs("q4_1")
+    out, n = 25, 256
+    blocks = np.full((out, n // 32, 20), 0xFF, dtype=np.uint8)
+    d = np.float16(0.01) * (1 + np.arange(out, dtype=np.float16)[:, None] / 8)  # a scale and minimum per row
+    blocks[:, :, :2] = d.astype(np.float16).view(np.uint8).reshape(out, 1, 2)
+    blocks[:, :, 2:4] = (-d).astype(np.float16).view(np.uint8).reshape(out, 1, 2)
+    blocks = torch.from_numpy(blocks.reshape(out, -1))
+    q4_1 = qtype_of("q4_1")
+    plain, packed = GGMLLinear(blocks, q4_1, n, kernel="ggml"), GGMLLinear(blocks, q4_1, n, kernel="x16")
+    assert packed.repacked
+    for sign in (1.0, -1.0):
+        for rows in (1, 2, 5):
+            x = torch.full((rows, n), sign * 3.0)
             expected = torch.ops.kvwire.ggml_matmul(x, plain.blocks, plain.kernel_type, n)
             torch.testing.assert_close(packed(x), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
             reference = x @ plain.dequantize().t()
@@ -294,7 +324,7 @@ def test_the_kernel_follows_the_cpu_and_refuses_what_it_cannot_run(monkeypatch):
         GGMLLinear.quantize(w, "q4_1")
 
 
-def test_as_avx2_runs_q8_0_q4_k_and_q6_k_alone_then_gives_the_cpus_choice_back():
+def test_as_avx2_runs_q4_1_q8_0_q4_k_and_q6_k_alone_then_gives_the_cpus_choice_back():
     from kvwire.kernels.ggml import lib
     from kvwire.quant.ggml.linear import qtype_of
 
@@ -305,7 +335,7 @@ def test_as_avx2_runs_q8_0_q4_k_and_q6_k_alone_then_gives_the_cpus_choice_back()
     with lib.as_avx2():
         inside = runs()
         assert lib.library().kvw_x16_as_avx2(-1) == 1
-    assert inside == {kind: kind in ("q8_0", "q4_k", "q6_k") and before["q8_0"] for kind in FORMATS}
+    assert inside == {kind: kind in ("q4_1", "q8_0", "q4_k", "q6_k") and before["q8_0"] for kind in FORMATS}
     assert runs() == before and lib.library().kvw_x16_as_avx2(-1) == 0
 
 

@@ -126,9 +126,9 @@ def fused():
 def ggml_kernel(asked=None, runs=None):
     """The kernel for the formats x16 repacks (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K): `asked` ("x16" / "ggml"), else
     `KVWIRE_GGML_KERNEL`, else 'x16' (kvwire's kernel on repacked blocks) where the CPU runs it for
-    some format (all but Q6_K with AVX-512 F, BW, VL and VNNI; Q8_0, Q4_K and Q6_K with AVX2, FMA and F16C
-    without VNNI; the other
-    formats stay on ggml's kernels there, `quant.ggml.linear.x16_layout`) and 'ggml' (ggml's kernels
+    some format (all but Q6_K with AVX-512 F, BW, VL and VNNI; Q4_1, Q8_0, Q4_K and Q6_K with AVX2, FMA and
+    F16C without VNNI; Q5_0
+    stays on ggml's kernels there, `quant.ggml.linear.x16_layout`) and 'ggml' (ggml's kernels
     on the file's layout) where it runs for none. x16 on a CPU without those features is refused,
     naming them. `runs`: whether x16 runs here for some format, when the caller knows without the
     bridge (None: ask the bridge, built on first use)."""

@@ -61,20 +61,20 @@ def loaded_or_built():
 @lru_cache(maxsize=None)
 def x16_runs(qtype=None):
     """Whether this CPU runs the x16 kernel for ggml's type number `qtype` (None: for any type), as
-    the bridge finds it: Q4_1, Q5_0, Q8_0 and Q4_K with AVX-512 F, BW, VL and VNNI; Q8_0, Q4_K and
-    Q6_K with AVX2 (FMA, F16C) and no VNNI."""
+    the bridge finds it: Q4_1, Q5_0, Q8_0 and Q4_K with AVX-512 F, BW, VL and VNNI; Q4_1, Q8_0,
+    Q4_K and Q6_K with AVX2 (FMA, F16C) and no VNNI."""
     return bool(library().kvw_x16_supported(-1 if qtype is None else int(qtype)))
 
 
 @contextmanager
 def as_avx2():
-    """Within it, the x16 kernel runs as on a CPU with AVX2 but no AVX-512 VNNI (Q8_0, Q4_K and Q6_K on
-    its AVX2 kernels; Q4_1 and Q5_0 on ggml's), so a machine with AVX-512 tests the AVX2 path too.
+    """Within it, the x16 kernel runs as on a CPU with AVX2 but no AVX-512 VNNI (Q4_1, Q8_0, Q4_K and Q6_K
+    on its AVX2 kernels; Q5_0 on ggml's), so a machine with AVX-512 tests the AVX2 path too.
     Modules built inside keep the layout chosen there. Not thread-safe: for tests and benchmarks.
 
     Example:
         >>> with as_avx2():
-        ...     x16_runs(3)  # ggml's Q4_1: left to ggml's kernels on AVX2
+        ...     x16_runs(6)  # ggml's Q5_0: left to ggml's kernels on AVX2
         False
     """
     before = library().kvw_x16_as_avx2(1)

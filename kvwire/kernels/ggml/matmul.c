@@ -11,8 +11,8 @@
  * (`kvw_graph_matmuls`), which tiles rows x columns and wins from three rows on for most formats
  * (`kvw_matmuls` chooses; bench/ggml_matmul.py measures).
  *
- * Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights repacked for x16 (`x16.c`; AVX-512 VNNI, or AVX2 for Q8_0,
- * Q4_K and Q6_K) carry kvwire's own type numbers (KVW_Q4_1_X16 .. KVW_Q6_K_X16) and run that file's
+ * Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights repacked for x16 (`x16.c`; AVX-512 VNNI, or AVX2 for Q4_1,
+ * Q8_0, Q4_K and Q6_K) carry kvwire's own type numbers (KVW_Q4_1_X16 .. KVW_Q6_K_X16) and run that file's
  * kernel in the row loop, at every row count.
  *
  * Built by kvwire/kernels/ggml/lib.py with gcc against the ggml shipped by llama-cpp-python.

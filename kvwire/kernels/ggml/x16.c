@@ -1,4 +1,4 @@
-/* ggml blocks laid out for wide integer dot products (AVX-512 VNNI; AVX2 for Q8_0, Q4_K, Q6_K): sixteen weight rows
+/* ggml blocks laid out for wide integer dot products (AVX-512 VNNI; AVX2 for Q4_1, Q8_0, Q4_K, Q6_K): sixteen weight rows
  * a step instead of one block.
  *
  * ggml's Q4_1, Q5_0 and Q8_0 dot products handle one block of 32 weights of one row at a time
@@ -36,8 +36,8 @@
  * So rows 16G.. of a packed weight sit where they sat in ggml's layout: slicing at multiples of
  * 16 rows still works.
  *
- * CPUs with AVX2 but no AVX-512 VNNI run Q8_0, Q4_K and Q6_K from the same layout on 8-lane kernels
- * (`dots_rows_q8_0_avx2`, `dots_half_q4_k_avx2`, `dots_half_q6_k_avx2`); Q4_1 and Q5_0 stay on ggml's
+ * CPUs with AVX2 but no AVX-512 VNNI run Q4_1, Q8_0, Q4_K and Q6_K from the same layout on 8-lane kernels
+ * (`dots_rows_q4_1_avx2`, `dots_rows_q8_0_avx2`, `dots_half_q4_k_avx2`, `dots_half_q6_k_avx2`); Q5_0 stays on ggml's
  * kernels there. Q6_K has no VNNI kernel: CPUs with VNNI keep ggml's for it.
  *
  * Built by lib.py into kvwire's ggml bridge; a type runs here only where `kvw_x16_supported(type)`.
@@ -105,13 +105,13 @@ static int avx2(void) {
 }
 
 /* 1 where this CPU runs the x16 kernel for ggml's `type` (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K): the first four
- * with AVX-512 VNNI; Q8_0, Q4_K and Q6_K with AVX2 and no AVX-512 VNNI (Q6_K has an AVX2 kernel alone,
+ * with AVX-512 VNNI; Q4_1, Q8_0, Q4_K and Q6_K with AVX2 and no AVX-512 VNNI (Q6_K has an AVX2 kernel alone,
  * measured against ggml's on an AVX2 CPU only: CPUs with VNNI keep ggml's); -1 (any type): whether it
  * runs for at least one. */
 int kvw_x16_supported(int type) {
     if (type == GGML_TYPE_Q6_K) return avx2() && !avx512_vnni();
     if (avx512_vnni()) return 1;
-    return avx2() && (type == -1 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K);
+    return avx2() && (type == -1 || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q4_1);
 }
 
 /* on = 1: from now on run x16 as a CPU with AVX2 but no AVX-512 VNNI would (Q8_0, Q4_K, Q6_K, on the AVX2
@@ -123,6 +123,7 @@ int kvw_x16_as_avx2(int on) {
     return before;
 }
 
+static int is_q4_1(int type) { return type == GGML_TYPE_Q4_1; }
 static int is_q5_0(int type) { return type == GGML_TYPE_Q5_0; }
 static int is_q8_0(int type) { return type == GGML_TYPE_Q8_0; }
 static int is_q4_k(int type) { return type == GGML_TYPE_Q4_K; }
@@ -577,6 +578,83 @@ static void dots_q8_0_avx2(int64_t n, const void *w, int64_t u, const void *x, i
 }
 
 
+/* Q4_1 on AVX2 (with FMA and F16C): the same layout, a 16-row group as two 8-lane halves. The
+ * nibbles (0..15) go unsigned and ggml's Q8_1 activation bytes (-127..127) signed into `vpmaddubsw`:
+ * a pair sum is at most 2 x 15 x 127 = 3810 in size, so a block's eight chunk products add in int16
+ * (at most 30480) before one `vpmaddwd` widens them. Each block's integer dot product is ggml's; its
+ * minimum's term is m x the activation's scaled sum, as the VNNI kernel's. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void dots_rows_q4_1_avx2(const int NR, int64_t n, const void *w, int64_t u, const uint8_t *const *a,
+                                       float *y, int64_t y_stride) {
+    const int64_t blocks = n / QK, bytes = sizeof(q4_1_block), x_block = sizeof(q8_1_block);
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i mask[2];
+    for (int h = 0; h < 2; h++) mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), lane);
+    const float *scale[4], *offset[4];
+    __m256 acc[4][2], offs[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        scale[r] = (const float *)(a[r] + floats_at(GGML_TYPE_Q4_1, blocks));
+        offset[r] = scale[r] + blocks;
+        acc[r][0] = acc[r][1] = offs[r][0] = offs[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *tail = chunk + 16 * u;
+        for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(chunk + PREFETCH + line, 0, 3);
+        uint16_t halves[2 * GROUP] = {0}; /* a short group's scales then minimums, each padded to 16 */
+        const uint8_t *dm = tail;
+        if (u < GROUP) {
+            memcpy(halves, tail, 2 * (size_t)u);
+            memcpy(halves + GROUP, tail + 2 * u, 2 * (size_t)u);
+            dm = (const uint8_t *)halves;
+        }
+        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dm)),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 16)))};
+        const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 32))),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 48)))};
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            if (8 * h >= u) break;
+            __m256i pairs[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) pairs[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m256i packed = _mm256_maskload_epi32((const int *)(chunk + k * 4 * u + 32 * h), mask[h]);
+                const __m256i lo = _mm256_and_si256(packed, low), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    int32_t x0, x1; /* weights 4k..4k+3 (low nibbles) and 16+4k..16+4k+3 (high) */
+                    memcpy(&x0, a[r] + b * x_block + 4 + 4 * k, 4);
+                    memcpy(&x1, a[r] + b * x_block + 4 + 16 + 4 * k, 4);
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+                acc[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d[h], _mm256_set1_ps(scale[r][b])), acc[r][h]);
+                offs[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(offset[r][b]), offs[r][h]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2 && 8 * h < u; h++)
+            _mm256_maskstore_ps(y + r * y_stride + 8 * h, mask[h], _mm256_add_ps(acc[r][h], offs[r][h]));
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dots_q4_1_avx2(int64_t n, const void *w, int64_t u, const void *x, int64_t rows, float *y,
+                           int64_t y_stride) {
+    const int64_t act_bytes = kvw_x16_act_bytes(GGML_TYPE_Q4_1, n);
+#define ROWS_AVX2(NR) dots_rows_q4_1_avx2(NR, n, w, u, a, out, y_stride)
+    FOUR_AT_A_TIME(act_bytes, x, rows, y, y_stride, ROWS_AVX2)
+#undef ROWS_AVX2
+}
+
 /* What the AVX2 kernels that run a group a half of its rows at a time (Q4_K, Q6_K) share. */
 
 /* lanes of half h that hold one of the group's u rows */
@@ -890,8 +968,8 @@ void kvw_x16_dots(int type, int64_t n, const void *w, int64_t u, const void *x, 
         dots_q6_k_avx2(n, w, u, x, rows, y, y_stride);
         return;
     }
-    if ((is_q8_0(type) || is_q4_k(type)) && !avx512_vnni()) {
-        (is_q4_k(type) ? dots_q4_k_avx2 : dots_q8_0_avx2)(n, w, u, x, rows, y, y_stride);
+    if ((is_q8_0(type) || is_q4_k(type) || is_q4_1(type)) && !avx512_vnni()) {
+        (is_q4_k(type) ? dots_q4_k_avx2 : is_q4_1(type) ? dots_q4_1_avx2 : dots_q8_0_avx2)(n, w, u, x, rows, y, y_stride);
         return;
     }
     if (!has_avx512_vnni()) return; /* unreachable: kvw_supported refused the type */

@@ -10,7 +10,7 @@ beyond `MANY_ROWS` rows, which wins there.
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0, Q8_0 and Q4_K blocks are repacked at
 construction into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at
-every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q8_0, Q4_K and Q6_K blocks are. `kernels.cpu.ggml_kernel()` chooses,
+every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q4_1, Q8_0, Q4_K and Q6_K blocks are. `kernels.cpu.ggml_kernel()` chooses,
 `KVWIRE_GGML_KERNEL=ggml|x16` overrides. bench/ggml_matmul.py measures the crossovers;
 docs/kernels.md gives the numbers.
 """
@@ -202,7 +202,7 @@ class GGMLLinear(nn.Module):
 
 def x16_layout(qtype, kernel=None):
     """Whether `qtype` blocks are kept in x16.c's layout under `ggml_kernel(kernel)`: a format x16 has,
-    on a CPU that runs x16 for it (AVX2 runs it for Q8_0, Q4_K and Q6_K only)."""
+    on a CPU that runs x16 for it (AVX2 runs it for Q4_1, Q8_0, Q4_K and Q6_K only)."""
     qtype = qtype_of(qtype)
     return qtype in X16 and ggml_kernel(kernel) == "x16" and bridge.x16_runs(int(qtype))
 
