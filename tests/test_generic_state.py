@@ -245,10 +245,12 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
         assert got.tolist() == theirs[0, len(row):].tolist()
 
 
-@pytest.mark.parametrize("model_type", ["minimax", "rwkv"])
+@pytest.mark.parametrize("model_type", ["lfm2", "minimax", "rwkv"])
 def test_compiled_decode_steps_carry_the_state(model_type):
     """`lm.compile()`: the decode steps (and short last prompt chunks) run through Inductor, the
-    state slot among their inputs and outputs (MiniMax's, in a cache object of
+    state slot among their inputs and outputs (LFM2's, in transformers' Cache made in the step, its
+    token count made from the states: one made in the Cache's constructor was a constant that kept
+    the step eager; MiniMax's, in a cache object of
     the model's own class made in the step; RWKV's, in the argument made in the step, its
     one-token calls row by row: its prompt chunks step token by token, which an export of a
     dynamic chunk length refuses, so they run eager); rows of different lengths keep eager tokens."""

@@ -244,6 +244,9 @@ def _view_layer(parts):
             layer.is_recurrent_states_initialized[s.index] = True
         layer.has_previous_state[s.index] = True
         layer.device, layer.dtype = t.device, t.dtype
+    # its token count, a tensor made in __init__, would be a constant an exported step cannot hold:
+    # one made from the states is the graph's own (kvwire's rows keep their positions elsewhere)
+    layer.cumulative_length_linear = parts[0][1].new_zeros((), dtype=torch.long)
     return _passing(layer)
 
 
