@@ -21,7 +21,7 @@ from importlib import metadata
 
 import torch
 
-from .io.weights_cache import cache_root
+from .io.weights_cache import cache_root, superseded
 from .kernels import cpu, switches, threads
 
 # what each optional package brings (the `pip install` extra that installs it)
@@ -87,7 +87,8 @@ def lines(report):
         out.append(f"  {name:26} {version or 'not installed':14} {OPTIONAL[name]}")
     cache = report["cache"]
     out.append(f"cache: {cache['path']} (unreadable: {cache['unreadable']})" if "unreadable" in cache else
-               f"cache: {cache['path']} ({cache['entries']} converted models, {cache['bytes'] / 1e9:.2f} GB)")
+               f"cache: {cache['path']} ({cache['entries']} converted models, {cache['superseded']} superseded, "
+               f"{cache['bytes'] / 1e9:.2f} GB)")
     return out
 
 
@@ -187,15 +188,17 @@ def _version(name):
 
 
 def _cache():
-    """The cache folder, its converted models (folders; "ggml" and "native" hold built kernels) and
-    bytes in all."""
+    """The cache folder, its converted models (folders; "ggml" and "native" hold built kernels), those
+    superseded (their file changed or gone: removed when the next file is converted) and bytes in all."""
     root = cache_root()
     try:
         folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
         size = sum(f.stat().st_size for p in folders for f in p.rglob("*") if f.is_file())
+        stale = len(superseded(root))
     except OSError as e:  # unreadable, or files removed while walking it
         return {"path": str(root), "unreadable": str(e)}
-    return {"path": str(root), "entries": len([p for p in folders if p.name not in ("ggml", "native")]), "bytes": size}
+    return {"path": str(root), "entries": len([p for p in folders if p.name not in ("ggml", "native")]),
+            "superseded": stale, "bytes": size}
 
 
 def main(as_json=False):

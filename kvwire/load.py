@@ -189,6 +189,7 @@ def load_gguf(path, dtype=torch.float32, progress=True, entry=None):
         tokenizer = Tokenizer.load(entry) if (entry / CHAT_FILE).is_file() else _refresh_tokenizer(path, entry)
         return build(family, config, weights_cache.weights(entry, dtype), tokenizer, dtype)
     start = time.perf_counter()
+    _claim(entry, path, progress)
     with _about(path):
         gguf = GGUFFile(path)
         family = by_gguf_architecture(gguf.architecture, path)
@@ -216,6 +217,8 @@ def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
     if _cached_config(entry) is not None:
         return use_gguf_blocks(load_gguf(path, dtype, progress, entry), path, head, entry)
     start, cached = time.perf_counter(), _cached_config(entry, weights_cache.FLOATS)
+    if cached is None:
+        _claim(entry, path, progress)
     with _about(path):
         gguf = GGUFFile(path)
         if cached is not None:
@@ -270,6 +273,17 @@ def _on_blocks(lm, gguf, head, entry):
 def _is_stand_in(tensor):
     """Whether `tensor` is `build`'s stand-in: one value seen at every index (no stride moves)."""
     return tensor.dim() > 0 and not any(tensor.stride())
+
+
+def _claim(entry, path, progress):
+    """Make the file's cache folder before converting into it, removing entries of files since
+    changed or gone (`weights_cache.claim`); a read-only or full disk costs speed later, not this load."""
+    try:
+        for folder in weights_cache.claim(entry, path):
+            if progress:
+                print(f"kvwire: removed {folder.name} from the cache: the file it was made from changed or is gone")
+    except OSError:
+        pass
 
 
 def _cached_config(entry, marker=weights_cache.WHOLE):

@@ -5,11 +5,16 @@ its repacked blocks there (`quant.ggml.packed`).
 
 Keyed by the file's path, size, modification time and a digest of its first 16 MiB (the whole
 header of any model we know) and last 1 MiB: a file rewritten within the clock's granularity (same
-size, same mtime) must not load the entry of the file it replaced."""
+size, same mtime) must not load the entry of the file it replaced.
+
+An entry records the file it was made from (`SOURCE`); making a new entry removes those whose file
+is gone or has changed since (`prune`): their keys can never match again, and an entry can hold
+gigabytes (a 3B model's repacked blocks, or every weight in float32)."""
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,6 +32,52 @@ def entry_for(path):
     key = json.dumps([str(Path(path).resolve()), st.st_size, st.st_mtime_ns, FORMAT, sample_digest(path, st.st_size)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / f"{Path(path).stem}-{digest}"
+
+
+SOURCE = "source.json"  # the file an entry was made from: its path, size and modification time
+
+
+def claim(entry, path):
+    """Make `entry`, the cache folder of the GGUF file at `path`, recording which file it is; then
+    remove every entry superseded since (`prune`). Returns the folders removed."""
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / SOURCE).write_text(json.dumps(_stamp(path)))
+    return prune(keep=entry)
+
+
+def superseded(root=None):
+    """The entries under `root` (the cache folder) whose recorded file no longer exists, or has
+    another size or modification time: no load can find them again. A file on a drive that is not
+    mounted counts as gone. Entries with no record (other folders, older entries) are left alone."""
+    root = cache_root() if root is None else Path(root)
+    found = []
+    for folder in root.iterdir() if root.is_dir() else ():
+        try:
+            recorded = json.loads((folder / SOURCE).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            if _stamp(recorded["path"]) != recorded:
+                found.append(folder)
+        except FileNotFoundError:
+            found.append(folder)
+        except (OSError, KeyError, TypeError):  # unreadable now, or a record we did not write: kept
+            continue
+    return found
+
+
+def prune(root=None, keep=None):
+    """Remove the `superseded` entries under `root` but `keep`; returns them. A process that maps an
+    entry's files keeps its pages (removing a mapped file leaves the mapping)."""
+    gone = [f for f in superseded(root) if keep is None or f != Path(keep)]
+    for folder in gone:
+        shutil.rmtree(folder, ignore_errors=True)
+    return gone
+
+
+def _stamp(path):
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def sample_digest(path, size):
