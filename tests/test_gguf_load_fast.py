@@ -128,6 +128,44 @@ def test_other_families_on_blocks_are_the_same_model(tmp_path, monkeypatch, fami
     assert not weights_cache.is_complete(_entry(path))
 
 
+@pytest.mark.parametrize("quant", [Q.Q8_0, Q.Q4_0], ids=["q8_0", "q4_0"])
+def test_sibling_projections_run_as_one_call_with_the_same_numbers(tmp_path, monkeypatch, quant):
+    """Eager q/k/v and gate/up on blocks run as one `ggml_matmuls` call each (`products.siblings`),
+    bit for bit the separate calls' logits, prompt and decode; a hooked projection runs as it is."""
+    from kvwire.kernels import products
+
+    lm = kw.load(_file(tmp_path, quant), progress=False, quantize="gguf")
+    fusable, fused = products._fusable, []
+
+    def counting(x, modules):
+        found = fusable(x, modules)
+        fused.append(found is not None)
+        return found
+
+    def both():
+        with torch.no_grad():
+            return _logits(lm), lm.generate(IDS, max_new_tokens=6, ignore_eos=True)
+
+    monkeypatch.setattr(products, "_fusable", counting)
+    logits, tokens = both()
+    assert fused and all(fused)  # every layer's q/k/v and gate/up, prompt and decode
+    monkeypatch.setattr(products, "_fusable", lambda x, modules: None)
+    separate_logits, separate_tokens = both()
+    assert torch.equal(logits, separate_logits)
+    assert [t.tolist() for t in tokens] == [t.tolist() for t in separate_tokens]
+
+    k_proj = lm.backbone.layers[0].self_attn.k_proj
+    handle = k_proj.register_forward_hook(lambda module, args, out: out + 1)
+    monkeypatch.setattr(products, "_fusable", counting)
+    fused.clear()
+    hooked = _logits(lm)
+    assert not fused[0] and all(fused[1:])  # the hooked layer's q/k/v run apart, its gate/up together
+    handle.remove()
+    monkeypatch.setattr(products, "_fusable", lambda x, modules: None)
+    k_proj.register_forward_hook(lambda module, args, out: out + 1)
+    assert torch.equal(hooked, _logits(lm)) and not torch.equal(hooked, logits)
+
+
 def test_a_float_load_after_one_on_blocks_and_one_on_blocks_after_it(tmp_path, monkeypatch):
     path = _file(tmp_path)
     expected = _reference(path, monkeypatch, tmp_path)

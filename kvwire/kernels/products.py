@@ -21,6 +21,7 @@ from torch import nn
 
 from .cpu import bf16_gemm, f32_gemv, f32_row
 from .native import gemv
+from .tracing import is_exporting
 
 SMALL_ROWS = 64
 # bf16 products read oneDNN-packed weights up to this many rows; from ~384 rows oneDNN's own
@@ -65,6 +66,46 @@ def linear(x, weight, bias=None):
     if not _transposed(x, rows):
         return nn.functional.linear(x, weight, bias)
     return _transposed_product(x, weight, bias, rows)
+
+
+def siblings(x, modules):
+    """[m(x) for m in modules]: linears reading the same x (a layer's q/k/v, a gated MLP's gate/up).
+    Eager, where each is a ggml linear whose product on x is one ggml op (`ggml_operands`) and no hook
+    watches it, they run as one `kvwire::ggml_matmuls` call: x's rows quantised once, every weight's
+    rows in one parallel loop (compiled steps get the same from the pass in `ggml.fuse`). A module
+    swapped or hooked by the user runs as it is. x (..., in) -> [(..., out_i)].
+
+    Example:
+        >>> q, k, v = siblings(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    """
+    operands = _fusable(x, modules)
+    if operands is None:
+        return [m(x) for m in modules]
+    rows = x.numel() // x.shape[-1]
+    outs = torch.ops.kvwire.ggml_matmuls(x.reshape(rows, x.shape[-1]).float().contiguous(),
+                                         [blocks for blocks, _ in operands], [kind for _, kind in operands],
+                                         x.shape[-1])
+    return [m.finish(out, x) for m, out in zip(modules, outs)]
+
+
+def _fusable(x, modules):
+    """Each module's (blocks, kernel type) where `siblings` may fuse them all, else None."""
+    if not isinstance(x, torch.Tensor) or len(modules) < 2:  # (an fx tracer's proxy: traced as written)
+        return None
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or is_exporting() or \
+            nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return None
+    rows = x.numel() // x.shape[-1]
+    operands = []
+    for m in modules:
+        find = getattr(m, "ggml_operands", None)
+        if find is None or m._forward_hooks or m._forward_pre_hooks or m.in_features != x.shape[-1]:
+            return None
+        found = find(rows)
+        if found is None:
+            return None
+        operands.append(found)
+    return operands
 
 
 def _transposed(x, rows):

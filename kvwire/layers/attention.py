@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from ..kernels.cpu import bf16_gemm
+from ..kernels.products import siblings
 from ..kernels.tracing import is_exporting
 from .base import Layer
 from .inner import InnerSites
@@ -209,7 +210,7 @@ class Attention(AttentionMath, InnerSites, Layer):
 
     def _project(self, x, positions):
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = siblings(x, (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None and self.qk_norm_full:  # over all heads at once (OLMo 2)
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.num_heads, self.head_dim)

@@ -4,6 +4,7 @@ from torch import nn
 
 from ..kernels import cpu
 from ..kernels.native import fused
+from ..kernels.products import siblings
 from .base import Layer
 from .linear import Linear
 
@@ -57,7 +58,7 @@ class GatedMLP(Layer):
         self.act = activation(act)
 
     def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = siblings(x, (self.gate_proj, self.up_proj))
         if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):  # compilers fuse the plain ops
             kind = _ONE_PASS.get(self.act)
             if kind is not None and cpu.fused() == "kvwire" and fused.applies_gated(gate, up):

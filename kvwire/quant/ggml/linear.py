@@ -10,9 +10,10 @@ beyond `MANY_ROWS` rows, which wins there.
 
 On CPUs with AVX-512 (F, BW, VL) and VNNI, Q4_1, Q5_0, Q8_0 and Q4_K blocks are repacked at
 construction into `x16.c`'s layout (same bytes, 16 rows interleaved) and run kvwire's own kernel at
-every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q4_1, Q8_0, Q4_K and Q6_K blocks are. `kernels.cpu.ggml_kernel()` chooses,
-`KVWIRE_GGML_KERNEL=ggml|x16` overrides. bench/ggml_matmul.py measures the crossovers;
-docs/kernels.md gives the numbers.
+every row count, faster than ggml's at most shapes; on CPUs with AVX2 only, Q4_1, Q8_0, Q4_K and
+Q6_K blocks are. `kernels.cpu.ggml_kernel()` chooses, `KVWIRE_GGML_KERNEL=ggml|x16` overrides.
+bench/ggml_matmul.py measures the crossovers; docs/kernels.md gives the numbers. Eager, a layer's
+sibling projections run as one call (`kernels.products.siblings`).
 """
 import torch
 from gguf import GGMLQuantizationType
@@ -137,13 +138,25 @@ class GGMLLinear(nn.Module):
     def forward(self, x):
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).float().contiguous()
+        if self.ggml_operands(rows) is None:
+            out = nn.functional.linear(x2, self.dequantize())
+        else:  # op.cpp's kernel; an opaque op to torch.compile
+            out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, self.kernel_type, self.in_features)
+        return self.finish(out, x)
+
+    def ggml_operands(self, rows):
+        """(blocks, kernel type) where a call on `rows` rows is one `kvwire::ggml_matmul` (then
+        `finish`), None where it dequantises instead (`kernels.products.siblings` fuses the former)."""
         # compiled graphs keep the opaque op: dequantising calls ctypes, where dynamo would break the graph;
         # x16 beats dequantising at every row count
         if not torch.compiler.is_compiling() and rows > MANY_ROWS and self.qtype in UNTILED and \
                 not self.repacked:
-            out = nn.functional.linear(x2, self.dequantize())
-        else:  # op.cpp's kernel; an opaque op to torch.compile
-            out = torch.ops.kvwire.ggml_matmul(x2, self.blocks, self.kernel_type, self.in_features)
+            return None
+        return self.blocks, self.kernel_type
+
+    def finish(self, out, x):
+        """The product `out` (rows, out_features) float32 of input `x` (..., in_features) as forward
+        returns it: bias added, in x's dtype and leading shape."""
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
