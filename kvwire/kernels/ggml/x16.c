@@ -507,6 +507,24 @@ static void dots_q4_k(int64_t n, const void *w, int64_t u, const void *x, int64_
     dots(Q4_K, n, w, u, x, rows, y, y_stride);
 }
 
+/* What the AVX2 kernels share: a 16-row group as two 8-lane halves. */
+
+/* lanes of half h that hold one of the group's u rows */
+__attribute__((target("avx2"), always_inline))
+static inline __m256i half_mask(int64_t u, int h) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* the 8 half-precision values of half h in the u at p (one per row: d, dmin), as floats; a short
+ * group's (FULL 0) padded with zeros, read no further than its u */
+__attribute__((target("avx2,f16c"), always_inline))
+static inline __m256 half_values(const int FULL, const uint8_t *p, int64_t u, int h) {
+    if (FULL) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+    uint16_t pad[8] = {0};
+    memcpy(pad, p + 16 * h, 2 * (size_t)(u - 8 * h < 8 ? u - 8 * h : 8));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad));
+}
+
 /* Q8_0 on AVX2 (with FMA and F16C), for CPUs without AVX-512 VNNI: the same layout, a 16-row group
  * as two 8-lane halves. AVX2 has no unsigned-by-signed byte dot with 32-bit sums; `vpmaddubsw` makes
  * 16-bit pair sums that would saturate on the stored weights + 128, so each chunk goes back to signed
@@ -519,9 +537,7 @@ static inline void dots_rows_q8_0_avx2(const int NR, int64_t n, const void *w, i
                                        float *y, int64_t y_stride) {
     const int64_t blocks = n / QK, bytes = sizeof(q8_0_block);
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i mask[2];
-    for (int h = 0; h < 2; h++) mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), lane);
+    const __m256i mask[2] = {half_mask(u, 0), half_mask(u, 1)};
     const float *scale[4];
     __m256 acc[4][2];
 #pragma GCC unroll 4
@@ -532,14 +548,10 @@ static inline void dots_rows_q8_0_avx2(const int NR, int64_t n, const void *w, i
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = (const uint8_t *)w + b * u * bytes;
         for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(chunk + PREFETCH + line, 0, 3);
-        uint16_t halves[16] = {0}; /* a short group's scales, padded */
-        const uint8_t *scales = chunk + 32 * u;
-        if (u < GROUP) scales = (const uint8_t *)memcpy(halves, scales, 2 * (size_t)u);
-        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales)),
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16)))};
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             if (8 * h >= u) break;
+            const __m256 d = half_values(u == GROUP, chunk + 32 * u, u, h);
             __m256i isum[4];
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) isum[r] = _mm256_setzero_si256();
@@ -558,7 +570,7 @@ static inline void dots_rows_q8_0_avx2(const int NR, int64_t n, const void *w, i
             }
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++)
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d[h], _mm256_set1_ps(scale[r][b])),
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(scale[r][b])),
                                             acc[r][h]);
         }
     }
@@ -588,9 +600,7 @@ static inline void dots_rows_q4_1_avx2(const int NR, int64_t n, const void *w, i
                                        float *y, int64_t y_stride) {
     const int64_t blocks = n / QK, bytes = sizeof(q4_1_block), x_block = sizeof(q8_1_block);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i mask[2];
-    for (int h = 0; h < 2; h++) mask[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), lane);
+    const __m256i mask[2] = {half_mask(u, 0), half_mask(u, 1)};
     const float *scale[4], *offset[4];
     __m256 acc[4][2], offs[4][2];
 #pragma GCC unroll 4
@@ -602,20 +612,10 @@ static inline void dots_rows_q4_1_avx2(const int NR, int64_t n, const void *w, i
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = (const uint8_t *)w + b * u * bytes, *tail = chunk + 16 * u;
         for (int64_t line = 0; line < u * bytes; line += 64) __builtin_prefetch(chunk + PREFETCH + line, 0, 3);
-        uint16_t halves[2 * GROUP] = {0}; /* a short group's scales then minimums, each padded to 16 */
-        const uint8_t *dm = tail;
-        if (u < GROUP) {
-            memcpy(halves, tail, 2 * (size_t)u);
-            memcpy(halves + GROUP, tail + 2 * u, 2 * (size_t)u);
-            dm = (const uint8_t *)halves;
-        }
-        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dm)),
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 16)))};
-        const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 32))),
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + 48)))};
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             if (8 * h >= u) break;
+            const __m256 d = half_values(u == GROUP, tail, u, h), m = half_values(u == GROUP, tail + 2 * u, u, h);
             __m256i pairs[4];
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) pairs[r] = _mm256_setzero_si256();
@@ -635,8 +635,8 @@ static inline void dots_rows_q4_1_avx2(const int NR, int64_t n, const void *w, i
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) {
                 const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
-                acc[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d[h], _mm256_set1_ps(scale[r][b])), acc[r][h]);
-                offs[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(offset[r][b]), offs[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_set1_ps(scale[r][b])), acc[r][h]);
+                offs[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(offset[r][b]), offs[r][h]);
             }
         }
     }
@@ -656,22 +656,6 @@ static void dots_q4_1_avx2(int64_t n, const void *w, int64_t u, const void *x, i
 }
 
 /* What the AVX2 kernels that run a group a half of its rows at a time (Q4_K, Q6_K) share. */
-
-/* lanes of half h that hold one of the group's u rows */
-__attribute__((target("avx2"), always_inline))
-static inline __m256i half_mask(int64_t u, int h) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(u - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* the 8 half-precision values of half h in the u at p (one per row: d, dmin), as floats; a short
- * group's (FULL 0) padded with zeros, read no further than its u */
-__attribute__((target("avx2,f16c"), always_inline))
-static inline __m256 half_values(const int FULL, const uint8_t *p, int64_t u, int h) {
-    if (FULL) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
-    uint16_t pad[8] = {0};
-    memcpy(pad, p + 16 * h, 2 * (size_t)(u - 8 * h < 8 ? u - 8 * h : 8));
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad));
-}
 
 /* The first half's pass streams a block of the group from memory, the second reads it from cache: that
  * one asks for the same block of the next group (the thread's next task), so memory is busy in both.
