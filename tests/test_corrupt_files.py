@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
-from .conftest import tiny_hf_gemma3, tiny_hf_gpt2
+from .conftest import HEAVY, tiny_hf_gemma3, tiny_hf_gpt2
 from .corrupt_cases import Cases, gguf_cases
 from .corrupt_configs import gguf_metadata_cases, hf_cases
 from .gguf_files import write_gemma3, write_gpt2
@@ -39,16 +39,20 @@ def _ggml_bridge():
         return None
 
 
-def _make_cases(tmp_path, with_ggml):
+def _make_cases(tmp_path, with_ggml, every=HEAVY):
+    """The cases: GGUF files of both architectures and HF folders of both families with `every`
+    (KVWIRE_HEAVY_TESTS=1); else (the default suite: the whole set takes ~7 min of one core) GGUF
+    files of Gemma 3 and HF folders of GPT-2, the same corruptions on each kind of file."""
     cases = Cases(tmp_path / "cases")
     valid = tmp_path / "valid"
     valid.mkdir()
     write_gemma3(valid / "gemma3.gguf", tiny_hf_gemma3(vocab_size=300), Q.Q8_0)
     write_gpt2(valid / "gpt2.gguf", tiny_hf_gpt2(vocab_size=300), Q.Q8_0)
-    for arch in ("gemma3", "gpt2"):
+    for arch in ("gemma3", "gpt2") if every else ("gemma3",):
         gguf_cases(cases, arch, valid / f"{arch}.gguf")
         gguf_metadata_cases(cases, arch, valid / f"{arch}.gguf")
-    for family, make in (("gpt2", tiny_hf_gpt2), ("gemma3", tiny_hf_gemma3)):
+    families = (("gpt2", tiny_hf_gpt2), ("gemma3", tiny_hf_gemma3))
+    for family, make in families if every else families[:1]:
         folder = valid / family
         make().save_pretrained(folder)
         if family == "gpt2":

@@ -153,6 +153,7 @@ def test_steering_moves_the_output_and_strength_zero_is_unsteered(lm, vec):
     assert lm.steer(vec, 1.0).generate("My week has been", max_new_tokens=16) != plain
 
 
+@pytest.mark.heavy
 def test_onnx_export_gives_eager_greedy_tokens(lm, vec, tmp_path):
     """One export of the steered model (~45 s): strength 0 is the plain model, the strength is a
     runtime input."""
