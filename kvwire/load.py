@@ -4,7 +4,7 @@ import json
 import time
 import warnings
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,8 +189,7 @@ def load_gguf(path, dtype=torch.float32, progress=True, entry=None):
         tokenizer = Tokenizer.load(entry) if (entry / CHAT_FILE).is_file() else _refresh_tokenizer(path, entry)
         return build(family, config, weights_cache.weights(entry, dtype), tokenizer, dtype)
     start = time.perf_counter()
-    _claim(entry, path, progress)
-    with _about(path):
+    with _claimed(entry, path, progress), _about(path):
         gguf = GGUFFile(path)
         family = by_gguf_architecture(gguf.architecture, path)
         tokenizer = tokenizer_from_gguf(gguf)
@@ -217,9 +216,7 @@ def load_gguf_blocks(path, dtype=torch.float32, progress=True, head=None):
     if _cached_config(entry) is not None:
         return use_gguf_blocks(load_gguf(path, dtype, progress, entry), path, head, entry)
     start, cached = time.perf_counter(), _cached_config(entry, weights_cache.FLOATS)
-    if cached is None:
-        _claim(entry, path, progress)
-    with _about(path):
+    with _claimed(entry, path, progress) if cached is None else nullcontext(), _about(path):
         gguf = GGUFFile(path)
         if cached is not None:
             (family, config), tokenizer = cached, Tokenizer.load(entry)
@@ -275,15 +272,23 @@ def _is_stand_in(tensor):
     return tensor.dim() > 0 and not any(tensor.stride())
 
 
-def _claim(entry, path, progress):
+@contextmanager
+def _claimed(entry, path, progress):
     """Make the file's cache folder before converting into it, removing entries of files since
-    changed or gone (`weights_cache.claim`); a read-only or full disk costs speed later, not this load."""
+    changed or gone (`weights_cache.claim`); a read-only or full disk costs speed later, not this load.
+    A conversion that fails (a corrupt file) takes its folder away again: no entry is left that
+    holds nothing, and none for every bad file a caller tried."""
     try:
         for folder in weights_cache.claim(entry, path):
             if progress:
                 print(f"kvwire: removed {folder.name} from the cache: the file it was made from changed or is gone")
     except OSError:
         pass
+    try:
+        yield
+    except BaseException:
+        weights_cache.discard_unfinished(entry)
+        raise
 
 
 def _cached_config(entry, marker=weights_cache.WHOLE):

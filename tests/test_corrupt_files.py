@@ -41,8 +41,8 @@ def _ggml_bridge():
 
 def _make_cases(tmp_path, with_ggml, every=HEAVY):
     """The cases: GGUF files of both architectures and HF folders of both families with `every`
-    (KVWIRE_HEAVY_TESTS=1); else (the default suite: the whole set takes ~7 min of one core) GGUF
-    files of Gemma 3 and HF folders of GPT-2, the same corruptions on each kind of file."""
+    (KVWIRE_HEAVY_TESTS=1: 3303 cases, ~45 s of one core); else (the default suite: 1851 cases,
+    ~25 s) GGUF files of Gemma 3 and HF folders of GPT-2, the same corruptions on each kind of file."""
     cases = Cases(tmp_path / "cases")
     valid = tmp_path / "valid"
     valid.mkdir()

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 import kvwire as kw
 from kvwire.info import info, lines
@@ -23,9 +24,9 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path / "cache"))
 
 
-def _file(folder, name, seed=0):
+def _file(folder, name, seed=0, quant=GGMLQuantizationType.F32):
     folder.mkdir(exist_ok=True)
-    write_gguf(folder / name, tiny_hf("llama", seed=seed, vocab_size=300))
+    write_gguf(folder / name, tiny_hf("llama", seed=seed, vocab_size=300), quant=quant)
     return folder / name
 
 
@@ -87,3 +88,21 @@ def test_a_record_it_cannot_read_is_left_alone(tmp_path):
     (cache_root() / "list" / weights_cache.SOURCE).write_text("[1, 2]")
     assert weights_cache.superseded() == [] and weights_cache.prune() == []
     assert folder.is_dir() and (cache_root() / "list").is_dir()
+
+
+@pytest.mark.parametrize("quantize", [None, "gguf"])
+def test_a_file_that_fails_to_convert_leaves_no_entry(tmp_path, quantize):
+    """A corrupt file is an error naming it, and the folder its conversion was to fill goes with
+    it; the valid file's complete entry beside it stays and loads."""
+    if quantize == "gguf":
+        pytest.importorskip("llama_cpp")
+    good = _file(tmp_path / "models", "good.gguf", quant=GGMLQuantizationType.Q8_0)
+    kw.load(good, progress=False, quantize=quantize)
+    data = bytearray(good.read_bytes())
+    bad = tmp_path / "models" / "bad.gguf"
+    bad.write_bytes(bytes(data[: len(data) * 3 // 4]))  # the last tensors cut off
+    with pytest.raises(ValueError, match="bad.gguf"):
+        kw.load(bad, progress=False, quantize=quantize)
+    assert not weights_cache.entry_for(bad).exists()
+    assert _entries() == [weights_cache.entry_for(good).name]
+    assert kw.load(good, progress=False, quantize=quantize) is not None

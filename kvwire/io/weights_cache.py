@@ -75,6 +75,13 @@ def prune(root=None, keep=None):
     return gone
 
 
+def discard_unfinished(entry):
+    """Remove `entry` unless it holds a complete conversion (either kind): what a failed conversion
+    leaves (its record, maybe part of its tensors) is never read, and would be kept until its file changes."""
+    if not (is_complete(Path(entry)) or is_complete(Path(entry), FLOATS)):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
 def _stamp(path):
     st = Path(path).stat()
     return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
