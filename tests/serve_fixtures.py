@@ -38,10 +38,10 @@ def tiny_chat_hf(context=256, **overrides):
                              **overrides)
 
 
-def tiny_chat_lm(context=256):
+def tiny_chat_lm(context=256, **overrides):
     """`tiny_chat_hf` with its tokenizer and ChatML template; `context` positions (a tool schema in a
-    system message takes hundreds of byte tokens)."""
-    lm = kw.from_hf(tiny_chat_hf(context))
+    system message takes hundreds of byte tokens); `overrides` go to its config."""
+    lm = kw.from_hf(tiny_chat_hf(context, **overrides))
     b = backend()
     lm.tokenizer = Tokenizer(b, eos_token_ids=[b.token_to_id("<|im_end|>")], chat_template=ChatTemplate(CHATML))
     return lm

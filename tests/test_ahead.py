@@ -3,6 +3,7 @@ tokens, are reused by models of the same structure with other weights and by a f
 building anything, and a damaged or foreign package is named and rebuilt."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,11 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8, 11])]
 
 
+# Two layers where a test compiles: a package's build (~12 s of one core at two layers) grows by
+# ~2 s a layer, and each mechanism here is the same on every layer.
+LAYERS = 2
+
+
 def _steered(seed):
     """Tiny Mistral (a window of 5 on every layer: ring caches) steered at block 1 with per-row
     strengths; the same structure for every seed, other vector values. Its greedy tokens depend on
     what the caches hold (a model repeating its last token would pass with caches never written)."""
-    lm = kw.from_hf(FAMILIES["mistral"]())
+    lm = kw.from_hf(FAMILIES["mistral"](num_hidden_layers=LAYERS))
     vec = kw.ControlVector({1: torch.randn(lm.head.weight.shape[1], generator=torch.Generator().manual_seed(seed))})
     return lm.steer(vec, torch.tensor([2.0, 0.5]))
 
@@ -179,7 +185,7 @@ def test_a_scale_written_into_the_compiled_code_keys_its_package(tmp_path, monke
     """A 0-d tensor is compiled in by value: a model scaling by another value builds its own step
     (sharing the package would give the first model's tokens)."""
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
-    base = kw.from_hf(FAMILIES["llama"]())
+    base = kw.from_hf(FAMILIES["llama"](num_hidden_layers=LAYERS))
 
     def scaled(value):
         s = torch.tensor(value)
@@ -222,7 +228,7 @@ def test_a_cache_folder_that_cannot_be_written_still_compiles(tmp_path, monkeypa
     blocked = tmp_path / "not_a_folder"
     blocked.write_text("")
     monkeypatch.setenv("KVWIRE_CACHE", str(blocked))  # steps/ cannot be made under a file
-    lm = kw.from_hf(FAMILIES["mistral"]())
+    lm = kw.from_hf(FAMILIES["mistral"](num_hidden_layers=LAYERS))
     eager = lm.generate(PROMPTS[:1], max_new_tokens=8, ignore_eos=True, return_logprobs=True).tokens
     lm.compile(bucket=32, prefill_tokens=0)
     with pytest.warns(UserWarning, match=r"cannot keep compiled steps in .*not_a_folder"):
@@ -235,7 +241,7 @@ def test_an_engine_on_kept_steps_grows_its_timeline_and_steps_over_the_occupied_
 
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
     monkeypatch.setattr(engine_module, "GROW_FROM", 32)  # the timeline grows within a short test
-    lm = kw.from_hf(FAMILIES["mistral"]())
+    lm = kw.from_hf(FAMILIES["mistral"](num_hidden_layers=LAYERS))
     prompts, lengths = [p.tolist() for p in PROMPTS], (40, 12)
     alone = [lm.generate(torch.tensor(p), max_new_tokens=n, ignore_eos=True).tolist() for p, n in zip(prompts, lengths)]
     lm.compile(bucket=32)
@@ -263,7 +269,7 @@ def test_a_server_of_a_compiled_model_decodes_on_kept_steps(tmp_path, monkeypatc
 
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
     hello = [{"role": "user", "content": "Hello there, how are you?"}]
-    lm = tiny_chat_lm()
+    lm = tiny_chat_lm(num_hidden_layers=LAYERS)
     expected = lm.chat(hello, max_new_tokens=8, reuse_prefix=False)
     # as `kvwire serve --compile`: the first request is answered (eager) while children build its steps
     server = Server(create_app(lm.compile(prefill_tokens=128, background=True), "tiny", max_batch=2, max_length=256))
@@ -324,7 +330,7 @@ def test_a_thread_writing_a_buffer_while_a_step_is_traced_writes_the_real_one(tm
     from kvwire.serve.inline import InlineBank, SlotSteer
 
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
-    lm = kw.from_hf(FAMILIES["mistral"]())
+    lm = kw.from_hf(FAMILIES["mistral"](num_hidden_layers=LAYERS))
     bank = InlineBank(lm, slots=2)
     lm = bank.apply(lm).compile(bucket=32, prefill_tokens=0)
     layer = next(iter(bank.layers.values()))
@@ -362,7 +368,7 @@ def test_a_thread_writing_a_buffer_while_a_step_is_traced_writes_the_real_one(tm
 def _generic_compiled(tmp_path, monkeypatch):
     """(tiny generic llama compiled ahead with kept steps in tmp_path, its eager tokens)."""
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
-    lm = kw.from_hf(FAMILIES["llama"](), generic=True)
+    lm = kw.from_hf(FAMILIES["llama"](num_hidden_layers=LAYERS), generic=True)
     eager = [t.tolist() for t in lm.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True)]
     return lm.compile(bucket=32, prefill_tokens=0), eager
 
@@ -396,15 +402,16 @@ def test_a_step_whose_package_names_a_tensor_the_model_lacks_runs_eager_and_says
     assert not list(tmp_path.rglob("*.pt2")) and list(lm._decoder().runners.values()) == [ahead.EAGER]
 
 
-def test_a_kept_package_naming_a_tensor_the_model_lacks_is_rebuilt_not_raised(tmp_path, monkeypatch):
+def test_a_kept_package_naming_a_tensor_the_model_lacks_is_rebuilt_not_raised(cache, tmp_path, monkeypatch):
     # a package already on disk that names a constant the model does not hold: a later process
     # names it and builds again (here the build meets the same tensor and runs eager), no exception
     import kvwire.generate.ahead as ahead
 
+    _greedy(_steered(0).compile(bucket=32), 2)  # the module's packages (loaded, or built if none yet)
+    shutil.copytree(cache / "steps", tmp_path / "steps")  # a copy: the module's stay whole
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
     lm = _steered(0)
     eager = [t.tolist() for t in lm.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)]
-    lm.compile(bucket=32, prefill_tokens=0).generate(PROMPTS, max_new_tokens=3, ignore_eos=True)  # kept
     assert list(tmp_path.rglob("*.pt2"))
     later = _steered(0).compile(bucket=32, prefill_tokens=0)
     resolve = ahead._tensor_of
@@ -420,7 +427,7 @@ def test_a_model_with_an_embedding_scale_builds_its_step_ahead(tmp_path, monkeyp
     embedding's forward was a constant of the exported graph that is not the model's, so the step
     ran eager (with a warning) in every process."""
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
-    lm = kw.from_hf(FAMILIES[family]())
+    lm = kw.from_hf(FAMILIES[family](num_hidden_layers=LAYERS))
     assert lm.backbone.embed_tokens.scale not in (None, 1.0)
 
     def run():  # a tiny random model may repeat its token: its log-probs say what the caches held

@@ -168,7 +168,9 @@ def test_a_layer_making_two_attention_calls_keeps_a_cache_per_call():
         assert got[r].tolist()[-8:] == rollout(hf, row[None], 8)[0].tolist(), r
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])  # MoE; + latent attention; + sinks
+# MoE with latent attention (DeepSeek-V3) and with sinks (gpt-oss); plain MoE (Mixtral, 17-21 s) is heavy:
+# the other two run its experts' dense form too
+@pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.heavy), "deepseek_v3", "gpt_oss"])
 def test_a_moe_model_exports_to_onnx_and_runs_transformers_tokens(model_type, tmp_path):
     """transformers' experts index tokens by expert (data-dependent shapes); the export traces them in
     kvwire's dense form (every expert on every token, weighted by the router) instead."""
@@ -202,9 +204,13 @@ def test_the_dense_experts_form_equals_transformers_own(model_type):
     assert float(want.abs().max()) > 1e-3
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "mamba2", "recurrent_gemma", "minimax"])  # MoE (dense form);
-# Mamba-2 (static chunk scans); RecurrentGemma (state in module attributes, stepped token by token); MiniMax
-# (state in a cache class of its own, continued token by token by its own code)
+# Mamba-2 (static chunk scans) in every run; heavy (25-55 s each, KVWIRE_HEAVY_TESTS=1): MoE (dense form),
+# RecurrentGemma (state in module attributes, stepped token by token), MiniMax (state in a cache class of
+# its own, continued token by token by its own code). Their caching runs in every run without export
+# (test_generic_families.py, test_generic_state.py), and MoE exports to ONNX above.
+@pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.heavy), "mamba2",
+                                        pytest.param("recurrent_gemma", marks=pytest.mark.heavy),
+                                        pytest.param("minimax", marks=pytest.mark.heavy)])
 def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, tmp_path):
     """ExecuTorch takes one static entry point per chunk length: transformers' chunked scans, whose
     loop count follows the chunk's length, export there (not into ONNX's one dynamic graph)."""

@@ -1,5 +1,6 @@
 """The real default model (Gemma 3 270M, Q4_K_M GGUF from a PyPI package) against transformers'
 own GGUF loader on the same file. Marked `real`: these load the model twice and take minutes."""
+import copy
 from pathlib import Path
 
 import pytest
@@ -124,13 +125,13 @@ def test_float16_generates_the_float32_tokens(ours):
     assert abs(float(scores.mean()) - sum(want.logprobs[0]) / 16) < 0.01  # measured 0.0005
 
 
-def test_the_generic_path_equals_the_native_path_and_transformers(ours, gguf_path):
+def test_the_generic_path_equals_the_native_path_and_transformers(ours, theirs):
     """Gemma 3 forced through the generic path (transformers' own modules, kvwire's cache pass; its
     sliding layers as rings) gives the native decoder's greedy tokens, past the 512-token window
-    too. A transformers model of its own: the generic path sets the attention implementation of
-    the model it wraps."""
-    model, tokenizer = transformers_gguf(gguf_path.parent, gguf_path.name)
-    generic = kw.from_hf(model, generic=True)
+    too. A copy of transformers' model (not a second load of the file): the generic path sets the
+    attention implementation of the model it wraps."""
+    model, tokenizer = theirs
+    generic = kw.from_hf(copy.deepcopy(model), generic=True)
     assert generic.family == "generic"
     assert {layer.window for layer in generic.backbone.layers} == {512, None}
     for text in PROMPTS:

@@ -3,6 +3,7 @@
 logits and greedy tokens equal transformers' own GGUF loader on the same file, and generation,
 sampling, beam search, steering, ONNX export, the file's own blocks on ggml's kernels and the
 compiled decode step all work on it. Marked `real`."""
+import copy
 import collections
 import importlib.util
 import os
@@ -268,11 +269,11 @@ def test_chat_stops_at_the_end_of_turn_and_the_next_turn_reuses_the_first(lm, hf
     assert again == lm.chat(turn2, max_new_tokens=24, reuse_prefix=False)
 
 
-def test_the_generic_path_equals_the_native_path_and_transformers(lm, hf_folder, prompts, hf_greedy):
+def test_the_generic_path_equals_the_native_path_and_transformers(lm, hf, prompts, hf_greedy):
     """SmolLM2 forced through the generic path (transformers' own modules, kvwire's cache pass) gives
-    transformers' greedy tokens, as the native decoder does. A model of its own: the generic path
-    sets the attention implementation of the model it wraps."""
-    generic = kw.from_hf(transformers_gguf(hf_folder, "model.gguf")[0], generic=True)
+    transformers' greedy tokens, as the native decoder does. A copy of its own (not a second load of
+    the file): the generic path sets the attention implementation of the model it wraps."""
+    generic = kw.from_hf(copy.deepcopy(hf), generic=True)
     assert generic.family == "generic" and lm.family != "generic"
     for text in prompts:
         ids = torch.tensor(lm.tokenizer.encode(text))
