@@ -106,8 +106,9 @@ _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # of one core from cold caches (the default model to ExecuTorch 112 s and to ONNX 60 s, SmolLM2's
 # compiled step 70 s; 2-core AVX-512 machine, 2026-12-02), and CI's 2-core machines must run the whole suite well under
 # 15 minutes. The same mechanisms run in every CI run on tiny models of several families
-# (test_export.py, test_compiled.py), and one real model is exported to ONNX there
-# (test_real_smollm2.py, steered). KVWIRE_HEAVY_TESTS=1 runs them as well.
+# (test_export.py, test_compiled.py, test_generic.py). A few tiny-model export round trips whose
+# mechanism another test of the suite covers are heavy too (each names the one that covers it).
+# KVWIRE_HEAVY_TESTS=1 runs them all.
 HEAVY = os.environ.get("KVWIRE_HEAVY_TESTS", "") == "1"
 
 # The files that take most of the suite's time, heaviest first (seconds of one xdist worker from

@@ -245,22 +245,24 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
         assert got.tolist() == theirs[0, len(row):].tolist()
 
 
-@pytest.mark.parametrize("model_type", ["lfm2", "minimax", "rwkv"])
-def test_compiled_decode_steps_carry_the_state(model_type):
-    """`lm.compile()`: the decode steps (and short last prompt chunks) run through Inductor, the
-    state slot among their inputs and outputs (LFM2's, in transformers' Cache made in the step, its
-    token count made from the states: one made in the Cache's constructor was a constant that kept
-    the step eager; MiniMax's, in a cache object of
-    the model's own class made in the step; RWKV's, in the argument made in the step, its
-    one-token calls row by row: its prompt chunks step token by token, which an export of a
-    dynamic chunk length refuses, so they run eager); rows of different lengths keep eager tokens."""
+@pytest.mark.parametrize("model_type, prefill_tokens", [("lfm2", 32), ("minimax", 0), ("rwkv", 0)])
+def test_compiled_decode_steps_carry_the_state(model_type, prefill_tokens, tmp_path, monkeypatch):
+    """`lm.compile()`: the decode steps (and, for LFM2, short last prompt chunks) run through
+    Inductor, the state slot among their inputs and outputs (LFM2's, in transformers' Cache made in
+    the step, its token count made from the states: one made in the Cache's constructor was a
+    constant that kept the step eager; MiniMax's, in a cache object of the model's own class made in
+    the step; RWKV's, in the argument made in the step, its one-token calls row by row); rows of
+    different lengths keep eager tokens. MiniMax's and RWKV's prompts run eager here: a chunk's
+    build costs a decode step's twice over (MiniMax's 35 s more), and RWKV's chunks step token by
+    token, which an export of a dynamic chunk length refuses anyway."""
     from kvwire.generate.ahead import EAGER
 
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))  # built here, not loaded from an earlier run
     lm = kw.from_hf(tiny_model(model_type), generic=True)
     rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)]
     torch._dynamo.reset()
-    lm.compile(bucket=32)
+    lm.compile(bucket=32, prefill_tokens=prefill_tokens)
     assert [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)] == eager
     assert any(runner is not EAGER for runner in lm._decoder().runners.values())  # a step did compile
 
