@@ -15,6 +15,7 @@ Example:
     ...
 """
 import importlib.util
+import json
 import os
 import platform
 from importlib import metadata
@@ -89,6 +90,10 @@ def lines(report):
     out.append(f"cache: {cache['path']} (unreadable: {cache['unreadable']})" if "unreadable" in cache else
                f"cache: {cache['path']} ({cache['entries']} converted models, {cache['superseded']} superseded, "
                f"{cache['bytes'] / 1e9:.2f} GB)")
+    if cache.get("steps", {}).get("packages"):
+        steps = cache["steps"]
+        out.append(f"  compiled steps: {steps['packages']} packages ({steps['foreign']} made for another torch or CPU: "
+                   f"never loaded here, safe to delete), {steps['bytes'] / 1e9:.2f} GB")
     return out
 
 
@@ -197,14 +202,33 @@ def _cache():
         stale = len(superseded(root))
     except OSError as e:  # unreadable, or files removed while walking it
         return {"path": str(root), "unreadable": str(e)}
-    return {"path": str(root), "entries": len([p for p in folders if p.name not in ("ggml", "native")]),
-            "superseded": stale, "bytes": size}
+    return {"path": str(root), "entries": len([p for p in folders if p.name not in NOT_MODELS]),
+            "superseded": stale, "bytes": size, "steps": _steps(root / "steps")}
+
+
+NOT_MODELS = ("ggml", "native", "steps", "verified")  # built kernels, compiled steps, checked presets
+
+
+def _steps(folder):
+    """Compiled steps kept in `folder` (`generate.ahead`): {"packages", "foreign" (made for another
+    torch or CPU: keyed on that machine, so never loaded here), "bytes"}."""
+    from .generate.ahead import machine
+
+    here, packages, foreign, size = machine(), 0, 0, 0
+    for record in folder.glob("*/*.json") if folder.is_dir() else ():
+        package = record.with_suffix(".pt2")
+        try:
+            made_for = json.loads(record.read_text()).get("machine")
+            size += package.stat().st_size + record.stat().st_size
+        except (OSError, ValueError, AttributeError):  # half-written, removed meanwhile, or not ours
+            continue
+        packages += 1
+        foreign += made_for != here
+    return {"packages": packages, "foreign": foreign, "bytes": size}
 
 
 def main(as_json=False):
     """Print the report (JSON with `as_json`); 1 if a choice is invalid, else 0."""
-    import json
-
     report = info()
     print(json.dumps(report, indent=2) if as_json else "\n".join(lines(report)))
     return 1 if invalid(report) else 0

@@ -129,3 +129,22 @@ def test_an_unreadable_cache_is_reported(monkeypatch, capsys):
     monkeypatch.setattr("kvwire.info.cache_root", lambda: Unreadable("/cache"))
     assert cli.main(["info"]) == 0
     assert "cache: /cache (unreadable: [Errno 13] Permission denied" in capsys.readouterr().out
+
+
+def test_compiled_steps_made_for_another_torch_or_cpu_are_counted(tmp_path, monkeypatch, capsys):
+    """Kept steps are keyed on torch and the CPU: those made elsewhere are never loaded here, and
+    `kvwire info` says how many there are; the folders beside converted models are not models."""
+    from kvwire.generate.ahead import machine
+
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    for key, name, made_for in [("a", "p1", machine()), ("a", "p2", machine()), ("b", "p3", ["2.0", "x", "y", "z"])]:
+        (tmp_path / "steps" / key).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "steps" / key / f"{name}.pt2").write_bytes(b"\0" * 1000)
+        (tmp_path / "steps" / key / f"{name}.json").write_text(json.dumps({"machine": made_for}))
+    (tmp_path / "steps" / "b" / "p4.json").write_text("{half")  # being written: not counted
+    (tmp_path / "verified").mkdir()
+    assert info()["cache"]["steps"] == {"packages": 3, "foreign": 1, "bytes": 3000 + sum(
+        (tmp_path / "steps" / k / f"p{i}.json").stat().st_size for k, i in [("a", 1), ("a", 2), ("b", 3)])}
+    assert info()["cache"]["entries"] == 0
+    assert cli.main(["info"]) == 0
+    assert "compiled steps: 3 packages (1 made for another torch or CPU: never loaded here" in capsys.readouterr().out
