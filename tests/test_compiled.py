@@ -13,6 +13,11 @@ from kvwire.generate.compiled import _compiled_graphs as _graphs  # graphs dynam
 from .conftest import FAMILIES
 
 
+# Two layers: each compiled graph costs ~2 s more a layer from a cold Inductor cache, and every
+# mechanism here is the same on every layer (Gemma 3's two are one sliding, one global)
+LAYERS = 2
+
+
 def _greedy(lm, prompts, n, **options):
     return lm.generate(prompts, max_new_tokens=n, ignore_eos=True, return_logprobs=True, **options).tokens
 
@@ -33,10 +38,11 @@ def test_compiled_decode_gives_eager_tokens(family, quantize, tmp_path, monkeypa
         from .gguf_files import write_gemma3
 
         monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path / "cache"))
-        write_gemma3(tmp_path / "m.gguf", FAMILIES[family](vocab_size=300), GGMLQuantizationType.Q8_0)
+        hf = FAMILIES[family](vocab_size=300, num_hidden_layers=LAYERS)
+        write_gemma3(tmp_path / "m.gguf", hf, GGMLQuantizationType.Q8_0)
         lm = kw.load(tmp_path / "m.gguf", progress=False, quantize="gguf")
     else:
-        lm = kw.from_hf(FAMILIES[family]())
+        lm = kw.from_hf(FAMILIES[family](num_hidden_layers=LAYERS))
     # rows of different lengths (left padding); 14 new tokens pass the 4- and 6-token windows
     prompts = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     vec = kw.ControlVector({1: torch.randn(lm.head.weight.shape[1], generator=torch.Generator().manual_seed(0))})
@@ -66,7 +72,7 @@ def test_compiled_decode_gives_eager_tokens(family, quantize, tmp_path, monkeypa
 
 def test_a_call_that_differs_in_an_unkeyed_guard_recompiles_instead_of_failing():
     torch._dynamo.reset()
-    lm = kw.from_hf(FAMILIES["gpt2"]())
+    lm = kw.from_hf(FAMILIES["gpt2"](num_hidden_layers=LAYERS))
     eager = _greedy(lm, [torch.tensor([3, 17, 42])], 4)
     lm.compile(ahead=False, bucket=32)  # a model without runtime inputs: its compiled tokens equal eager's too
     assert _greedy(lm, [torch.tensor([3, 17, 42])], 4) == eager  # the step signature is now seen: guards skipped
@@ -138,7 +144,7 @@ def test_compiled_decode_writes_one_slot_of_the_caches_in_place(per_row):
     torch._dynamo.reset()
     if _exporting_inside_compile():
         pytest.skip("this torch reports is_exporting() inside torch.compile: the update stays functional")
-    lm = kw.from_hf(FAMILIES["mistral"]())  # a window on every layer: ring-buffer caches
+    lm = kw.from_hf(FAMILIES["mistral"](num_hidden_layers=LAYERS))  # a window on every layer: ring-buffer caches
     lm.compile(ahead=False, bucket=32)
     decode, cached = lm._decoder(), lm.cached
     index = torch.tensor([3, 1]) if per_row else torch.tensor(3)
@@ -176,7 +182,7 @@ def test_short_prompts_run_through_one_compiled_graph_long_ones_eager():
     torch._dynamo.reset()
     if _exporting_inside_compile():
         pytest.skip("this torch reports is_exporting() inside torch.compile: the update stays functional")
-    lm = kw.from_hf(FAMILIES["mistral"]())
+    lm = kw.from_hf(FAMILIES["mistral"](num_hidden_layers=LAYERS))
     g = torch.Generator().manual_seed(0)
     short = [torch.randint(0, 96, (n,), generator=g) for n in (6, 9, PREFILL_TOKENS)]
     long = torch.randint(0, 96, (PREFILL_TOKENS + 1,), generator=g)
@@ -226,7 +232,7 @@ def test_a_batch_of_short_prompts_on_q4_1_compiles_whole_graphs():
     ggml's op, so the batch costs two graphs (its prompts' and its steps') and gives eager's tokens."""
     pytest.importorskip("llama_cpp")
     torch._dynamo.reset()
-    lm = kw.from_hf(FAMILIES["gemma3"]())
+    lm = kw.from_hf(FAMILIES["gemma3"](num_hidden_layers=LAYERS))
     kw.quantize(lm, "q4_1")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=g) for n in (20, 18)]
@@ -242,7 +248,7 @@ def test_compiled_decode_with_a_mode_keeps_the_functional_update():
     """`lm.compile(mode=...)` runs Inductor without kvwire's passes (locality reordering stays on),
     so the step keeps returning updated caches (e.g. what CUDA graphs want): still eager's values."""
     torch._dynamo.reset()
-    lm = kw.from_hf(FAMILIES["llama"]())
+    lm = kw.from_hf(FAMILIES["llama"](num_hidden_layers=LAYERS))
     eager = _greedy(lm, [torch.tensor([3, 17, 42, 9])], 5)
     lm.compile(ahead=False, bucket=32, mode="default")
     decode, cached = lm._decoder(), lm.cached
@@ -264,7 +270,7 @@ def test_reduce_overhead_keeps_the_in_place_step_with_static_caches():
     assert "mode" not in options and options["fullgraph"] is True
     assert options["options"]["triton.cudagraphs"] is True and options["options"]["reorder_for_locality"] is False
     torch._dynamo.reset()
-    lm = kw.from_hf(FAMILIES["llama"]())
+    lm = kw.from_hf(FAMILIES["llama"](num_hidden_layers=LAYERS))
     eager = _greedy(lm, [torch.tensor([3, 17, 42, 9])], 5)
     lm.compile(ahead=False, bucket=32, mode="reduce-overhead")
     decode, cached = lm._decoder(), lm.cached
@@ -285,13 +291,14 @@ def test_decode_steps_call_inductor_directly_and_refuse_what_they_cannot_stand_i
     from kvwire.generate.direct import DirectCalls, flat_args
 
     torch._dynamo.reset()
-    lm = kw.from_hf(FAMILIES["llama"]())
+    lm = kw.from_hf(FAMILIES["llama"](num_hidden_layers=LAYERS))
     eager = _greedy(lm, [torch.tensor([3, 17, 42, 9])], 6)
     lm.compile(ahead=False, bucket=32, prefill_tokens=0)
     assert _greedy(lm, [torch.tensor([3, 17, 42, 9])], 6) == eager
     decode = lm._decoder()
     assert len(decode.direct) == 1 and not decode.seen  # the one decode signature, never through dynamo again
-    assert _greedy(lm, [torch.tensor([8, 1])], 6) == _greedy(kw.from_hf(FAMILIES["llama"]()), [torch.tensor([8, 1])], 6)
+    fresh = kw.from_hf(FAMILIES["llama"](num_hidden_layers=LAYERS))
+    assert _greedy(lm, [torch.tensor([8, 1])], 6) == _greedy(fresh, [torch.tensor([8, 1])], 6)
 
     calls, x, other = DirectCalls({}), torch.ones(2), [torch.zeros(1) for _ in range(3)]
     cache = [(torch.zeros(1), torch.zeros(1))]
@@ -324,7 +331,7 @@ def test_a_ring_caches_first_compiled_step_late_in_the_timeline_keeps_eagers_tok
     and values there, and the tokens parted from eager's two steps later."""
     torch._dynamo.reset()
     prompt = [torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(0))]
-    lm = kw.from_hf(FAMILIES["mistral"](seed=0))
+    lm = kw.from_hf(FAMILIES["mistral"](seed=0, num_hidden_layers=LAYERS))
     eager = lm.generate(prompt, max_new_tokens=5, ignore_eos=True, return_logprobs=True)
     lm.compile(ahead=False, bucket=32, prefill_tokens=0)
     compiled = lm.generate(prompt, max_new_tokens=5, ignore_eos=True, return_logprobs=True)
