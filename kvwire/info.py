@@ -203,27 +203,26 @@ def _cache():
     except OSError as e:  # unreadable, or files removed while walking it
         return {"path": str(root), "unreadable": str(e)}
     return {"path": str(root), "entries": len([p for p in folders if p.name not in NOT_MODELS]),
-            "superseded": stale, "bytes": size, "steps": _steps(root / "steps")}
+            "superseded": stale, "bytes": size, "steps": _steps()}
 
 
 NOT_MODELS = ("ggml", "native", "steps", "verified")  # built kernels, compiled steps, checked presets
 
 
-def _steps(folder):
-    """Compiled steps kept in `folder` (`generate.ahead`): {"packages", "foreign" (made for another
-    torch or CPU: keyed on that machine, so never loaded here), "bytes"}."""
-    from .generate.ahead import machine
+def _steps():
+    """Compiled steps kept by `generate.ahead`: {"packages", "foreign" (made for another torch or
+    CPU, so never loaded here), "bytes"}."""
+    from .generate.ahead import kept_folder, made_here
 
-    here, packages, foreign, size = machine(), 0, 0, 0
+    folder, packages, foreign, size = kept_folder(), 0, 0, 0
     for record in folder.glob("*/*.json") if folder.is_dir() else ():
-        package = record.with_suffix(".pt2")
         try:
-            made_for = json.loads(record.read_text()).get("machine")
-            size += package.stat().st_size + record.stat().st_size
-        except (OSError, ValueError, AttributeError):  # half-written, removed meanwhile, or not ours
+            meta = json.loads(record.read_text())
+            size += record.with_suffix(".pt2").stat().st_size + record.stat().st_size
+        except (OSError, ValueError):  # half-written, or removed meanwhile
             continue
         packages += 1
-        foreign += made_for != here
+        foreign += not made_here(meta)
     return {"packages": packages, "foreign": foreign, "bytes": size}
 
 

@@ -90,7 +90,7 @@ class AheadDecode(Buckets):
         self.bucket, self.head, self.prefill_tokens = bucket, head, prefill_tokens
         self.graph = cached.graph_module
         self.program = StepProgram(cached, head).eval()
-        self.folder = Path(folder) if folder is not None else cache_root() / "steps"
+        self.folder = Path(folder) if folder is not None else kept_folder()
         self.background = background  # compile new packages in a child process; eager meanwhile
         self.runners = {}  # fast_key of a call -> Package, EAGER or Building
         self.built = 0  # packages compiled for this object (the rest were loaded)
@@ -256,8 +256,8 @@ class Package:
             return None
         except (OSError, ValueError) as e:
             return _rebuilt(record, f"its record does not read ({e})")
-        if not isinstance(meta, dict) or [meta.get("format"), meta.get("key"), meta.get("machine")] != \
-                _jsonable([FORMAT, key, machine()]) or meta.get("signature") != _jsonable(sig):
+        if not made_here(meta) or [meta.get("format"), meta.get("key")] != [FORMAT, key] or \
+                meta.get("signature") != _jsonable(sig):
             return None  # another kvwire, torch or CPU (the key folds them in): build anew
         if not path.is_file() or file_digest(path) != meta.get("sha256"):
             return _rebuilt(path, "its bytes do not match the digest recorded when it was written")
@@ -310,6 +310,17 @@ def chunk_span(program):
     if bounds is None:  # a length tied to another symbol: only the example's is known to hold
         return [int(length.node.hint)] * 2
     return [int(bounds.lower), int(bounds.upper)]
+
+
+def kept_folder():
+    """Where packages are kept: `steps/` in kvwire's cache folder, one folder per `AheadDecode.key`."""
+    return cache_root() / "steps"
+
+
+def made_here(record):
+    """Whether a package's record (its .json, read) was made for this torch and CPU: others are
+    never loaded here (their key folds the machine in)."""
+    return isinstance(record, dict) and record.get("machine") == _jsonable(machine())
 
 
 def machine():
