@@ -173,13 +173,13 @@ def _is_encoder_decoder(config_class):
         return bool(getattr(config_class, "is_encoder_decoder", False))
 
 
-def tiny_config(model_type):
+def tiny_config(model_type, **fields):
     """The type's config class with `SMALL` applied to the fields it has (and to those of its
-    sub-configs: text, vision, audio), then `OVERRIDES`."""
+    sub-configs: text, vision, audio), then `OVERRIDES`, then `fields` (e.g. fewer layers)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    return config_class(**_settings(config_class, OVERRIDES.get(model_type, {})))
+    return config_class(**_settings(config_class, {**OVERRIDES.get(model_type, {}), **fields}))
 
 
 def _settings(config_class, overrides):
@@ -219,11 +219,12 @@ def _special_ids(fields):
     return {name: VOCAB - 1 - i for i, name in enumerate(names)}
 
 
-def tiny_model(model_type, seed=0):
-    """A tiny random transformers causal LM of `model_type`: float32, eval mode, eager attention."""
+def tiny_model(model_type, seed=0, **fields):
+    """A tiny random transformers causal LM of `model_type`: float32, eval mode, eager attention
+    (`fields`: config fields set last, e.g. two layers where a test compiles)."""
     import transformers
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **fields)
     config._attn_implementation = "eager"
     with torch.device("meta"):  # a default left large (a vocabulary, a vision tower) fails here, not by memory
         size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())

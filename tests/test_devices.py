@@ -23,18 +23,19 @@ from .tokenizers_for_tests import char_level
 # tokens of the char-level tokenizer: vocab 100 (98 ids used). llama: untied head; gpt2, gemma3 and
 # qwen3 tie it; gemma2 has soft-caps and alternate sliding layers
 MAKERS = {
-    "gpt2": lambda: tiny_hf_gpt2(vocab_size=100),
-    "gemma3": lambda: tiny_hf_gemma3(vocab_size=100),
-    "llama": lambda: tiny_hf("llama", vocab_size=100),
-    "qwen3": lambda: tiny_hf("qwen3", vocab_size=100),
-    "gemma2": lambda: tiny_hf("gemma2", vocab_size=100),
+    "gpt2": lambda **o: tiny_hf_gpt2(vocab_size=100, **o),
+    "gemma3": lambda **o: tiny_hf_gemma3(vocab_size=100, **o),
+    "llama": lambda **o: tiny_hf("llama", vocab_size=100, **o),
+    "qwen3": lambda **o: tiny_hf("qwen3", vocab_size=100, **o),
+    "gemma2": lambda **o: tiny_hf("gemma2", vocab_size=100, **o),
 }
 FAMILIES = list(MAKERS)
 PROMPTS = ["Hello there", "A"]
 
 
-def tiny_lm(family, **options):
-    lm = kw.from_hf(MAKERS[family](), **options)
+def tiny_lm(family, num_hidden_layers=None, **options):
+    hf = MAKERS[family]() if num_hidden_layers is None else MAKERS[family](num_hidden_layers=num_hidden_layers)
+    lm = kw.from_hf(hf, **options)
     lm.tokenizer = char_level()
     return lm
 

@@ -68,13 +68,17 @@ def test_a_recurrent_gemma_layer_keeps_its_attributes_in_a_state_slot_and_leaves
 @pytest.mark.parametrize("ahead", [True, False])
 def test_compiled_steps_carry_state_kept_in_attributes(ahead):
     """`lm.compile()`: the exported step (ahead) or torch.compile (dynamo, whose graph breaks remake
-    bound methods) steps the mixer as eager does; RecurrentGemma's soft-capped head compiles too."""
-    lm = kw.from_hf(tiny_model("recurrent_gemma"), generic=True)
-    assert not lm.head.plain
+    bound methods) steps the mixer as eager does; RecurrentGemma's soft-capped head compiles too.
+    (Dynamo breaks a generic model's step into ~20 graphs: each costs its compile, so the prompts
+    run eager here.)"""
+    # two layers, one of each kind: each layer's kernels cost the compile seconds
+    lm = kw.from_hf(tiny_model("recurrent_gemma", num_hidden_layers=2, block_types=["recurrent", "attention"]),
+                    generic=True)
+    assert not lm.head.plain and [part.states is not None for part in lm.backbone.layers] == [True, False]
     rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=8, ignore_eos=True)]
     torch._dynamo.reset()
-    lm.compile(bucket=32, ahead=ahead)
+    lm.compile(bucket=32, ahead=ahead, prefill_tokens=0)  # the steps: prompts run eager
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="kvwire: the decode step cannot")  # it compiles, not eager
         assert [t.tolist() for t in lm.generate(rows, max_new_tokens=8, ignore_eos=True)] == eager

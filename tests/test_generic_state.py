@@ -245,6 +245,12 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
         assert got.tolist() == theirs[0, len(row):].tolist()
 
 
+# Two layers where a step is built (each layer's kernels cost the build seconds), one of each kind
+TWO_LAYERS = {"lfm2": dict(num_hidden_layers=2, full_attn_idxs=[1]),
+              "minimax": dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"]),
+              "rwkv": dict(num_hidden_layers=2)}
+
+
 @pytest.mark.parametrize("model_type, prefill_tokens", [("lfm2", 32), ("minimax", 0), ("rwkv", 0)])
 def test_compiled_decode_steps_carry_the_state(model_type, prefill_tokens, tmp_path, monkeypatch):
     """`lm.compile()`: the decode steps (and, for LFM2, short last prompt chunks) run through
@@ -258,7 +264,7 @@ def test_compiled_decode_steps_carry_the_state(model_type, prefill_tokens, tmp_p
     from kvwire.generate.ahead import EAGER
 
     monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))  # built here, not loaded from an earlier run
-    lm = kw.from_hf(tiny_model(model_type), generic=True)
+    lm = kw.from_hf(tiny_model(model_type, **TWO_LAYERS[model_type]), generic=True)
     rows = [torch.tensor([3, 17, 42, 9, 55]), torch.tensor([7, 8])]
     eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=12, ignore_eos=True)]
     torch._dynamo.reset()
