@@ -22,6 +22,7 @@ from importlib import metadata
 
 import torch
 
+from .io import weights_cache
 from .io.weights_cache import cache_root, superseded
 from .kernels import cpu, switches, threads
 
@@ -212,18 +213,45 @@ NOT_MODELS = ("ggml", "native", "steps", "verified")  # built kernels, compiled 
 def _steps():
     """Compiled steps kept by `generate.ahead`: {"packages", "foreign" (made for another torch or
     CPU, so never loaded here), "bytes"}."""
-    from .generate.ahead import kept_folder, made_here
+    from .generate.ahead import kept_packages, made_here
 
-    folder, packages, foreign, size = kept_folder(), 0, 0, 0
-    for record in folder.glob("*/*.json") if folder.is_dir() else ():
-        try:
-            meta = json.loads(record.read_text())
-            size += record.with_suffix(".pt2").stat().st_size + record.stat().st_size
-        except (OSError, ValueError):  # half-written, or removed meanwhile
-            continue
-        packages += 1
-        foreign += not made_here(meta)
+    packages, foreign, size = 0, 0, 0
+    for _, meta, nbytes in kept_packages():
+        packages, foreign, size = packages + 1, foreign + (not made_here(meta)), size + nbytes
     return {"packages": packages, "foreign": foreign, "bytes": size}
+
+
+def prune(dry_run=False):
+    """Remove from the cache folder what no load or compile here uses again: converted models whose
+    GGUF file changed or is gone (`weights_cache.superseded`) and compiled steps made for another
+    torch or CPU (another virtual environment sharing the folder builds its own again when it next
+    compiles). Returns {"models": [folders], "steps": [packages], "bytes": freed}; `dry_run` only
+    lists them.
+
+    Example:
+        >>> prune(dry_run=True)
+        {'models': [], 'steps': ['/root/.cache/kvwire/steps/3f.../decode-b1.pt2'], 'bytes': 1843200}
+    """
+    from .generate.ahead import kept_packages, made_here
+
+    models = superseded(cache_root())
+    freed = sum(f.stat().st_size for folder in models for f in folder.rglob("*") if f.is_file())
+    steps = []
+    for record, meta, nbytes in kept_packages():
+        if made_here(meta):
+            continue
+        steps.append(record.with_suffix(".pt2"))
+        freed += nbytes
+        if not dry_run:  # the record first: a package without its record is never used
+            record.unlink(missing_ok=True)
+            record.with_suffix(".pt2").unlink(missing_ok=True)
+            try:
+                record.parent.rmdir()  # the model's folder, once its last package is gone
+            except OSError:
+                pass
+    if not dry_run:
+        models = weights_cache.prune(cache_root())
+    return {"models": [str(m) for m in models], "steps": [str(s) for s in steps], "bytes": freed}
 
 
 def main(as_json=False):

@@ -148,3 +148,48 @@ def test_compiled_steps_made_for_another_torch_or_cpu_are_counted(tmp_path, monk
     assert info()["cache"]["entries"] == 0
     assert cli.main(["info"]) == 0
     assert "compiled steps: 3 packages (1 made for another torch or CPU: never loaded here" in capsys.readouterr().out
+
+
+def test_cache_prune_removes_foreign_steps_and_superseded_models_only(tmp_path, monkeypatch, capsys):
+    """`kvwire cache prune`: compiled steps made for another torch or CPU and converted models whose
+    file is gone or changed go; this machine's steps, a record still being written, current models
+    and folders that are not entries stay. `--dry-run` lists the same and removes nothing."""
+    from kvwire.generate.ahead import machine
+    from kvwire.io.weights_cache import SOURCE, _stamp
+
+    monkeypatch.setenv("KVWIRE_CACHE", str(tmp_path))
+    steps = tmp_path / "steps"
+    for key, name, made_for in [("a", "p1", machine()), ("b", "p2", ["2.0", "x", "y", "z"]),
+                                ("c", "p3", ["2.0", "x", "y", "z"])]:
+        (steps / key).mkdir(parents=True, exist_ok=True)
+        (steps / key / f"{name}.pt2").write_bytes(b"\0" * 1000)
+        (steps / key / f"{name}.json").write_text(json.dumps({"machine": made_for}))
+    (steps / "b" / "p4.json").write_text("{half")  # being written
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 10)
+    for entry, source in [("current", _stamp(model)), ("gone", {**_stamp(model), "path": str(tmp_path / "x.gguf")}),
+                          ("changed", {**_stamp(model), "size": 11})]:
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / SOURCE).write_text(json.dumps(source))
+        (tmp_path / entry / "weights.safetensors").write_bytes(b"\0" * 100)
+    (tmp_path / "ggml").mkdir()  # built kernels: no record, never an entry
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+
+    assert cli.main(["cache", "prune", "--dry-run", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted(listed["models"]) == [str(tmp_path / "changed"), str(tmp_path / "gone")]
+    assert listed["steps"] == [str(steps / "b" / "p2.pt2"), str(steps / "c" / "p3.pt2")]
+    foreign = sum((steps / k / f"{n}.json").stat().st_size + 1000 for k, n in [("b", "p2"), ("c", "p3")])
+    models = sum(len(source) + 100 for source in [(tmp_path / e / SOURCE).read_bytes() for e in ("changed", "gone")])
+    assert listed["bytes"] == foreign + models and listed["dry_run"] is True
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+    assert cli.main(["cache", "prune"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 2 superseded converted models and 2 compiled steps made for another torch or CPU" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "ggml", "m.gguf", "steps"]
+    assert sorted(str(p.relative_to(steps)) for p in steps.rglob("*")) == ["a", "a/p1.json", "a/p1.pt2", "b",
+                                                                           "b/p4.json"]
+    assert info()["cache"]["steps"]["foreign"] == 0 and info()["cache"]["superseded"] == 0
+    assert cli.main(["cache", "prune"]) == 0  # nothing left to remove
+    assert "removed 0 superseded converted models and 0 compiled steps" in capsys.readouterr().out

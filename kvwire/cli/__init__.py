@@ -1,13 +1,13 @@
 """The `kvwire` command: generate, chat, serve (OpenAI API), score, evaluate on lm-evaluation-harness tasks
-(`eval`), train control vectors (`steer train`), export, plot layer graphs, and `info` (the CPU paths taken
-here). One module per command, each with `add(commands)` registering its parser; options.py holds what they
-share."""
+(`eval`), train control vectors (`steer train`), export, plot layer graphs, `info` (the CPU paths taken
+here) and `cache prune`. One module per command, each with `add(commands)` registering its parser;
+options.py holds what they share."""
 import argparse
 import sys
 
 import torch
 
-from . import chat, eval, export, generate, info, plot, score, serve, steer
+from . import cache, chat, eval, export, generate, info, plot, score, serve, steer
 from .options import SAMPLERS, make_sampler, use_threads
 from .steer import read_pairs
 
@@ -19,7 +19,7 @@ def parser():
                                 "is a graph pass. Models: a preset name (gemma3-270m, the default, or "
                                 "smollm2-135m-instruct), a GGUF file or a Hugging Face checkpoint folder.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (generate, chat, serve, score, eval, steer, info, export, plot):  # the order --help lists them in
+    for command in (generate, chat, serve, score, eval, steer, info, cache, export, plot):  # the order --help lists them in
         command.add(commands)
     return p
 

@@ -317,6 +317,19 @@ def kept_folder():
     return cache_root() / "steps"
 
 
+def kept_packages():
+    """Yield (record path, record read, bytes of package and record) of every package kept under
+    `kept_folder()`; a record that does not read (half-written, removed meanwhile) is passed over."""
+    folder = kept_folder()
+    for record in sorted(folder.glob("*/*.json")) if folder.is_dir() else ():
+        try:
+            meta = json.loads(record.read_text())
+            size = record.with_suffix(".pt2").stat().st_size + record.stat().st_size
+        except (OSError, ValueError):
+            continue
+        yield record, meta, size
+
+
 def made_here(record):
     """Whether a package's record (its .json, read) was made for this torch and CPU: others are
     never loaded here (their key folds the machine in)."""
