@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import kvwire as kw
+from kvwire.generate.compiled import _compiled_graphs as _graphs  # graphs dynamo compiled so far
 from kvwire.models.generic import held
 
 from .generic_configs import PROMPT_IDS, cast_tokens_agree, tiny_model
@@ -68,9 +69,9 @@ def test_a_recurrent_gemma_layer_keeps_its_attributes_in_a_state_slot_and_leaves
 @pytest.mark.parametrize("ahead", [True, False])
 def test_compiled_steps_carry_state_kept_in_attributes(ahead):
     """`lm.compile()`: the exported step (ahead) or torch.compile (dynamo, whose graph breaks remake
-    bound methods) steps the mixer as eager does; RecurrentGemma's soft-capped head compiles too.
-    (Dynamo breaks a generic model's step into ~20 graphs: each costs its compile, so the prompts
-    run eager here.)"""
+    bound methods: the soft-capped head runs eager after the step's graph) steps the mixer as eager
+    does. Under dynamo the decode step is one graph: the generic path's per-call variables were
+    ContextVars once, and each `get` and `set` broke the step into 44 graphs (prompts and steps)."""
     # two layers, one of each kind: each layer's kernels cost the compile seconds
     lm = kw.from_hf(tiny_model("recurrent_gemma", num_hidden_layers=2, block_types=["recurrent", "attention"]),
                     generic=True)
@@ -79,9 +80,12 @@ def test_compiled_steps_carry_state_kept_in_attributes(ahead):
     eager = [t.tolist() for t in lm.generate(rows, max_new_tokens=8, ignore_eos=True)]
     torch._dynamo.reset()
     lm.compile(bucket=32, ahead=ahead, prefill_tokens=0)  # the steps: prompts run eager
+    before = _graphs()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="kvwire: the decode step cannot")  # it compiles, not eager
         assert [t.tolist() for t in lm.generate(rows, max_new_tokens=8, ignore_eos=True)] == eager
+    if not ahead:
+        assert _graphs() == before + 1  # the batch of two's decode step, whole
 
 
 def test_a_model_cast_to_bfloat16_keeps_its_accumulator_in_float32():

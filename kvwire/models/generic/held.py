@@ -24,7 +24,6 @@ traced calls of several tokens always step,
 and the loop unrolls (an export with a dynamic chunk length is refused, as
 `kvwire.models.generic.stepping` refuses one).
 """
-import contextvars
 import functools
 import inspect
 import types
@@ -35,8 +34,9 @@ import torch
 
 from ...kernels.tracing import is_exporting
 from . import seam, state as state_slots, stepping
+from .scoped import Scoped
 
-_plan = contextvars.ContextVar("kvwire_generic_held_plan", default=None)
+_plan = Scoped(None)
 INSTALLED = "_kvwire_held_steps"  # on a mixer whose forward `install` wrapped
 
 

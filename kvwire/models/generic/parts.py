@@ -10,7 +10,6 @@ layer with its recorded arguments. `Tail` is what the forward applies after the 
 final norm). The arguments travel from the prelude to the layers through a per-call context, so
 the layer graph between them stays plain tensors: insert, tap, steer and cache it as any other.
 """
-import contextvars
 import inspect
 from dataclasses import dataclass
 
@@ -22,16 +21,17 @@ from ...layers.inner import InnerSites
 from ...layers.shared import shared
 from . import handed, held, rerun, seam, sites, state as state_slots, stepping, timeline
 from .arguments import with_arguments
+from .scoped import Scoped
 
-_calls = contextvars.ContextVar("kvwire_generic_layer_calls", default=None)
+_calls = Scoped(None)
 # the token ids of the running prelude call: a `ReplayTail` replays the forward on them
-_tokens = contextvars.ContextVar("kvwire_generic_token_ids", default=None)
+_tokens = Scoped(None)
 # {index: the tuple decoder layer `index` returned} in the running call: what a layer hands the next
 # one beside its hidden states (Zaya's router states), read by layers with `carried` arguments
-_outputs = contextvars.ContextVar("kvwire_generic_layer_outputs", default=None)
+_outputs = Scoped(None)
 # the arguments the prelude recorded for a rerun's packed window (`kvwire.models.generic.rerun`):
 # the same store as `_calls` where every layer reruns, another where some keep their caches
-_window_calls = contextvars.ContextVar("kvwire_generic_window_calls", default=None)
+_window_calls = Scoped(None)
 
 
 class _Recorder(nn.Module):

@@ -10,7 +10,6 @@ projections: whatever the family does) and hand them to the configured attention
   sliding window). The module's own function keeps its extras (sinks, soft-caps, scaling). A layer
   making several attention calls (differential attention) has a cache per call, taken in order.
 """
-import contextvars
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from ...layers.attention import AttentionMath, write_chunk
 from ...layers.masks import chunk_mask, slot_mask
 from ...layers.shared import shared
+from .scoped import Scoped
 
 try:  # private to torch: without it, no proxies to see through
     from torch.fx.experimental.proxy_tensor import _AttrProxy
@@ -27,8 +27,8 @@ except ImportError:  # pragma: no cover - other torch versions
     _AttrProxy = ()
 
 NAME = "kvwire"
-_active = contextvars.ContextVar("kvwire_generic_attention", default=None)
-_watcher = contextvars.ContextVar("kvwire_generic_watcher", default=None)
+_active = Scoped(None)
+_watcher = Scoped(None)
 _registered = []
 
 

@@ -14,17 +14,18 @@ value, found once on the build's probe by dataflow, never by name:
   heads * value size);
 - "resid_pre": the layer's input (edited before the call; no hook).
 Each found module gets one permanent hook that does nothing unless the running `DecoderLayer`
-carries edits there (a context variable says which): other models sharing the weights, and the
+carries edits there (a per-thread variable says which): other models sharing the weights, and the
 unedited model itself, run as before.
 """
-import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-_running = contextvars.ContextVar("kvwire_generic_sites", default=None)
+from .scoped import Scoped
+
+_running = Scoped(None)
 HOOKED = "_kvwire_site_hook"  # attribute marking a module that has its hook (installed once)
 TOLERANCE = 1e-4
 

@@ -27,7 +27,6 @@ values back unchanged from `update`.
 Which states a layer keeps, their shapes and dtypes are found by running it once on the build's
 probe with transformers' own lazily initialised cache layers: nothing here is keyed by family.
 """
-import contextvars
 import copy
 import dataclasses
 import functools
@@ -41,8 +40,9 @@ import torch
 from ...layers.attention import functional_cache_writes
 from ...layers.masks import per_row
 from . import stepping
+from .scoped import Scoped
 
-_padding = contextvars.ContextVar("kvwire_generic_mixer_padding", default=None)
+_padding = Scoped(None)
 # a dtype other than the probe's float32, to see which states follow the model's: bfloat16 first,
 # the dtype a cast model runs in (in float64 a scan's float32 accumulator can be promoted, so it
 # would look as if it followed), float64 where a layer has an op without bfloat16

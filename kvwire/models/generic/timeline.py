@@ -26,7 +26,6 @@ fails its checks, and the interface then runs the module's eager attention as it
 The cache holds max_length slots (no ring): the columns are re-ordered per step (a gather), which
 costs a copy of the layer's keys and values each step.
 """
-import contextvars
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,9 +34,10 @@ import torch
 
 from ...layers.attention import write_chunk
 from ...layers.masks import per_row
+from .scoped import Scoped
 
-_active = contextvars.ContextVar("kvwire_generic_timeline_layer", default=None)
-_shift = contextvars.ContextVar("kvwire_generic_timeline_shift", default=0)
+_active = Scoped(None)
+_shift = Scoped(0)
 
 
 @dataclass
