@@ -327,7 +327,7 @@ def test_compiled_decode_reads_the_packed_copies(monkeypatch):
     `kvwire::packed_linear` (opaque to Inductor) for the head and the projections, batch 1's for the
     head alone where `cpu.f32_row()` is "kvwire" (its GEMV), else none; with every copy made
     (after=1) they give the eager unpacked run's tokens and log-probs. Two layers (one sliding, one
-    global) and the prompts eager: one graph a batch size to compile (each costs ~25 s cold)."""
+    global) and the prompts eager: one graph a batch size to compile."""
     from torch._inductor.utils import run_and_get_code
 
     from kvwire.layers.linear import WeightPack
