@@ -232,7 +232,7 @@ def prune(dry_run=False):
         >>> prune(dry_run=True)
         {'models': [], 'steps': ['/root/.cache/kvwire/steps/3f.../decode-b1.pt2'], 'bytes': 1843200}
     """
-    from .generate.ahead import kept_packages, made_here
+    from .generate.ahead import discard, kept_packages, made_here
 
     models = superseded(cache_root())
     freed = sum(f.stat().st_size for folder in models for f in folder.rglob("*") if f.is_file())
@@ -242,13 +242,8 @@ def prune(dry_run=False):
             continue
         steps.append(record.with_suffix(".pt2"))
         freed += nbytes
-        if not dry_run:  # the record first: a package without its record is never used
-            record.unlink(missing_ok=True)
-            record.with_suffix(".pt2").unlink(missing_ok=True)
-            try:
-                record.parent.rmdir()  # the model's folder, once its last package is gone
-            except OSError:
-                pass
+        if not dry_run:
+            discard(record)
     if not dry_run:
         models = weights_cache.prune(cache_root())
     return {"models": [str(m) for m in models], "steps": [str(s) for s in steps], "bytes": freed}

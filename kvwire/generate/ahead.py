@@ -330,6 +330,17 @@ def kept_packages():
         yield record, meta, size
 
 
+def discard(record):
+    """Remove a kept package: its record first (a package without its record is never used), then
+    the package, then its model's folder once that holds nothing else."""
+    record.unlink(missing_ok=True)
+    record.with_suffix(".pt2").unlink(missing_ok=True)
+    try:
+        record.parent.rmdir()
+    except OSError:  # other packages (or a build's files) are still there
+        pass
+
+
 def made_here(record):
     """Whether a package's record (its .json, read) was made for this torch and CPU: others are
     never loaded here (their key folds the machine in)."""
