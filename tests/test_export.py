@@ -18,10 +18,13 @@ PROMPTS = ["Hello there", "A", "Some longer prompt, with punctuation!"]
 # Qwen 2 (full layers then sliding ones, q/k/v biases)
 EXPORTED = ["gemma3", "gpt2"]
 ONNX_EXPORTED = EXPORTED + ["qwen2"]
+# two layers (an export's time grows with each): Gemma 3's sliding and global, Qwen 2's full then sliding
+TWO_LAYERS = {"gemma3": dict(num_hidden_layers=2), "gpt2": dict(n_layer=2),
+              "qwen2": dict(num_hidden_layers=2, max_window_layers=1)}
 
 
 def _chat(family):
-    lm = kw.from_hf(FAMILIES[family](vocab_size=100))
+    lm = kw.from_hf(FAMILIES[family](vocab_size=100, **TWO_LAYERS[family]))
     lm.tokenizer = char_level()
     return lm
 
@@ -31,7 +34,7 @@ def exported(request, tmp_path_factory):
     """(eager model, control vector, loaded ONNX model of the model steered by it, file path)."""
     lm = _chat(request.param)
     width = lm.head.weight.shape[1]
-    vec = kw.ControlVector({i: torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in (1, 2)})
+    vec = kw.ControlVector({i: torch.randn(width, generator=torch.Generator().manual_seed(i)) for i in (0, 1)})
     path = tmp_path_factory.mktemp("onnx") / f"{request.param}.onnx"
     report = kw.export(lm.steer(vec, 0.0, generated_only=True), path, max_length=64)
     assert report["format"] == "onnx" and report["bytes"] > 0
@@ -138,7 +141,8 @@ def test_bad_inputs_to_an_exported_model(exported):
 @pytest.mark.parametrize("bits", ["int8", "int4"])
 def test_matmulnbits_weights_stay_close_to_eager(exported, tmp_path, bits):
     """The ONNX file with onnxruntime's weight-only quantiser applied (what quantize= does at
-    export), run through kvwire's loop. int8 keeps eager's greedy tokens; int4 stays close."""
+    export), run through kvwire's loop. int8 keeps eager's greedy tokens up to a step where eager's
+    two best tie within int8's error; int4 stays close."""
     import shutil
 
     import onnx
@@ -157,8 +161,13 @@ def test_matmulnbits_weights_stay_close_to_eager(exported, tmp_path, bits):
     eager = lm.generate(PROMPTS, max_new_tokens=8, return_logprobs=True)
     first = [row[0] for row in quantised.logprobs], [row[0] for row in eager.logprobs]
     if bits == "int8":
-        assert quantised.tokens == eager.tokens
         assert max(abs(a - b) for a, b in zip(*first)) < 0.05
+        for prompt, got, want in zip(PROMPTS, quantised.tokens, eager.tokens):
+            if got != want:  # only where eager's two best tokens tie within that bound
+                k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                with torch.no_grad():
+                    logprobs = lm(torch.tensor([lm.tokenizer.encode(prompt) + want[:k]]))[0, -1].log_softmax(-1)
+                assert logprobs[want[k]] - logprobs[got[k]] < 0.05, (prompt, k, got, want)
     else:  # 4 bits: ~8 % weight error on these random weights; the tokens may drift
         assert all(len(row) == 8 for row in quantised.tokens)
         assert max(abs(a - b) for a, b in zip(*first)) < 1.0

@@ -146,7 +146,7 @@ def test_a_generic_model_exports_to_onnx_and_runs_the_same_tokens(tmp_path):
     pytest.importorskip("onnxruntime")
     from kvwire.export import load_exported
 
-    hf = FAMILIES["gemma3"]().eval()  # GQA, rings of sliding layers, QK-norm
+    hf = FAMILIES["gemma3"](num_hidden_layers=2).eval()  # GQA, a ring of a sliding layer, QK-norm
     lm = kw.from_hf(hf, generic=True)
     kw.export(lm, tmp_path / "m.onnx", max_length=48)
     ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(6))
@@ -177,7 +177,7 @@ def test_a_moe_model_exports_to_onnx_and_runs_transformers_tokens(model_type, tm
     pytest.importorskip("onnxruntime")
     from kvwire.export import load_exported
 
-    hf, lm = _generic(model_type)
+    hf, lm = _generic(model_type, num_hidden_layers=2)  # dense + experts (DeepSeek), sliding + full (gpt-oss)
     kw.export(lm, tmp_path / "m.onnx", max_length=48)
     ids = prompt(1, 9, 6)
     got = load_exported(tmp_path / "m.onnx").generate(ids, max_new_tokens=12, ignore_eos=True)[0].tolist()
@@ -207,7 +207,13 @@ def test_the_dense_experts_form_equals_transformers_own(model_type):
 # Mamba-2 (static chunk scans) in every run; heavy (25-55 s each, KVWIRE_HEAVY_TESTS=1): MoE (dense form),
 # RecurrentGemma (state in module attributes, stepped token by token), MiniMax (state in a cache class of
 # its own, continued token by token by its own code). Their caching runs in every run without export
-# (test_generic_families.py, test_generic_state.py), and MoE exports to ONNX above.
+# (test_generic_families.py, test_generic_state.py), and MoE exports to ONNX above. Two layers (an
+# export's time grows with each), one of each kind in hybrids.
+EXPORT_LAYERS = {"mixtral": dict(num_hidden_layers=2), "mamba2": dict(num_hidden_layers=2),
+                 "recurrent_gemma": dict(num_hidden_layers=2, block_types=["recurrent", "attention"]),
+                 "minimax": dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])}
+
+
 @pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.heavy), "mamba2",
                                         pytest.param("recurrent_gemma", marks=pytest.mark.heavy),
                                         pytest.param("minimax", marks=pytest.mark.heavy)])
@@ -217,7 +223,7 @@ def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, 
     pytest.importorskip("executorch")
     from kvwire.export import load_exported
 
-    hf, lm = _generic(model_type)
+    hf, lm = _generic(model_type, **EXPORT_LAYERS.get(model_type, {}))
     kw.export(lm, tmp_path / "m.pte", max_length=32, delegate="portable", prefill_length=8)
     ids = prompt(1, 9, 6)
     got = load_exported(tmp_path / "m.pte").generate(ids, max_new_tokens=8, ignore_eos=True)[0].tolist()
@@ -274,9 +280,10 @@ def test_a_window_only_the_mask_keeps_is_read_from_the_mask():
     assert mask_window(None, 8) is None
 
 
-def _generic(model_type):
-    """(transformers' tiny model of `model_type`, kvwire's generic model over a copy of its weights)."""
-    original = tiny_model(model_type)
+def _generic(model_type, **fields):
+    """(transformers' tiny model of `model_type`, kvwire's generic model over a copy of its weights;
+    `fields`: config fields, e.g. two layers where a test exports)."""
+    original = tiny_model(model_type, **fields)
     hf = copy.deepcopy(original)  # kw.from_hf sets the original's attention implementation to kvwire's
     return hf, kw.from_hf(original, generic=True)
 
