@@ -118,7 +118,7 @@ def test_a_rerunning_model_exports_to_onnx_and_runs_transformers_tokens(tmp_path
     pytest.importorskip("onnxruntime")
     from kvwire.export import load_exported
 
-    original = tiny_model("openai-gpt")
+    original = tiny_model("openai-gpt", n_layer=2)  # two layers: an export's time grows with each
     hf = copy.deepcopy(original)
     with pytest.warns(UserWarning, match="rerun"):
         lm = kw.from_hf(original, generic=True)

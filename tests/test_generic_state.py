@@ -223,6 +223,12 @@ def test_a_stored_state_is_reused_only_at_its_stored_length(model):
     assert c.tokens == _single(model.lm, turn1[:7] + [9, 9, 9], 6)[0]
 
 
+# Two layers where a step is built or exported (each layer's kernels cost the build seconds), one of each kind
+TWO_LAYERS = {"lfm2": dict(num_hidden_layers=2, full_attn_idxs=[1]),
+              "minimax": dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"]),
+              "rwkv": dict(num_hidden_layers=2)}
+
+
 def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_path):
     """The state slot is a graph input and output like any cache (LFM2's short convolutions; the
     chunked scans of gated delta-nets and Mamba-2 loop over a chunk count in Python, which a
@@ -230,7 +236,7 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
     pytest.importorskip("onnxruntime")
     from kvwire.export import load_exported
 
-    original = tiny_model("lfm2")
+    original = tiny_model("lfm2", **TWO_LAYERS["lfm2"])  # a convolution and an attention layer
     hf = copy.deepcopy(original)
     lm = kw.from_hf(original, generic=True)
     kw.export(lm, tmp_path / "m.onnx", max_length=L)
@@ -243,12 +249,6 @@ def test_a_short_convolution_model_exports_to_onnx_and_runs_the_same_tokens(tmp_
                                  max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
         got = runtime.generate(row[None], max_new_tokens=10, ignore_eos=True)[0]
         assert got.tolist() == theirs[0, len(row):].tolist()
-
-
-# Two layers where a step is built (each layer's kernels cost the build seconds), one of each kind
-TWO_LAYERS = {"lfm2": dict(num_hidden_layers=2, full_attn_idxs=[1]),
-              "minimax": dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"]),
-              "rwkv": dict(num_hidden_layers=2)}
 
 
 @pytest.mark.parametrize("model_type, prefill_tokens", [("lfm2", 32), ("minimax", 0), ("rwkv", 0)])
