@@ -204,17 +204,20 @@ def test_the_dense_experts_form_equals_transformers_own(model_type):
     assert float(want.abs().max()) > 1e-3
 
 
-# Mamba-2 (static chunk scans) in every run; heavy (25-55 s each, KVWIRE_HEAVY_TESTS=1): MoE (dense form),
-# RecurrentGemma (state in module attributes, stepped token by token), MiniMax (state in a cache class of
-# its own, continued token by token by its own code). Their caching runs in every run without export
-# (test_generic_families.py, test_generic_state.py), and MoE exports to ONNX above. Two layers (an
-# export's time grows with each), one of each kind in hybrids.
+# Mamba-2 and Qwen3-Next's gated delta-net (static chunk scans) in every run; heavy (KVWIRE_HEAVY_TESTS=1):
+# MoE (dense form), RecurrentGemma (state in module attributes, stepped token by token), MiniMax (state in
+# a cache class of its own, continued token by token by its own code). Their caching runs in every run
+# without export (test_generic_families.py, test_generic_state.py), and MoE exports to ONNX above. Two
+# layers (an export's time grows with each), one of each kind in hybrids.
 EXPORT_LAYERS = {"mixtral": dict(num_hidden_layers=2), "mamba2": dict(num_hidden_layers=2),
+                 # a delta-net and an attention layer, dense MLPs (experts export above)
+                 "qwen3_next": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                    mlp_only_layers=[0, 1]),
                  "recurrent_gemma": dict(num_hidden_layers=2, block_types=["recurrent", "attention"]),
                  "minimax": dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])}
 
 
-@pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.heavy), "mamba2",
+@pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.heavy), "mamba2", "qwen3_next",
                                         pytest.param("recurrent_gemma", marks=pytest.mark.heavy),
                                         pytest.param("minimax", marks=pytest.mark.heavy)])
 def test_a_model_exports_to_executorch_and_runs_transformers_tokens(model_type, tmp_path):
