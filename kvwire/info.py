@@ -22,8 +22,7 @@ from importlib import metadata
 
 import torch
 
-from .io import weights_cache
-from .io.weights_cache import cache_root, superseded
+from .io.weights_cache import cache_root, prune as prune_models, superseded
 from .kernels import cpu, switches, threads
 
 # what each optional package brings (the `pip install` extra that installs it)
@@ -245,7 +244,7 @@ def prune(dry_run=False):
         if not dry_run:
             discard(record)
     if not dry_run:
-        models = weights_cache.prune(cache_root())
+        models = prune_models(cache_root())
     return {"models": [str(m) for m in models], "steps": [str(s) for s in steps], "bytes": freed}
 
 

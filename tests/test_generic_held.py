@@ -70,8 +70,9 @@ def test_a_recurrent_gemma_layer_keeps_its_attributes_in_a_state_slot_and_leaves
 def test_compiled_steps_carry_state_kept_in_attributes(ahead):
     """`lm.compile()`: the exported step (ahead) or torch.compile (dynamo, whose graph breaks remake
     bound methods: the soft-capped head runs eager after the step's graph) steps the mixer as eager
-    does. Under dynamo the decode step is one graph: the generic path's per-call variables were
-    ContextVars once, and each `get` and `set` broke the step into 44 graphs (prompts and steps)."""
+    does. Under dynamo the decode step is one graph: the generic path hands its modules their per-call
+    values in thread-locals dynamo traces (`generic.scoped`), where a ContextVar's `get` and `set`
+    would each break the graph."""
     # two layers, one of each kind: each layer's kernels cost the compile seconds
     lm = kw.from_hf(tiny_model("recurrent_gemma", num_hidden_layers=2, block_types=["recurrent", "attention"]),
                     generic=True)
